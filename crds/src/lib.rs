@@ -1,0 +1,45 @@
+//! The `hugepool.dev/v1alpha1` API: the contract between the operator and the
+//! node agents (see docs/design.md, "API"), plus the small value helpers both
+//! sides need to read it the same way.
+
+pub mod conditions;
+pub mod crdgen;
+pub mod duration;
+pub mod node;
+pub mod page_size;
+pub mod pool;
+pub mod quantity;
+pub mod settings;
+
+pub use conditions::{
+    ConditionUpdate, NodeConditionType, PoolConditionType, Reason, set_condition,
+};
+pub use node::{HugePageNode, HugePageNodeSpec, HugePageNodeStatus};
+pub use page_size::PageSize;
+pub use pool::{HugePagePool, HugePagePoolSpec, HugePagePoolStatus};
+
+/// API group of every hugepool resource.
+pub const GROUP: &str = "hugepool.dev";
+/// The one served and stored version.
+pub const VERSION: &str = "v1alpha1";
+/// Field manager of the operator: it owns HugePageNode `.spec` and pool status.
+pub const OPERATOR_MANAGER: &str = "hugepool-operator";
+/// Field manager of the node agent: it owns HugePageNode `.status`.
+pub const AGENT_MANAGER: &str = "hugepool-agent";
+/// Taint the operator puts on a node while it evicts hugepage consumers.
+pub const DRAINING_TAINT: &str = "hugepool.dev/draining";
+/// Finalizer that lets a `Release` pool shrink its nodes before it goes.
+pub const POOL_FINALIZER: &str = "hugepool.dev/release";
+
+/// Errors of parsing the API's value formats (sizes, durations, quantities).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ParseError {
+    #[error("invalid page size {0:?}: expected a power of two such as 2Mi or 1Gi")]
+    PageSize(String),
+    #[error("invalid duration {0:?}: expected a Go duration such as 50ms, 2s or 1m30s")]
+    Duration(String),
+    #[error("invalid quantity {0:?}: expected a non-negative quantity such as 1Gi or 512Mi")]
+    Quantity(String),
+    #[error("invalid maxUnavailable {0:?}: expected an integer >= 1 or a percentage 1%-100%")]
+    IntOrPercent(String),
+}

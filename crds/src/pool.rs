@@ -1,0 +1,186 @@
+//! `HugePagePool`: what a cluster operator asks for: a page size and a count
+//! per node on the nodes a selector picks, and how carefully to get there.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::settings::{
+    AllocationSettings, DeletionPolicy, DrainPolicy, KubeletRestart, NumaPolicy, NumaTarget,
+    ResizeSettings,
+};
+
+/// Schema pattern of a page size: a power of two in canonical binary form.
+pub const PAGE_SIZE_PATTERN: &str = r"^(1|2|4|8|16|32|64|128|256|512)(Ki|Mi|Gi|Ti)$";
+
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "hugepool.dev",
+    version = "v1alpha1",
+    kind = "HugePagePool",
+    shortname = "hpp",
+    status = "HugePagePoolStatus",
+    derive = "PartialEq",
+    doc = "A hugetlb page pool to hold on every node a selector picks",
+    printcolumn(name = "Size", type_ = "string", json_path = ".spec.pageSize"),
+    printcolumn(name = "Pages", type_ = "integer", json_path = ".spec.pages"),
+    printcolumn(name = "Memory", type_ = "string", json_path = ".spec.memory", priority = 1),
+    printcolumn(name = "Converged", type_ = "string", json_path = ".status.nodes.ready", description = "converged/selected nodes"),
+    printcolumn(name = "Available", type_ = "string", json_path = ".status.conditions[?(@.type==\"Available\")].status"),
+    printcolumn(name = "Degraded", type_ = "string", json_path = ".status.conditions[?(@.type==\"Degraded\")].status"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new("has(self.spec.pages) != has(self.spec.memory)").message("exactly one of spec.pages and spec.memory must be set").field_path(".spec"),
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(validation = Rule::new("!has(self.memory) || quantity(self.memory).asInteger() % quantity(self.pageSize).asInteger() == 0").message("memory must be a multiple of pageSize").field_path(".memory"))]
+#[x_kube(validation = Rule::new("!has(self.numa) || self.numa.policy != 'Explicit' || !has(self.pages) || self.numa.nodes.map(n, n.pages).sum() == self.pages").message("numa.nodes pages must add up to pages").field_path(".numa.nodes"))]
+pub struct HugePagePoolSpec {
+    /// Nodes this pool applies to; `{}` selects every node.
+    #[serde(default)]
+    pub node_selector: LabelSelector,
+    /// Huge page size, such as 2Mi or 1Gi. Immutable.
+    #[schemars(regex(pattern = PAGE_SIZE_PATTERN), length(max = 8))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("pageSize is immutable"))]
+    pub page_size: String,
+    /// Pages per node. Exactly one of pages and memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub pages: Option<i64>,
+    /// Memory per node as a quantity, a multiple of pageSize. Exactly one of pages and memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = crate::quantity::BYTES_PATTERN), length(max = 32))]
+    pub memory: Option<String>,
+    /// Placement on NUMA nodes; absent means Spread.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<NumaSpec>,
+    #[serde(default)]
+    pub resize: ResizeSettings,
+    #[serde(default)]
+    pub allocation: AllocationSettings,
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+    #[serde(default)]
+    pub drain: DrainSpec,
+    #[serde(default)]
+    pub kubelet: KubeletSpec,
+    #[serde(default)]
+    pub deletion_policy: DeletionPolicy,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[x_kube(validation = Rule::new("self.policy == 'Explicit' ? has(self.nodes) && size(self.nodes) > 0 : !has(self.nodes)").message("numa.nodes is required with policy Explicit and not allowed otherwise").field_path(".nodes"))]
+pub struct NumaSpec {
+    #[serde(default)]
+    pub policy: NumaPolicy,
+    /// Explicit per-NUMA-node counts; ids must be unique.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["id".into()]))]
+    pub nodes: Option<Vec<NumaTarget>>,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RolloutSpec {
+    /// Nodes changing at once: an integer >= 1 or a percentage 1%-100% (rounded up).
+    #[serde(default = "default_max_unavailable")]
+    #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 : self.matches('^([1-9][0-9]?|100)%$')").message("maxUnavailable must be an integer >= 1 or a percentage 1%-100%"))]
+    pub max_unavailable: IntOrString,
+    /// A paused rollout admits no new nodes; nodes already changing finish.
+    #[serde(default)]
+    pub paused: bool,
+}
+
+fn default_max_unavailable() -> IntOrString {
+    IntOrString::String("25%".into())
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        Self {
+            max_unavailable: default_max_unavailable(),
+            paused: false,
+        }
+    }
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DrainSpec {
+    #[serde(default)]
+    pub policy: DrainPolicy,
+    /// How long evictions may take before the node fails with DrainTimeout.
+    #[serde(default = "default_drain_timeout")]
+    #[schemars(regex(pattern = crate::duration::PATTERN))]
+    pub timeout: String,
+}
+
+fn default_drain_timeout() -> String {
+    "10m".into()
+}
+
+impl Default for DrainSpec {
+    fn default() -> Self {
+        Self {
+            policy: DrainPolicy::default(),
+            timeout: default_drain_timeout(),
+        }
+    }
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KubeletSpec {
+    #[serde(default)]
+    pub restart: KubeletRestart,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HugePagePoolStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default)]
+    pub nodes: PoolNodeCounts,
+    #[serde(default)]
+    pub pages: PoolPages,
+    /// Up to 10 failed nodes with their reasons.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed_nodes: Vec<FailedNode>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+}
+
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolNodeCounts {
+    pub selected: i64,
+    pub converged: i64,
+    pub updating: i64,
+    pub pending: i64,
+    pub failed: i64,
+    /// `converged/selected`, for `kubectl get hpp`.
+    #[serde(default)]
+    pub ready: String,
+}
+
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolPages {
+    /// Sum of per-node targets.
+    pub target: i64,
+    /// Sum of the pages the nodes report.
+    pub current: i64,
+}
+
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct FailedNode {
+    pub name: String,
+    pub reason: String,
+    #[serde(default)]
+    pub message: String,
+}

@@ -1,0 +1,90 @@
+package main
+
+import (
+	"fmt"
+	"path/filepath"
+	"strings"
+
+	"k8s.io/component-base/cli"
+	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
+	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+
+	// Same side-effect imports as the upstream kube-apiserver and
+	// kube-controller-manager main packages.
+	_ "k8s.io/component-base/logs/json/register"
+	_ "k8s.io/component-base/metrics/prometheus/clientgo"
+	_ "k8s.io/component-base/metrics/prometheus/version"
+	_ "time/tzdata"
+)
+
+// serviceCIDR is never routed: no kube-proxy or kubelet runs.
+const serviceCIDR = "10.0.0.0/24"
+
+// controllers is the minimal set the e2e tests need. nodelifecycle must stay
+// off: with no kubelet heartbeats it would taint every Node unreachable and
+// evict its pods. serviceaccount creates the "default" ServiceAccount that
+// the ServiceAccount admission plugin requires before a Pod can be created.
+var controllers = []string{
+	"garbage-collector-controller",
+	"namespace-controller",
+	"disruption-controller",
+	"serviceaccount-controller",
+}
+
+func runAPIServer(args []string) int {
+	cmd := apiserver.NewAPIServerCommand()
+	cmd.SetArgs(args)
+	return cli.Run(cmd)
+}
+
+func runControllerManager(args []string) int {
+	cmd := controllermanager.NewControllerManagerCommand()
+	cmd.SetArgs(args)
+	return cli.Run(cmd)
+}
+
+func etcdArgs(dir string, p ports) []string {
+	return []string{
+		"--data-dir=" + filepath.Join(dir, "etcd"),
+		fmt.Sprintf("--client-url=http://127.0.0.1:%d", p.EtcdClient),
+		fmt.Sprintf("--peer-url=http://127.0.0.1:%d", p.EtcdPeer),
+	}
+}
+
+func apiserverArgs(dir string, p ports, extra []string) []string {
+	pki := filepath.Join(dir, "pki")
+	args := []string{
+		fmt.Sprintf("--etcd-servers=http://127.0.0.1:%d", p.EtcdClient),
+		"--bind-address=127.0.0.1",
+		"--advertise-address=127.0.0.1",
+		fmt.Sprintf("--secure-port=%d", p.APIServer),
+		"--tls-cert-file=" + filepath.Join(pki, "serving.crt"),
+		"--tls-private-key-file=" + filepath.Join(pki, "serving.key"),
+		"--client-ca-file=" + filepath.Join(pki, "ca.crt"),
+		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+		"--service-account-key-file=" + filepath.Join(pki, "sa.pub"),
+		"--service-account-signing-key-file=" + filepath.Join(pki, "sa.key"),
+		"--service-cluster-ip-range=" + serviceCIDR,
+		"--authorization-mode=Node,RBAC",
+		"--profiling=false",
+	}
+	return append(args, extra...)
+}
+
+func controllerManagerArgs(dir string, p ports, extra []string) []string {
+	pki := filepath.Join(dir, "pki")
+	args := []string{
+		"--kubeconfig=" + filepath.Join(dir, "controller-manager.kubeconfig"),
+		"--controllers=" + strings.Join(controllers, ","),
+		// A restart must not wait for a stale leader lease to expire.
+		"--leader-elect=false",
+		"--bind-address=127.0.0.1",
+		fmt.Sprintf("--secure-port=%d", p.ControllerManager),
+		"--tls-cert-file=" + filepath.Join(pki, "serving.crt"),
+		"--tls-private-key-file=" + filepath.Join(pki, "serving.key"),
+		"--kube-api-qps=100",
+		"--kube-api-burst=200",
+		"--profiling=false",
+	}
+	return append(args, extra...)
+}

@@ -1,0 +1,59 @@
+// Command controlplane runs a real etcd, kube-apiserver and
+// kube-controller-manager on loopback for hugepool's end-to-end tests.
+//
+//	controlplane up --data-dir DIR     start everything, write DIR/kubeconfig, then DIR/ready
+//	controlplane version               print the Kubernetes version this binary was built from
+//
+// The etcd, apiserver and controller-manager subcommands are internal: `up`
+// re-executes this binary with them, one process per component, because the
+// Kubernetes components register global flags and metrics that clash when two
+// of them run in one process.
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"k8s.io/component-base/version"
+)
+
+const usageText = `usage:
+  controlplane up --data-dir DIR [--timeout 3m] [--apiserver-arg=--flag=value]... [--controller-manager-arg=--flag=value]...
+  controlplane version
+
+internal (started by up):
+  controlplane etcd --data-dir DIR --client-url URL --peer-url URL
+  controlplane apiserver <kube-apiserver flags>
+  controlplane controller-manager <kube-controller-manager flags>
+`
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usageText)
+		os.Exit(2)
+	}
+	args := os.Args[2:]
+	switch os.Args[1] {
+	case "up":
+		if err := runUp(args); err != nil {
+			fmt.Fprintf(os.Stderr, "controlplane: %v\n", err)
+			os.Exit(1)
+		}
+	case "etcd":
+		if err := runEtcd(args); err != nil {
+			fmt.Fprintf(os.Stderr, "etcd: %v\n", err)
+			os.Exit(1)
+		}
+	case "apiserver":
+		os.Exit(runAPIServer(args))
+	case "controller-manager":
+		os.Exit(runControllerManager(args))
+	case "version", "--version":
+		fmt.Println(version.Get().GitVersion)
+	case "help", "-h", "--help":
+		fmt.Print(usageText)
+	default:
+		fmt.Fprintf(os.Stderr, "unknown command %q\n%s", os.Args[1], usageText)
+		os.Exit(2)
+	}
+}

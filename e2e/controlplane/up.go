@@ -1,0 +1,400 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Files in DIR written by up.
+const (
+	portsFile      = "ports.json"
+	kubeconfigFile = "kubeconfig"
+	readyFile      = "ready"
+	lockFile       = "lock"
+)
+
+// ports are chosen once and persisted, so a restarted control plane serves on
+// the same URL and old kubeconfigs stay valid.
+type ports struct {
+	EtcdClient        int `json:"etcdClient"`
+	EtcdPeer          int `json:"etcdPeer"`
+	APIServer         int `json:"apiserver"`
+	ControllerManager int `json:"controllerManager"`
+}
+
+type stringList []string
+
+func (s *stringList) String() string     { return strings.Join(*s, " ") }
+func (s *stringList) Set(v string) error { *s = append(*s, v); return nil }
+
+func runUp(args []string) error {
+	fs := flag.NewFlagSet("up", flag.ContinueOnError)
+	dataDir := fs.String("data-dir", "", "directory for certs, etcd data, logs, kubeconfig and the ready file (required)")
+	timeout := fs.Duration("timeout", 3*time.Minute, "how long each component may take to become ready")
+	var apiExtra, kcmExtra stringList
+	fs.Var(&apiExtra, "apiserver-arg", "extra kube-apiserver flag, e.g. --apiserver-arg=--v=4 (repeatable)")
+	fs.Var(&kcmExtra, "controller-manager-arg", "extra kube-controller-manager flag (repeatable)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *dataDir == "" || fs.NArg() > 0 {
+		return errors.New("usage: controlplane up --data-dir DIR")
+	}
+	dir, err := filepath.Abs(*dataDir)
+	if err != nil {
+		return err
+	}
+
+	start := time.Now()
+	phase := func(format string, a ...any) {
+		fmt.Printf("controlplane: %-60s %6.2fs\n", fmt.Sprintf(format, a...), time.Since(start).Seconds())
+	}
+
+	// Stop on SIGTERM/SIGINT/SIGHUP, and when our parent dies. We poll
+	// getppid rather than using PR_SET_PDEATHSIG because the latter fires when
+	// the parent *thread* exits, and a Rust test harness spawns us from
+	// short-lived test threads.
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
+	go func() {
+		s := <-sigs
+		cancel(fmt.Errorf("got signal %v", s))
+		<-sigs
+		// Second signal: give up on a clean stop; children die via Pdeathsig.
+		os.Exit(1)
+	}()
+	go watchParent(ctx, cancel)
+
+	for _, d := range []string{dir, filepath.Join(dir, "logs")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	unlock, err := lockDir(dir)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	readyPath := filepath.Join(dir, readyFile)
+	if err := os.Remove(readyPath); err != nil && !os.IsNotExist(err) {
+		return err
+	}
+
+	p, err := ensurePKI(filepath.Join(dir, "pki"))
+	if err != nil {
+		return fmt.Errorf("certificates: %w", err)
+	}
+	phase("certificates in %s", p.dir)
+
+	pt, err := loadOrPickPorts(filepath.Join(dir, portsFile))
+	if err != nil {
+		return err
+	}
+	apiURL := fmt.Sprintf("https://127.0.0.1:%d", pt.APIServer)
+	if err := p.writeKubeconfig(filepath.Join(dir, "controller-manager.kubeconfig"), apiURL, kcmName); err != nil {
+		return err
+	}
+
+	var running []*child
+	defer func() {
+		// Stop in reverse start order: controller-manager, apiserver, etcd.
+		os.Remove(readyPath)
+		for i := len(running) - 1; i >= 0; i-- {
+			running[i].stop(30 * time.Second)
+		}
+		if len(running) > 0 {
+			phase("stopped")
+		}
+	}()
+	startAndWait := func(name string, args []string, check func(context.Context) error) error {
+		c, err := startChild(dir, name, args)
+		if err != nil {
+			return err
+		}
+		running = append(running, c)
+		if err := c.waitUntil(ctx, *timeout, check); err != nil {
+			return fmt.Errorf("%s: %w\n%s", name, err, c.logTail(30))
+		}
+		return nil
+	}
+
+	plain := &http.Client{Timeout: 5 * time.Second}
+	etcdHealth := fmt.Sprintf("http://127.0.0.1:%d/health", pt.EtcdClient)
+	if err := startAndWait("etcd", etcdArgs(dir, pt), httpCheck(plain, etcdHealth, `"health":"true"`)); err != nil {
+		return err
+	}
+	phase("etcd ready on http://127.0.0.1:%d", pt.EtcdClient)
+
+	adminTLS, err := p.tlsConfig(adminName)
+	if err != nil {
+		return err
+	}
+	admin := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: adminTLS}}
+	if err := startAndWait("apiserver", apiserverArgs(dir, pt, apiExtra), httpCheck(admin, apiURL+"/readyz", "ok")); err != nil {
+		return err
+	}
+	phase("apiserver ready on %s", apiURL)
+
+	caTLS, err := p.tlsConfig("")
+	if err != nil {
+		return err
+	}
+	caOnly := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: caTLS}}
+	kcmHealth := fmt.Sprintf("https://127.0.0.1:%d/healthz", pt.ControllerManager)
+	if err := startAndWait("controller-manager", controllerManagerArgs(dir, pt, kcmExtra), httpCheck(caOnly, kcmHealth, "ok")); err != nil {
+		return err
+	}
+	phase("controller-manager healthy on https://127.0.0.1:%d", pt.ControllerManager)
+
+	// Pods can only be created once the serviceaccount controller made the
+	// namespace's "default" ServiceAccount; wait for it in "default".
+	saURL := apiURL + "/api/v1/namespaces/default/serviceaccounts/default"
+	kcm := running[len(running)-1]
+	if err := kcm.waitUntil(ctx, *timeout, httpCheck(admin, saURL, `"name":"default"`)); err != nil {
+		return fmt.Errorf("waiting for default/default ServiceAccount: %w", err)
+	}
+	phase("default ServiceAccount exists")
+
+	if err := p.writeKubeconfig(filepath.Join(dir, kubeconfigFile), apiURL, adminName); err != nil {
+		return err
+	}
+	if err := writeFileAtomic(readyPath, []byte(apiURL+"\n"), 0o644); err != nil {
+		return err
+	}
+	phase("ready: %s", filepath.Join(dir, kubeconfigFile))
+
+	exited := make(chan *child, len(running))
+	for _, c := range running {
+		go func() { <-c.done; exited <- c }()
+	}
+	select {
+	case <-ctx.Done():
+		phase("shutting down: %v", context.Cause(ctx))
+		return nil
+	case c := <-exited:
+		return fmt.Errorf("%s exited unexpectedly: %v\n%s", c.name, c.err, c.logTail(30))
+	}
+}
+
+func watchParent(ctx context.Context, cancel context.CancelCauseFunc) {
+	ppid := os.Getppid()
+	if ppid == 1 {
+		return // already orphaned (e.g. started via setsid/nohup chains); nothing to watch
+	}
+	t := time.NewTicker(250 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if os.Getppid() != ppid {
+				cancel(fmt.Errorf("parent process %d died", ppid))
+				return
+			}
+		}
+	}
+}
+
+// lockDir keeps two `up`s from sharing one DIR. The kernel drops the flock
+// when we die, so a crashed run never blocks the next one.
+func lockDir(dir string) (func(), error) {
+	f, err := os.OpenFile(filepath.Join(dir, lockFile), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("another controlplane up is running on %s: %w", dir, err)
+	}
+	return func() { f.Close() }, nil
+}
+
+func loadOrPickPorts(path string) (ports, error) {
+	var p ports
+	data, err := os.ReadFile(path)
+	switch {
+	case err == nil:
+		if err := json.Unmarshal(data, &p); err != nil {
+			return p, fmt.Errorf("%s: %w", path, err)
+		}
+	case !os.IsNotExist(err):
+		return p, err
+	}
+	// The apiserver port is part of every kubeconfig handed out, so it must
+	// not change; the internal ports may move if something took them.
+	if p.APIServer != 0 && !portFree(p.APIServer) {
+		return p, fmt.Errorf("apiserver port %d (from %s) is in use", p.APIServer, path)
+	}
+	for _, port := range []*int{&p.APIServer, &p.EtcdClient, &p.EtcdPeer, &p.ControllerManager} {
+		if *port == 0 || !portFree(*port) {
+			if *port, err = freePort(); err != nil {
+				return p, err
+			}
+		}
+	}
+	data, err = json.MarshalIndent(p, "", "  ")
+	if err != nil {
+		return p, err
+	}
+	return p, writeFileAtomic(path, append(data, '\n'), 0o644)
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func portFree(port int) bool {
+	l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+	if err != nil {
+		return false
+	}
+	l.Close()
+	return true
+}
+
+// httpCheck succeeds once url answers 200 with a body containing want.
+func httpCheck(c *http.Client, url, want string) func(context.Context) error {
+	return func(ctx context.Context) error {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return err
+		}
+		resp, err := c.Do(req)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), want) {
+			return fmt.Errorf("GET %s: %d %s", url, resp.StatusCode, strings.TrimSpace(string(body)))
+		}
+		return nil
+	}
+}
+
+// child is one component running as `controlplane <name> <args>`.
+type child struct {
+	name    string
+	logPath string
+	cmd     *exec.Cmd
+	done    chan struct{}
+	err     error
+}
+
+func startChild(dir, name string, args []string) (*child, error) {
+	logPath := filepath.Join(dir, "logs", name+".log")
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	fmt.Fprintf(logf, "==== %s controlplane %s %s\n", time.Now().Format(time.RFC3339), name, strings.Join(args, " "))
+
+	// /proc/self/exe runs exactly this binary even if build.sh replaced the
+	// file meanwhile.
+	cmd := &exec.Cmd{
+		Path:   "/proc/self/exe",
+		Args:   append([]string{os.Args[0], name}, args...),
+		Stdout: logf,
+		Stderr: logf,
+		SysProcAttr: &syscall.SysProcAttr{
+			// Dies with us even on SIGKILL; its own process group so a
+			// terminal's Ctrl-C reaches only us and we stop children in order.
+			Pdeathsig: syscall.SIGKILL,
+			Setpgid:   true,
+		},
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting %s: %w", name, err)
+	}
+	c := &child{name: name, logPath: logPath, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		c.err = cmd.Wait()
+		close(c.done)
+	}()
+	return c, nil
+}
+
+// waitUntil polls check until it succeeds, the child exits, ctx ends or the
+// timeout passes.
+func (c *child) waitUntil(ctx context.Context, timeout time.Duration, check func(context.Context) error) error {
+	deadline := time.Now().Add(timeout)
+	var last error
+	for {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		last = check(cctx)
+		cancel()
+		if last == nil {
+			return nil
+		}
+		select {
+		case <-c.done:
+			return fmt.Errorf("exited during startup: %v", c.err)
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not ready after %v: %v", timeout, last)
+		}
+	}
+}
+
+func (c *child) stop(grace time.Duration) {
+	select {
+	case <-c.done:
+		return
+	default:
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-c.done:
+	case <-time.After(grace):
+		fmt.Fprintf(os.Stderr, "controlplane: %s did not stop within %v, killing it\n", c.name, grace)
+		_ = c.cmd.Process.Kill()
+		<-c.done
+	}
+}
+
+// logTail returns the last n lines of the child's log for error messages.
+func (c *child) logTail(n int) string {
+	f, err := os.Open(c.logPath)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	var lines []string
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 0, 64*1024), 1024*1024)
+	for sc.Scan() {
+		lines = append(lines, sc.Text())
+		if len(lines) > n {
+			lines = lines[1:]
+		}
+	}
+	return fmt.Sprintf("--- last lines of %s ---\n%s", c.logPath, strings.Join(lines, "\n"))
+}
