@@ -1,1 +1,11 @@
-//! placeholder
+//! The resize engine: a pure [`planner`] (the algorithm), the online cost
+//! [`model`] it sizes steps with, and a thin [`executor`] that runs the
+//! planner's writes against a [`Kernel`](crate::kernel::Kernel).
+
+pub mod executor;
+pub mod model;
+pub mod planner;
+
+pub use executor::{Event, Options, StepEvent, Summary, run};
+pub use model::{CostModels, Direction};
+pub use planner::{Decision, Observation, Outcome, Planner, Settings, ShortfallReason, Target};

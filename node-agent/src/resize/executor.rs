@@ -1,0 +1,605 @@
+//! Runs a [`Planner`] against a kernel: every write on a blocking thread with
+//! a watchdog, a read-back after each, a progress [`Event`] per step, and a
+//! [`Summary`] at the end. Holds no policy of its own.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::kernel::{Kernel, PoolScope};
+use crate::resize::model::{CostModels, Direction};
+use crate::resize::planner::{
+    Decision, Observation, Outcome, PlannedWrite, Planner, Settings, Target,
+};
+use crate::{Error, Result};
+
+/// How the executor waits, beyond the planner's settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// How long to keep waiting, once blocked by pages in use, for them to be
+    /// released (zero: finish `Blocked` at once).
+    pub blocked_wait: Duration,
+    /// How often to re-read the kernel while blocked.
+    pub blocked_poll: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            blocked_wait: Duration::ZERO,
+            blocked_poll: Duration::from_secs(1),
+        }
+    }
+}
+
+/// One finished write.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepEvent {
+    /// 1-based index of the write in this resize.
+    pub step: u32,
+    pub direction: Direction,
+    pub target: u64,
+    /// The value written to `nr_hugepages`.
+    pub written: u64,
+    /// Persistent pages before and after.
+    pub before: u64,
+    pub after: u64,
+    /// Pages the write was planned to move.
+    pub pages: u64,
+    pub latency: Duration,
+    pub estimate: Option<Duration>,
+    pub over_budget: bool,
+    pub guard_limited: bool,
+    pub mem_available: u64,
+}
+
+/// What happens during a resize, for logs, status and metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Step(StepEvent),
+    /// A write has been running for longer than the stall threshold; sent
+    /// while it still runs.
+    Stall {
+        step: u32,
+        direction: Direction,
+        pages: u64,
+        elapsed: Duration,
+    },
+    /// A write failed; it is retried up to `retries` times.
+    WriteFailed {
+        step: u32,
+        error: String,
+    },
+    Compacted {
+        scope: PoolScope,
+        error: Option<String>,
+    },
+    /// Waiting for pages in use to be released.
+    Blocked(Outcome),
+    /// A new target took effect at a step boundary.
+    Retargeted(Target),
+}
+
+/// How a resize went.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Summary {
+    pub page_size: String,
+    pub scope: String,
+    /// Persistent pages at the start.
+    pub from: u64,
+    /// The target at the end.
+    pub to: u64,
+    /// Persistent pages at the end.
+    pub achieved: u64,
+    pub steps: u32,
+    pub stalls: u32,
+    pub compactions: u32,
+    pub max_write_seconds: f64,
+    pub total_write_seconds: f64,
+    pub duration_seconds: f64,
+    pub pages_per_second: f64,
+    pub hvo: Option<bool>,
+    pub outcome: Outcome,
+    /// Latency of every write, in order.
+    pub write_seconds: Vec<f64>,
+}
+
+impl Summary {
+    pub fn reached(&self) -> bool {
+        self.outcome == Outcome::Reached
+    }
+}
+
+/// Reads what the planner needs, on a blocking thread.
+pub async fn observe(kernel: &Arc<dyn Kernel>, target: Target) -> Result<Observation> {
+    let kernel = Arc::clone(kernel);
+    tokio::task::spawn_blocking(move || {
+        let pool = kernel.pool(target.size)?;
+        let node = match target.scope {
+            PoolScope::Global => None,
+            PoolScope::Node(id) => Some(kernel.numa_pool(target.size, id)?),
+        };
+        Ok(Observation {
+            pool,
+            node,
+            mem_available: kernel.meminfo()?.available_bytes,
+        })
+    })
+    .await
+    .map_err(|err| Error::WriteThread(err.to_string()))?
+}
+
+/// Moves the pool to the target in `target` (re-read at every step
+/// boundary) and reports each step through `on_event`.
+///
+/// `models` carries the cost fits between resizes; pass the same value to
+/// every resize of an agent.
+pub async fn run(
+    kernel: Arc<dyn Kernel>,
+    target: &mut watch::Receiver<Target>,
+    settings: Settings,
+    options: &Options,
+    models: &mut CostModels,
+    mut on_event: impl FnMut(&Event) + Send,
+) -> Result<Summary> {
+    let started = Instant::now();
+    let initial = *target.borrow_and_update();
+    let hvo = {
+        let kernel = Arc::clone(&kernel);
+        tokio::task::spawn_blocking(move || kernel.hvo())
+            .await
+            .map_err(|err| Error::WriteThread(err.to_string()))??
+    };
+    let mut planner = Planner::new(initial, settings);
+    let mut observed = observe(&kernel, initial).await?;
+    let from = observed.persistent();
+    let mut writes: Vec<Duration> = Vec::new();
+    let mut stalls = 0;
+    let mut compactions = 0;
+    let mut blocked_since: Option<Instant> = None;
+    loop {
+        let wanted = *target.borrow_and_update();
+        if wanted != planner.target() {
+            planner.retarget(wanted);
+            on_event(&Event::Retargeted(wanted));
+            observed = observe(&kernel, wanted).await?;
+        }
+        match planner.next(&observed, models) {
+            Decision::Write(write) => {
+                blocked_since = None;
+                let step = writes.len() as u32 + 1;
+                let (result, latency, stalled) = write_with_watchdog(
+                    &kernel,
+                    planner.target(),
+                    &write,
+                    planner.settings(),
+                    step,
+                    &mut on_event,
+                )
+                .await?;
+                if stalled {
+                    stalls += 1;
+                }
+                match result {
+                    Ok(()) => {
+                        let after = observe(&kernel, planner.target()).await?;
+                        planner.record_write(&write, latency, &after, models);
+                        writes.push(latency);
+                        on_event(&Event::Step(StepEvent {
+                            step,
+                            direction: write.direction,
+                            target: planner.target().pages,
+                            written: write.value,
+                            before: write.from,
+                            after: after.persistent(),
+                            pages: write.pages,
+                            latency,
+                            estimate: write.estimate,
+                            over_budget: latency > planner.settings().max_step_duration,
+                            guard_limited: write.guard_limited,
+                            mem_available: after.mem_available,
+                        }));
+                        observed = after;
+                    }
+                    Err(err) => {
+                        on_event(&Event::WriteFailed {
+                            step,
+                            error: err.to_string(),
+                        });
+                        planner.record_write_error(&write, err.to_string());
+                        observed = observe(&kernel, planner.target()).await?;
+                    }
+                }
+                tokio::time::sleep(planner.settings().step_pause).await;
+            }
+            Decision::Compact(scope) => {
+                let result = {
+                    let kernel = Arc::clone(&kernel);
+                    tokio::task::spawn_blocking(move || kernel.compact(scope))
+                        .await
+                        .map_err(|err| Error::WriteThread(err.to_string()))?
+                };
+                compactions += 1;
+                on_event(&Event::Compacted {
+                    scope,
+                    error: result.err().map(|err| err.to_string()),
+                });
+                observed = observe(&kernel, planner.target()).await?;
+            }
+            Decision::Finish(outcome) => {
+                if matches!(outcome, Outcome::Blocked { .. }) && !options.blocked_wait.is_zero() {
+                    let since = *blocked_since.get_or_insert_with(|| {
+                        on_event(&Event::Blocked(outcome.clone()));
+                        Instant::now()
+                    });
+                    let waited = since.elapsed();
+                    if waited < options.blocked_wait {
+                        let nap = options.blocked_poll.min(options.blocked_wait - waited);
+                        wait_or_retarget(target, nap).await;
+                        observed = observe(&kernel, planner.target()).await?;
+                        continue;
+                    }
+                }
+                return Ok(summarize(
+                    planner.target(),
+                    from,
+                    &observed,
+                    &writes,
+                    stalls,
+                    compactions,
+                    started.elapsed(),
+                    hvo,
+                    outcome,
+                ));
+            }
+        }
+    }
+}
+
+/// Sleeps `nap`, or less if a new target arrives.
+async fn wait_or_retarget(target: &mut watch::Receiver<Target>, nap: Duration) {
+    let current = *target.borrow();
+    let changed = async {
+        // Resolves on a new value; if the sender is gone, never.
+        while target.changed().await.is_ok() {
+            if *target.borrow() != current {
+                return;
+            }
+        }
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        () = tokio::time::sleep(nap) => {}
+        () = changed => {}
+    }
+}
+
+/// One kernel write on a blocking thread. A write still running after the
+/// stall threshold is reported while it runs; a kernel write cannot be
+/// cancelled, so the watchdog waits for it to end.
+async fn write_with_watchdog(
+    kernel: &Arc<dyn Kernel>,
+    target: Target,
+    write: &PlannedWrite,
+    settings: &Settings,
+    step: u32,
+    on_event: &mut (impl FnMut(&Event) + Send),
+) -> Result<(Result<()>, Duration, bool)> {
+    let kernel = Arc::clone(kernel);
+    let value = write.value;
+    let started = Instant::now();
+    let mut handle =
+        tokio::task::spawn_blocking(move || kernel.write_pool(target.size, target.scope, value));
+    let mut stalled = false;
+    let joined = tokio::select! {
+        joined = &mut handle => joined,
+        () = tokio::time::sleep(settings.stall_threshold) => {
+            stalled = true;
+            on_event(&Event::Stall {
+                step,
+                direction: write.direction,
+                pages: write.pages,
+                elapsed: started.elapsed(),
+            });
+            handle.await
+        }
+    };
+    let result = joined.map_err(|err| Error::WriteThread(err.to_string()))?;
+    Ok((result, started.elapsed(), stalled))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn summarize(
+    target: Target,
+    from: u64,
+    observed: &Observation,
+    writes: &[Duration],
+    stalls: u32,
+    compactions: u32,
+    elapsed: Duration,
+    hvo: Option<bool>,
+    outcome: Outcome,
+) -> Summary {
+    let achieved = observed.persistent();
+    let duration_seconds = elapsed.as_secs_f64();
+    Summary {
+        page_size: target.size.to_string(),
+        scope: target.scope.to_string(),
+        from,
+        to: target.pages,
+        achieved,
+        steps: writes.len() as u32,
+        stalls,
+        compactions,
+        max_write_seconds: writes
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or_default()
+            .as_secs_f64(),
+        total_write_seconds: writes.iter().sum::<Duration>().as_secs_f64(),
+        duration_seconds,
+        pages_per_second: if duration_seconds > 0.0 {
+            from.abs_diff(achieved) as f64 / duration_seconds
+        } else {
+            0.0
+        },
+        hvo,
+        outcome,
+        write_seconds: writes.iter().map(Duration::as_secs_f64).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::{SimConfig, SimulatedKernel};
+    use crate::resize::planner::ShortfallReason;
+    use hugepool_crds::PageSize;
+    use std::sync::Mutex;
+
+    const MI2: PageSize = PageSize::SIZE_2MI;
+    const GIB: u64 = 1 << 30;
+
+    fn sim(time_scale: f64, hvo: bool) -> SimulatedKernel {
+        let mut config = SimConfig::single_node(16 * GIB);
+        config.time_scale = time_scale;
+        config.hvo = hvo;
+        SimulatedKernel::new(config)
+    }
+
+    fn target(pages: u64) -> Target {
+        Target {
+            size: MI2,
+            pages,
+            scope: PoolScope::Global,
+        }
+    }
+
+    /// Settings scaled like the kernel's time: a 50 ms budget at `scale`.
+    fn scaled(scale: f64) -> Settings {
+        Settings {
+            max_step_duration: Duration::from_millis(50).mul_f64(scale),
+            step_pause: Duration::ZERO,
+            stall_threshold: Duration::from_secs(2),
+            min_mem_available: GIB,
+            ..Settings::default()
+        }
+    }
+
+    async fn resize(
+        kernel: &SimulatedKernel,
+        wanted: u64,
+        settings: Settings,
+        options: Options,
+    ) -> (Summary, Vec<Event>) {
+        let (_tx, mut rx) = watch::channel(target(wanted));
+        let mut events = Vec::new();
+        let summary = run(
+            Arc::new(kernel.clone()),
+            &mut rx,
+            settings,
+            &options,
+            &mut CostModels::default(),
+            |event| events.push(event.clone()),
+        )
+        .await
+        .unwrap();
+        (summary, events)
+    }
+
+    #[tokio::test]
+    async fn reaches_the_target_and_reports_every_step() {
+        let kernel = sim(0.2, true);
+        kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
+        let (summary, events) = resize(&kernel, 0, scaled(0.2), Options::default()).await;
+        assert!(summary.reached(), "{summary:?}");
+        assert_eq!((summary.from, summary.to, summary.achieved), (8192, 0, 0));
+        assert_eq!(kernel.pool(MI2).unwrap(), Default::default());
+        let steps: Vec<&StepEvent> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Step(step) => Some(step),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(steps.len() as u32, summary.steps);
+        assert_eq!(steps.last().map(|s| s.after), Some(0));
+        assert!(steps.iter().skip(1).all(|s| s.estimate.is_some()));
+        assert_eq!(summary.write_seconds.len() as u32, summary.steps);
+        assert_eq!(summary.hvo, Some(true));
+        assert!(summary.pages_per_second > 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_write_past_the_stall_threshold_is_reported_while_it_runs() {
+        let kernel = sim(0.0, false);
+        kernel.preset(MI2, PoolScope::Global, 1024).unwrap();
+        kernel.hang_next_write(Duration::from_millis(300));
+        let settings = Settings {
+            stall_threshold: Duration::from_millis(100),
+            ..scaled(1.0)
+        };
+        let (summary, events) = resize(&kernel, 0, settings, Options::default()).await;
+        assert!(summary.reached());
+        assert_eq!(summary.stalls, 1);
+        let Some(Event::Stall {
+            step: 1,
+            pages: 16,
+            elapsed,
+            ..
+        }) = events.first()
+        else {
+            panic!("first event is not a stall: {events:?}");
+        };
+        assert!(*elapsed >= Duration::from_millis(100));
+        assert!(summary.max_write_seconds >= 0.3);
+        assert!(matches!(&events[1], Event::Step(StepEvent { step: 1, .. })));
+        // The step after the stall is smaller than the stalled one.
+        let Some(Event::Step(second)) = events.get(2) else {
+            panic!("{events:?}");
+        };
+        assert!(second.pages < 16, "{second:?}");
+    }
+
+    #[tokio::test]
+    async fn failed_writes_are_retried_then_reported() {
+        let kernel = sim(0.0, false);
+        kernel.fail_next_writes(2);
+        let (summary, events) = resize(&kernel, 100, scaled(1.0), Options::default()).await;
+        assert!(summary.reached());
+        let failures = events
+            .iter()
+            .filter(|e| matches!(e, Event::WriteFailed { .. }))
+            .count();
+        assert_eq!(failures, 2);
+
+        kernel.fail_next_writes(100);
+        let (summary, _) = resize(&kernel, 200, scaled(1.0), Options::default()).await;
+        let Outcome::Shortfall {
+            reason: ShortfallReason::WriteError,
+            requested: 200,
+            achieved: 100,
+            detail: Some(detail),
+        } = &summary.outcome
+        else {
+            panic!("{summary:?}");
+        };
+        assert!(detail.contains("Input/output error"), "{detail}");
+    }
+
+    #[tokio::test]
+    async fn a_new_target_takes_effect_at_the_next_step() {
+        let kernel = sim(0.0, false);
+        let (tx, mut rx) = watch::channel(target(4096));
+        let summary = run(
+            Arc::new(kernel.clone()),
+            &mut rx,
+            scaled(1.0),
+            &Options::default(),
+            &mut CostModels::default(),
+            |event| {
+                if let Event::Step(StepEvent { step: 2, .. }) = event {
+                    let _ = tx.send(target(20));
+                }
+            },
+        )
+        .await
+        .unwrap();
+        assert!(summary.reached());
+        assert_eq!((summary.to, summary.achieved), (20, 20));
+        assert_eq!(kernel.pool(MI2).unwrap().total, 20);
+    }
+
+    #[tokio::test]
+    async fn blocked_shrink_finishes_by_itself_when_pages_are_released() {
+        let kernel = sim(0.0, false);
+        kernel.preset(MI2, PoolScope::Global, 100).unwrap();
+        kernel.hold_pages(MI2, 0, 60).unwrap();
+        let (summary, _) = resize(&kernel, 10, scaled(1.0), Options::default()).await;
+        assert_eq!(
+            summary.outcome,
+            Outcome::Blocked {
+                target: 10,
+                current: 60,
+                in_use: 60,
+                reserved: 0,
+                surplus: 0,
+                floor: 60
+            }
+        );
+        assert_eq!(summary.achieved, 60);
+
+        let releaser = kernel.clone();
+        let max_surplus = Mutex::new(0);
+        let options = Options {
+            blocked_wait: Duration::from_secs(10),
+            blocked_poll: Duration::from_millis(5),
+        };
+        let (_tx, mut rx) = watch::channel(target(10));
+        let summary = run(
+            Arc::new(kernel.clone()),
+            &mut rx,
+            scaled(1.0),
+            &options,
+            &mut CostModels::default(),
+            |event| {
+                if let Ok(pool) = releaser.pool(MI2) {
+                    let mut max = max_surplus.lock().unwrap();
+                    *max = (*max).max(pool.surplus);
+                }
+                if matches!(event, Event::Blocked(_)) {
+                    releaser.release_pages(MI2, 0, 60).unwrap();
+                }
+            },
+        )
+        .await
+        .unwrap();
+        assert!(summary.reached(), "{summary:?}");
+        assert_eq!(kernel.pool(MI2).unwrap().total, 10);
+        assert_eq!(*max_surplus.lock().unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn growth_stops_at_the_memory_guard() {
+        let kernel = sim(0.0, false);
+        kernel.set_other_memory(0, 14 * GIB);
+        let (summary, events) = resize(&kernel, 2048, scaled(1.0), Options::default()).await;
+        // 16 GiB - 14 GiB used - 1 GiB guard leaves room for 512 pages.
+        assert_eq!(summary.achieved, 512);
+        assert!(matches!(
+            summary.outcome,
+            Outcome::Shortfall {
+                reason: ShortfallReason::MemoryGuard,
+                requested: 2048,
+                achieved: 512,
+                ..
+            }
+        ));
+        assert!(events.iter().all(|e| match e {
+            Event::Step(step) => step.mem_available >= GIB,
+            _ => true,
+        }));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fifty_simulated_agents_resize_side_by_side() {
+        let mut tasks = Vec::new();
+        for agent in 0..50u64 {
+            let kernel = sim(0.01, agent % 2 == 0);
+            tasks.push(tokio::spawn(async move {
+                let wanted = 1000 + agent * 10;
+                let (summary, _) = resize(&kernel, wanted, scaled(0.01), Options::default()).await;
+                (wanted, summary)
+            }));
+        }
+        for task in tasks {
+            let (wanted, summary) = task.await.unwrap();
+            assert!(summary.reached());
+            assert_eq!(summary.achieved, wanted);
+        }
+    }
+}
