@@ -1,0 +1,1163 @@
+//! The rollout planner: (pools, nodes, HugePageNodes, now) -> (the spec every
+//! HugePageNode should have, every pool's status, what to drain).
+//!
+//! It is a pure function of its input, so the controller, the tests and a
+//! future `kubectl hugepool plan` all get the same answer for the same state.
+//! The rules it keeps (docs/design.md, "The operator"):
+//!
+//! - Per pool, a node is *changing* from the moment its target moves until it
+//!   reports converged for that target; failed nodes keep their slot. A pool
+//!   admits a new node only while fewer than `maxUnavailable` are changing.
+//! - Each (node, page size) has one owner: the oldest pool that wants it
+//!   (creationTimestamp, then name). A newer pool touches nothing there and
+//!   reports Conflict.
+//! - A paused pool admits no new nodes; nodes already changing keep their
+//!   target and finish.
+//! - A node leaving a `Release` pool (relabelled, or the pool is deleted)
+//!   shrinks to 0 through the same rollout before its entry goes; a `Retain`
+//!   pool drops the entry at once and leaves the kernel alone.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use hugepool_crds::conditions::{ConditionUpdate, find_condition, is_true, set_condition};
+use hugepool_crds::node::{HugePageNodeSpec, PageSizeTarget};
+use hugepool_crds::pool::{FailedNode, PoolNodeCounts, PoolPages};
+use hugepool_crds::settings::{DeletionPolicy, DrainPolicy, NumaPolicy, NumaTarget};
+use hugepool_crds::{
+    HugePageNode, HugePagePool, HugePagePoolStatus, NodeConditionType, PageSize, PoolConditionType,
+    Reason,
+};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::core::{Selector, SelectorExt};
+
+/// At most this many nodes are listed in a pool's `status.failedNodes`.
+pub const MAX_FAILED_NODES: usize = 10;
+/// At most this many node names are spelled out in a condition message.
+const MAX_NAMED_NODES: usize = 10;
+
+/// Everything the planner looks at. Order of the slices does not matter.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanInput<'a> {
+    pub pools: &'a [HugePagePool],
+    pub nodes: &'a [Node],
+    pub node_states: &'a [HugePageNode],
+    pub now: Timestamp,
+}
+
+/// What the cluster should look like after this pass.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    /// Per Node name: its HugePageNode's spec and drain state.
+    pub nodes: BTreeMap<String, NodePlan>,
+    /// Per pool name: its status and whether its finalizer may go.
+    pub pools: BTreeMap<String, PoolPlan>,
+    /// The earliest time something is due without any watch event (a drain
+    /// deadline); the controller requeues for it.
+    pub next_deadline: Option<Timestamp>,
+}
+
+impl Plan {
+    /// Nodes whose HugePageNode spec must be written (created or changed).
+    pub fn spec_writes(&self) -> impl Iterator<Item = (&String, &NodePlan)> {
+        self.nodes.iter().filter(|(_, node)| node.spec_changed)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodePlan {
+    /// The whole desired `.spec`; entries sorted by page size.
+    pub spec: HugePageNodeSpec,
+    /// The HugePageNode is missing or its spec differs from `spec`.
+    pub spec_changed: bool,
+    pub drain: DrainPlan,
+}
+
+/// The drain state a node should be in (policy IfNeeded, docs/design.md).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DrainPlan {
+    /// Whether the `hugepool.dev/draining:NoSchedule` taint should be on the Node.
+    pub taint: bool,
+    /// The operator-owned Draining condition to set; None leaves it as it is.
+    pub condition: Option<ConditionUpdate>,
+    /// Evict the pods on the node that request these page sizes now.
+    pub evict: Vec<PageSize>,
+    /// Pools the drain is for, oldest first (events and metrics name them).
+    pub pools: Vec<String>,
+    /// When the running drain fails with DrainTimeout.
+    pub deadline: Option<Timestamp>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolPlan {
+    /// The complete status to write (conditions keep their transition times).
+    pub status: HugePagePoolStatus,
+    /// The pool is being deleted and has nothing left on any node.
+    pub remove_finalizer: bool,
+    /// `maxUnavailable` resolved against the nodes the pool manages.
+    pub max_unavailable: usize,
+    /// Nodes whose target this pass moves for the pool, in admission order.
+    pub admitted: Vec<String>,
+    /// Nodes the pool selects that an older pool owns, with that pool's name.
+    pub conflicts: Vec<(String, String)>,
+    /// Nodes where the pool's shrink is blocked and its drain policy is Never.
+    pub blocked: Vec<String>,
+    /// Nodes whose agent reports Stalled.
+    pub stalled: Vec<String>,
+    /// Nodes being drained for the pool.
+    pub draining: Vec<String>,
+}
+
+/// Where one node stands for one pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodeState {
+    /// At the pool's current target.
+    Converged,
+    /// Its target moved and it has not reported converged for it yet.
+    Updating,
+    /// Waiting for a rollout slot.
+    Pending,
+    /// Failed at its current target; keeps its rollout slot.
+    Failed { reason: String, message: String },
+}
+
+/// How one (node, page size) entry is doing at its current target, as the
+/// agent reports it (the contract in docs/design.md, "The operator").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EntryState {
+    Converged,
+    InFlight,
+    Failed { reason: String, message: String },
+}
+
+/// Reads the agent's report of `entry` on `node_state` (see [`EntryState`]).
+/// Converged for target T: the agent has seen this generation, the size is
+/// at T with no surplus, and the node has not failed.
+pub fn entry_state(node_state: &HugePageNode, entry: &PageSizeTarget) -> EntryState {
+    let generation = node_state.metadata.generation.unwrap_or(0);
+    let Some(status) = &node_state.status else {
+        return EntryState::InFlight;
+    };
+    let observed = status.observed_generation.is_some_and(|g| g >= generation);
+    let current = |condition: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition| {
+        condition
+            .observed_generation
+            .is_none_or(|g| g >= generation)
+    };
+    if let Some(timeout) = find_condition(&status.conditions, NodeConditionType::Draining)
+        && timeout.status == "False"
+        && timeout.reason == Reason::DrainTimeout.as_str()
+        && timeout.observed_generation.is_some_and(|g| g >= generation)
+    {
+        return EntryState::Failed {
+            reason: Reason::DrainTimeout.to_string(),
+            message: timeout.message.clone(),
+        };
+    }
+    if !observed {
+        return EntryState::InFlight;
+    }
+    if let Some(failed) = find_condition(&status.conditions, NodeConditionType::AllocationFailed)
+        && failed.status == "True"
+        && current(failed)
+    {
+        return EntryState::Failed {
+            reason: NodeConditionType::AllocationFailed.to_string(),
+            message: format!("{}: {}", failed.reason, failed.message),
+        };
+    }
+    if let Some(converged) = find_condition(&status.conditions, NodeConditionType::Converged)
+        && converged.status == "False"
+        && current(converged)
+        && [Reason::UnsupportedPageSize, Reason::InvalidTarget]
+            .iter()
+            .any(|r| r.as_str() == converged.reason)
+    {
+        return EntryState::Failed {
+            reason: converged.reason.clone(),
+            message: converged.message.clone(),
+        };
+    }
+    let at_target = status.page_sizes.iter().any(|reported| {
+        reported.size == entry.size
+            && reported.target == Some(entry.pages)
+            && reported.surplus == 0
+            && reported.total - reported.surplus == entry.pages
+    });
+    if at_target {
+        EntryState::Converged
+    } else {
+        EntryState::InFlight
+    }
+}
+
+/// A pool read into what the planner needs; `invalid` holds what the schema
+/// could not reject.
+struct PoolRules<'a> {
+    pool: &'a HugePagePool,
+    name: String,
+    generation: i64,
+    size: Option<PageSize>,
+    size_text: String,
+    selector: Option<Selector>,
+    pages: i64,
+    deleting: bool,
+    invalid: Option<String>,
+}
+
+impl<'a> PoolRules<'a> {
+    fn read(pool: &'a HugePagePool) -> Self {
+        let spec = &pool.spec;
+        let mut problems = Vec::new();
+        let size = match spec.page_size.parse::<PageSize>() {
+            Ok(size) => Some(size),
+            Err(err) => {
+                problems.push(err.to_string());
+                None
+            }
+        };
+        let selector = match Selector::try_from(spec.node_selector.clone()) {
+            Ok(selector) => Some(selector),
+            Err(err) => {
+                problems.push(format!("nodeSelector: {err}"));
+                None
+            }
+        };
+        let pages = match (&spec.pages, &spec.memory, size) {
+            (Some(pages), None, _) => *pages,
+            (None, Some(memory), Some(size)) => {
+                match hugepool_crds::quantity::parse_bytes(memory) {
+                    Ok(bytes) if bytes % size.bytes() == 0 => (bytes / size.bytes()) as i64,
+                    Ok(_) => {
+                        problems.push(format!("memory {memory} is not a multiple of {size}"));
+                        0
+                    }
+                    Err(err) => {
+                        problems.push(err.to_string());
+                        0
+                    }
+                }
+            }
+            (None, Some(_), None) => 0,
+            _ => {
+                problems.push("exactly one of pages and memory must be set".into());
+                0
+            }
+        };
+        if pages < 0 {
+            problems.push(format!("pages {pages} is negative"));
+        }
+        if let Some(numa) = &spec.numa
+            && numa.policy == NumaPolicy::Explicit
+        {
+            let listed = numa.nodes.clone().unwrap_or_default();
+            let sum: i64 = listed.iter().map(|n| n.pages).sum();
+            let ids: BTreeSet<i32> = listed.iter().map(|n| n.id).collect();
+            if ids.len() != listed.len() {
+                problems.push("numa.nodes ids must be unique".into());
+            }
+            if sum != pages {
+                problems.push(format!(
+                    "numa.nodes add up to {sum} pages, the pool asks for {pages}"
+                ));
+            }
+        }
+        if let Err(err) =
+            hugepool_crds::quantity::resolve_max_unavailable(&spec.rollout.max_unavailable, 1)
+        {
+            problems.push(err.to_string());
+        }
+        if let Err(err) = hugepool_crds::duration::parse(&spec.drain.timeout) {
+            problems.push(format!("drain.timeout: {err}"));
+        }
+        Self {
+            pool,
+            name: pool.metadata.name.clone().unwrap_or_default(),
+            generation: pool.metadata.generation.unwrap_or(0),
+            size_text: size.map_or_else(|| spec.page_size.clone(), |s| s.to_string()),
+            size,
+            selector,
+            pages,
+            deleting: pool.metadata.deletion_timestamp.is_some(),
+            invalid: (!problems.is_empty()).then(|| problems.join("; ")),
+        }
+    }
+
+    fn drain_policy(&self) -> DrainPolicy {
+        self.pool.spec.drain.policy
+    }
+
+    fn drain_timeout(&self) -> Duration {
+        hugepool_crds::duration::parse(&self.pool.spec.drain.timeout)
+            .unwrap_or(Duration::from_secs(600))
+    }
+
+    fn release(&self) -> bool {
+        self.pool.spec.deletion_policy == DeletionPolicy::Release
+    }
+
+    fn selects(&self, node: &Node) -> bool {
+        let empty = BTreeMap::new();
+        let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+        self.selector
+            .as_ref()
+            .is_some_and(|selector| selector.matches(labels))
+    }
+
+    /// The entry this pool writes for `target` pages (settings copied).
+    fn entry(&self, pages: i64, numa: Option<Vec<NumaTarget>>) -> PageSizeTarget {
+        let spec = &self.pool.spec;
+        PageSizeTarget {
+            size: self.size_text.clone(),
+            pages,
+            numa,
+            pool: self.name.clone(),
+            pool_generation: self.generation,
+            resize: spec.resize.clone(),
+            allocation: spec.allocation.clone(),
+            kubelet_restart: spec.kubelet.restart,
+        }
+    }
+
+    /// The entry this pool wants on a node whose agent reports `numa_ids`
+    /// (empty before it reported), or why it cannot target the node.
+    fn desired_entry(&self, numa_ids: &[i32]) -> Result<PageSizeTarget, String> {
+        let policy = self.pool.spec.numa.as_ref().map(|n| n.policy);
+        let numa = match policy.unwrap_or_default() {
+            NumaPolicy::Kernel => None,
+            NumaPolicy::Spread if numa_ids.is_empty() => None,
+            NumaPolicy::Spread => Some(spread(self.pages, numa_ids)),
+            NumaPolicy::Explicit => {
+                let mut listed = self
+                    .pool
+                    .spec
+                    .numa
+                    .as_ref()
+                    .and_then(|n| n.nodes.clone())
+                    .unwrap_or_default();
+                listed.sort_by_key(|n| n.id);
+                let missing: Vec<String> = listed
+                    .iter()
+                    .filter(|n| !numa_ids.is_empty() && !numa_ids.contains(&n.id))
+                    .map(|n| n.id.to_string())
+                    .collect();
+                if !missing.is_empty() {
+                    return Err(format!(
+                        "the node has no NUMA node {} (it has {:?})",
+                        missing.join(", "),
+                        numa_ids
+                    ));
+                }
+                Some(listed)
+            }
+        };
+        Ok(self.entry(self.pages, numa))
+    }
+}
+
+/// Even split of `pages` over `ids`, the remainder to the lowest ids.
+pub fn spread(pages: i64, ids: &[i32]) -> Vec<NumaTarget> {
+    let mut ids = ids.to_vec();
+    ids.sort_unstable();
+    ids.dedup();
+    let count = ids.len() as i64;
+    ids.iter()
+        .enumerate()
+        .map(|(index, id)| NumaTarget {
+            id: *id,
+            pages: pages / count + i64::from((index as i64) < pages % count),
+        })
+        .collect()
+}
+
+/// Two entries ask the agent for the same thing (the pool generation they
+/// were written at does not matter: rewriting it alone would move nothing).
+fn same_target(a: &PageSizeTarget, b: &PageSizeTarget) -> bool {
+    let normalise = |entry: &PageSizeTarget| PageSizeTarget {
+        pool_generation: 0,
+        ..entry.clone()
+    };
+    normalise(a) == normalise(b)
+}
+
+/// The NUMA node ids the agent reports, preferring the entry of `size`.
+fn reported_numa_ids(node_state: Option<&HugePageNode>, size: &str) -> Vec<i32> {
+    let Some(status) = node_state.and_then(|n| n.status.as_ref()) else {
+        return Vec::new();
+    };
+    let ids_of = |reported: &hugepool_crds::node::PageSizeStatus| {
+        reported.numa.iter().map(|n| n.id).collect::<Vec<_>>()
+    };
+    let mut ids = status
+        .page_sizes
+        .iter()
+        .find(|reported| reported.size == size && !reported.numa.is_empty())
+        .or_else(|| status.page_sizes.iter().find(|r| !r.numa.is_empty()))
+        .map(ids_of)
+        .unwrap_or_default();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// What a pool wants of one (node, size).
+#[derive(Clone, Debug)]
+enum Want {
+    /// The node is selected: reach this entry (or it cannot be targeted).
+    Active(Result<PageSizeTarget, String>),
+    /// The node is leaving a Release pool: shrink to 0, then drop the entry.
+    Release(PageSizeTarget),
+    /// The pool's spec is invalid: keep the entry it has, change nothing.
+    Frozen,
+}
+
+/// What the owner decides for its entry on a node.
+#[derive(Clone, Debug, PartialEq)]
+enum Decision {
+    /// Leave whatever entry is there.
+    Keep,
+    Write(PageSizeTarget),
+    /// Released to 0: the entry goes.
+    Remove,
+}
+
+struct Member {
+    node: String,
+    state: NodeState,
+    decision: Decision,
+    /// The entry admission writes; None when the node cannot be targeted.
+    desired: Option<PageSizeTarget>,
+    /// Pages the node reports for the size (`total`).
+    current: i64,
+    stalled: bool,
+    shrink_blocked: bool,
+}
+
+type NodeStates<'a> = BTreeMap<&'a str, &'a HugePageNode>;
+
+/// Computes the plan. Pure: the same input gives the same plan.
+pub fn plan(input: &PlanInput<'_>) -> Plan {
+    let now = Time(input.now);
+    let mut rules: Vec<PoolRules<'_>> = input.pools.iter().map(PoolRules::read).collect();
+    // Oldest first: creationTimestamp, then name; a pool not yet created is newest.
+    rules.sort_by(|a, b| {
+        let key = |r: &PoolRules<'_>| {
+            let created = r.pool.metadata.creation_timestamp.clone();
+            (created.is_none(), created, r.name.clone())
+        };
+        key(a).cmp(&key(b))
+    });
+    let nodes: BTreeMap<&str, &Node> = input
+        .nodes
+        .iter()
+        .filter_map(|n| n.metadata.name.as_deref().map(|name| (name, n)))
+        .collect();
+    let node_states: NodeStates<'_> = input
+        .node_states
+        .iter()
+        .filter_map(|n| n.metadata.name.as_deref().map(|name| (name, n)))
+        .collect();
+
+    let Ownership {
+        owners,
+        mut conflicts,
+        shadowed,
+    } = assign_owners(&rules, &nodes, &node_states);
+
+    let mut members: BTreeMap<usize, Vec<Member>> = BTreeMap::new();
+    for ((node_name, size), (index, want)) in &owners {
+        let member = classify(
+            &rules[*index],
+            node_name,
+            size,
+            want,
+            node_states.get(node_name).copied(),
+        );
+        members.entry(*index).or_default().push(member);
+    }
+
+    let mut plan = Plan::default();
+    let mut decisions: BTreeMap<(&str, &str), Decision> = BTreeMap::new();
+    for (index, pool) in rules.iter().enumerate() {
+        let pool_members = members.remove(&index).unwrap_or_default();
+        let pool_conflicts = conflicts.remove(&index).unwrap_or_default();
+        // Its entries still in flight on nodes an older pool took over keep
+        // their slots until that pool writes its own target there.
+        let shadow_busy = shadowed
+            .iter()
+            .filter(|(node, size, owner)| {
+                *owner == index
+                    && node_states.get(node).is_some_and(|state| {
+                        state.spec.page_sizes.iter().any(|e| {
+                            e.pool == pool.name
+                                && &e.size == size
+                                && entry_state(state, e) != EntryState::Converged
+                        })
+                    })
+            })
+            .count();
+        let (pool_plan, pool_decisions) =
+            settle_pool(pool, pool_members, pool_conflicts, shadow_busy);
+        for (node, decision) in pool_decisions {
+            if let Some((&name, _)) = nodes.get_key_value(node.as_str()) {
+                decisions.insert((name, pool.size_text.as_str()), decision);
+            }
+        }
+        plan.pools.insert(pool.name.clone(), pool_plan);
+    }
+
+    // Assemble every node's spec from its owners' decisions.
+    for &node_name in nodes.keys() {
+        let state = node_states.get(node_name).copied();
+        let current: &[PageSizeTarget] = state.map_or(&[], |s| &s.spec.page_sizes);
+        let mut sizes: BTreeSet<&str> = current.iter().map(|e| e.size.as_str()).collect();
+        sizes.extend(
+            owners
+                .keys()
+                .filter(|(n, _)| *n == node_name)
+                .map(|(_, size)| size.as_str()),
+        );
+        let mut entries = Vec::new();
+        for size in sizes {
+            let existing = current.iter().find(|e| e.size == size);
+            // An entry stays while its pool still wants it: as owner, or as
+            // a loser the owner has not taken the size from yet. Entries
+            // nobody wants (Retain, or the pool is gone) are dropped and the
+            // kernel left alone.
+            let wanted = existing.is_some_and(|entry| {
+                rules
+                    .iter()
+                    .position(|r| r.name == entry.pool)
+                    .is_some_and(|index| {
+                        owners
+                            .get(&(node_name, size.to_string()))
+                            .is_some_and(|(owner, _)| *owner == index)
+                            || shadowed.contains(&(node_name, size.to_string(), index))
+                    })
+            });
+            match decisions.get(&(node_name, size)) {
+                Some(Decision::Write(entry)) => entries.push(entry.clone()),
+                Some(Decision::Remove) => {}
+                _ if wanted => entries.extend(existing.cloned()),
+                _ => {}
+            }
+        }
+        entries.sort_by_key(|e| (e.size.parse::<PageSize>().ok(), e.size.clone()));
+        let spec = HugePageNodeSpec {
+            page_sizes: entries,
+        };
+        if state.is_none()
+            && spec.page_sizes.is_empty()
+            && !owners.keys().any(|(n, _)| *n == node_name)
+        {
+            continue;
+        }
+        let spec_changed = state.is_none_or(|s| s.spec != spec);
+        let drain = plan_drain(state, &spec, &rules, input.now);
+        if let Some(deadline) = drain.deadline {
+            plan.next_deadline = Some(plan.next_deadline.map_or(deadline, |d| d.min(deadline)));
+        }
+        plan.nodes.insert(
+            node_name.to_string(),
+            NodePlan {
+                spec,
+                spec_changed,
+                drain,
+            },
+        );
+    }
+
+    for pool in &rules {
+        let Some(pool_plan) = plan.pools.get_mut(&pool.name) else {
+            continue;
+        };
+        pool_plan.draining = plan
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.drain.taint && n.drain.pools.contains(&pool.name))
+            .map(|(name, _)| name.clone())
+            .collect();
+        let mut conditions = pool
+            .pool
+            .status
+            .as_ref()
+            .map(|s| s.conditions.clone())
+            .unwrap_or_default();
+        for update in pool_conditions(pool, pool_plan) {
+            set_condition(&mut conditions, update, &now);
+        }
+        pool_plan.status.conditions = conditions;
+    }
+    plan
+}
+
+struct Ownership<'a> {
+    /// For every (node, size) the oldest pool that wants it.
+    owners: BTreeMap<(&'a str, String), (usize, Want)>,
+    /// Per losing pool, the nodes it selects but does not get, with the owner.
+    conflicts: BTreeMap<usize, Vec<(String, String)>>,
+    /// (node, size, pool) a pool wants but an older pool owns.
+    shadowed: BTreeSet<(&'a str, String, usize)>,
+}
+
+fn assign_owners<'a>(
+    rules: &[PoolRules<'_>],
+    nodes: &BTreeMap<&'a str, &Node>,
+    node_states: &NodeStates<'_>,
+) -> Ownership<'a> {
+    let mut owners: BTreeMap<(&'a str, String), (usize, Want)> = BTreeMap::new();
+    let mut conflicts: BTreeMap<usize, Vec<(String, String)>> = BTreeMap::new();
+    let mut shadowed = BTreeSet::new();
+    for (&node_name, &node) in nodes {
+        let state = node_states.get(node_name).copied();
+        let entries: &[PageSizeTarget] = state.map_or(&[], |s| &s.spec.page_sizes);
+        for (index, pool) in rules.iter().enumerate() {
+            let held = entries
+                .iter()
+                .any(|e| e.pool == pool.name && e.size == pool.size_text);
+            let selected = pool.invalid.is_none() && !pool.deleting && pool.selects(node);
+            let want = if selected {
+                let ids = reported_numa_ids(state, &pool.size_text);
+                Want::Active(pool.desired_entry(&ids))
+            } else if !held {
+                continue;
+            } else if pool.invalid.is_some() && !pool.deleting {
+                Want::Frozen
+            } else if pool.release() {
+                Want::Release(pool.entry(0, None))
+            } else {
+                continue;
+            };
+            let key = (node_name, pool.size_text.clone());
+            if let Some((owner, _)) = owners.get(&key) {
+                shadowed.insert((node_name, pool.size_text.clone(), index));
+                if selected {
+                    let owner = rules[*owner].name.clone();
+                    conflicts
+                        .entry(index)
+                        .or_default()
+                        .push((node_name.to_string(), owner));
+                }
+                continue;
+            }
+            owners.insert(key, (index, want));
+        }
+    }
+    Ownership {
+        owners,
+        conflicts,
+        shadowed,
+    }
+}
+
+/// Where one owned (node, size) stands for its pool before admission.
+fn classify(
+    pool: &PoolRules<'_>,
+    node_name: &str,
+    size: &str,
+    want: &Want,
+    state: Option<&HugePageNode>,
+) -> Member {
+    let held = state.and_then(|s| {
+        s.spec
+            .page_sizes
+            .iter()
+            .find(|e| e.pool == pool.name && e.size == size)
+    });
+    let held_state = match (state, held) {
+        (Some(state), Some(entry)) => Some(entry_state(state, entry)),
+        _ => None,
+    };
+    let status = state.and_then(|s| s.status.as_ref());
+    let reported = status.and_then(|s| s.page_sizes.iter().find(|r| r.size == size));
+    let mut member = Member {
+        node: node_name.to_string(),
+        state: match &held_state {
+            Some(EntryState::Converged) => NodeState::Converged,
+            Some(EntryState::InFlight) => NodeState::Updating,
+            Some(EntryState::Failed { reason, message }) => NodeState::Failed {
+                reason: reason.clone(),
+                message: message.clone(),
+            },
+            None => NodeState::Pending,
+        },
+        decision: Decision::Keep,
+        desired: None,
+        current: reported.map_or(0, |r| r.total),
+        stalled: status.is_some_and(|s| is_true(&s.conditions, NodeConditionType::Stalled)),
+        shrink_blocked: match (state, held) {
+            (Some(state), Some(entry)) => shrink_blocked(state, entry),
+            _ => false,
+        },
+    };
+    let desired = match want {
+        Want::Frozen => {
+            member.desired = held.cloned();
+            return member;
+        }
+        Want::Active(Err(message)) => {
+            member.state = NodeState::Failed {
+                reason: Reason::InvalidSpec.to_string(),
+                message: message.clone(),
+            };
+            return member;
+        }
+        Want::Active(Ok(entry)) | Want::Release(entry) => entry,
+    };
+    member.desired = Some(desired.clone());
+    if matches!(want, Want::Release(_))
+        && held.is_some_and(|e| e.pages == 0)
+        && held_state == Some(EntryState::Converged)
+    {
+        // Released: the node leaves the pool with its pages at 0.
+        member.decision = Decision::Remove;
+        return member;
+    }
+    let up_to_date = held.is_some_and(|e| same_target(e, desired));
+    let in_flight = matches!(
+        held_state,
+        Some(EntryState::InFlight | EntryState::Failed { .. })
+    );
+    if up_to_date {
+        return member;
+    }
+    if in_flight {
+        if !pool.pool.spec.rollout.paused {
+            // Already changing: a new target keeps the slot it holds.
+            member.state = NodeState::Updating;
+            member.decision = Decision::Write(desired.clone());
+        }
+        return member;
+    }
+    member.state = NodeState::Pending;
+    member
+}
+
+/// Admits pending nodes (by name) while fewer than `maxUnavailable` are
+/// changing, and counts the pool's status.
+fn settle_pool(
+    pool: &PoolRules<'_>,
+    mut members: Vec<Member>,
+    conflicts: Vec<(String, String)>,
+    shadow_busy: usize,
+) -> (PoolPlan, Vec<(String, Decision)>) {
+    members.sort_by(|a, b| a.node.cmp(&b.node));
+    let managed = members
+        .iter()
+        .filter(|m| m.decision != Decision::Remove)
+        .count();
+    let max_unavailable = hugepool_crds::quantity::resolve_max_unavailable(
+        &pool.pool.spec.rollout.max_unavailable,
+        managed,
+    )
+    .unwrap_or(1);
+    let mut busy = shadow_busy
+        + members
+            .iter()
+            .filter(|m| matches!(m.state, NodeState::Updating | NodeState::Failed { .. }))
+            .count();
+    let paused = pool.pool.spec.rollout.paused;
+    let mut admitted = Vec::new();
+    for member in &mut members {
+        if member.state == NodeState::Pending
+            && !paused
+            && busy < max_unavailable
+            && let Some(desired) = &member.desired
+        {
+            busy += 1;
+            member.state = NodeState::Updating;
+            member.decision = Decision::Write(desired.clone());
+        }
+        if let Decision::Write(_) = member.decision {
+            admitted.push(member.node.clone());
+        }
+    }
+    let decisions = members
+        .iter()
+        .map(|m| (m.node.clone(), m.decision.clone()))
+        .collect();
+
+    let active: Vec<&Member> = members
+        .iter()
+        .filter(|m| m.decision != Decision::Remove)
+        .collect();
+    let count = |f: fn(&NodeState) -> bool| active.iter().filter(|m| f(&m.state)).count() as i64;
+    let selected = (active.len() + conflicts.len()) as i64;
+    let converged = count(|s| *s == NodeState::Converged);
+    let nodes = PoolNodeCounts {
+        selected,
+        converged,
+        updating: count(|s| *s == NodeState::Updating),
+        pending: count(|s| *s == NodeState::Pending) + conflicts.len() as i64,
+        failed: count(|s| matches!(s, NodeState::Failed { .. })),
+        ready: format!("{converged}/{selected}"),
+    };
+    let failed_nodes = active
+        .iter()
+        .filter_map(|m| match &m.state {
+            NodeState::Failed { reason, message } => Some(FailedNode {
+                name: m.node.clone(),
+                reason: reason.clone(),
+                message: message.clone(),
+            }),
+            _ => None,
+        })
+        .take(MAX_FAILED_NODES)
+        .collect();
+    let pages = PoolPages {
+        target: active
+            .iter()
+            .filter_map(|m| m.desired.as_ref().map(|d| d.pages))
+            .sum(),
+        current: active.iter().map(|m| m.current).sum(),
+    };
+    let names = |f: &dyn Fn(&Member) -> bool| -> Vec<String> {
+        active
+            .iter()
+            .filter(|m| f(m))
+            .map(|m| m.node.clone())
+            .collect()
+    };
+    let stalled = names(&|m| m.stalled);
+    let blocked = if pool.drain_policy() == DrainPolicy::Never {
+        names(&|m| m.shrink_blocked && m.state == NodeState::Updating)
+    } else {
+        Vec::new()
+    };
+    let status = HugePagePoolStatus {
+        observed_generation: Some(pool.generation),
+        nodes,
+        pages,
+        failed_nodes,
+        conditions: Vec::new(),
+    };
+    let pool_plan = PoolPlan {
+        status,
+        remove_finalizer: pool.deleting && active.is_empty(),
+        max_unavailable,
+        admitted,
+        conflicts,
+        blocked,
+        stalled,
+        draining: Vec::new(),
+    };
+    (pool_plan, decisions)
+}
+
+/// Whether the agent reports that `entry`'s shrink is held up by pages in
+/// use (the kernel keeps them as surplus).
+fn shrink_blocked(state: &HugePageNode, entry: &PageSizeTarget) -> bool {
+    let Some(status) = &state.status else {
+        return false;
+    };
+    is_true(&status.conditions, NodeConditionType::ShrinkBlocked)
+        && status
+            .page_sizes
+            .iter()
+            .any(|r| r.size == entry.size && (r.surplus > 0 || r.in_use + r.reserved > entry.pages))
+}
+
+/// The drain state of one node: drain while an IfNeeded pool's shrink is
+/// blocked, fail with DrainTimeout past the deadline, untaint once converged.
+fn plan_drain(
+    state: Option<&HugePageNode>,
+    spec: &HugePageNodeSpec,
+    rules: &[PoolRules<'_>],
+    now: Timestamp,
+) -> DrainPlan {
+    let Some(state) = state else {
+        return DrainPlan::default();
+    };
+    let generation = state.metadata.generation;
+    let conditions: &[_] = state.status.as_ref().map_or(&[], |s| &s.conditions);
+    let draining = find_condition(conditions, NodeConditionType::Draining);
+    let active = draining.is_some_and(|c| c.status == "True");
+
+    let mut settled = true;
+    let mut blocked: Vec<(&PoolRules<'_>, PageSize)> = Vec::new();
+    for entry in &spec.page_sizes {
+        // A target written this pass waits for the agent to act on it.
+        let unchanged = state.spec.page_sizes.contains(entry);
+        let entry_state = if unchanged {
+            entry_state(state, entry)
+        } else {
+            EntryState::InFlight
+        };
+        settled &= entry_state == EntryState::Converged;
+        if !unchanged || entry_state != EntryState::InFlight || !shrink_blocked(state, entry) {
+            continue;
+        }
+        let pool = rules.iter().find(|r| r.name == entry.pool);
+        if let Some(pool) = pool
+            && pool.drain_policy() == DrainPolicy::IfNeeded
+            && let Some(size) = pool.size
+        {
+            blocked.push((pool, size));
+        }
+    }
+
+    if blocked.is_empty() {
+        return match (active, settled) {
+            (true, true) => DrainPlan {
+                condition: Some(
+                    ConditionUpdate::new(
+                        NodeConditionType::Draining,
+                        false,
+                        Reason::DrainComplete,
+                        "the node converged; hugepage consumers may schedule again",
+                    )
+                    .generation(generation),
+                ),
+                ..DrainPlan::default()
+            },
+            // Evictions are done; the agent is still shrinking.
+            (true, false) => DrainPlan {
+                taint: true,
+                pools: spec.page_sizes.iter().map(|e| e.pool.clone()).collect(),
+                ..DrainPlan::default()
+            },
+            // Also takes off a taint left behind by an earlier drain.
+            (false, _) => DrainPlan {
+                taint: false,
+                ..DrainPlan::default()
+            },
+        };
+    }
+
+    let sizes: Vec<PageSize> = blocked.iter().map(|(_, size)| *size).collect();
+    let pools: Vec<String> = blocked.iter().map(|(p, _)| p.name.clone()).collect();
+    let timeout = blocked
+        .iter()
+        .map(|(p, _)| p.drain_timeout())
+        .min()
+        .unwrap_or_default();
+    let started = match draining {
+        Some(condition) if active => condition.last_transition_time.0,
+        _ => now,
+    };
+    let deadline = jiff::SignedDuration::try_from(timeout)
+        .ok()
+        .and_then(|d| started.checked_add(d).ok())
+        .unwrap_or(Timestamp::MAX);
+    let resources: Vec<String> = sizes.iter().map(|s| s.resource_name()).collect();
+    if now >= deadline {
+        let message = format!(
+            "pods requesting {} were not evicted within {} (pool {})",
+            resources.join(", "),
+            hugepool_crds::duration::format(timeout),
+            pools.join(", ")
+        );
+        return DrainPlan {
+            taint: false,
+            condition: Some(
+                ConditionUpdate::new(
+                    NodeConditionType::Draining,
+                    false,
+                    Reason::DrainTimeout,
+                    message,
+                )
+                .generation(generation),
+            ),
+            pools,
+            ..DrainPlan::default()
+        };
+    }
+    let message = format!(
+        "evicting pods that request {} so the shrink of pool {} can finish",
+        resources.join(", "),
+        pools.join(", ")
+    );
+    DrainPlan {
+        taint: true,
+        condition: Some(
+            ConditionUpdate::new(
+                NodeConditionType::Draining,
+                true,
+                Reason::EvictingPods,
+                message,
+            )
+            .generation(generation),
+        ),
+        evict: sizes,
+        pools,
+        deadline: Some(deadline),
+    }
+}
+
+/// Spells out up to [`MAX_NAMED_NODES`] names.
+fn name_nodes(names: &[String]) -> String {
+    let mut text = names
+        .iter()
+        .take(MAX_NAMED_NODES)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > MAX_NAMED_NODES {
+        text.push_str(&format!(" and {} more", names.len() - MAX_NAMED_NODES));
+    }
+    text
+}
+
+/// Available, Progressing and Degraded for one pool (docs/design.md).
+fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3] {
+    use PoolConditionType::{Available, Degraded, Progressing};
+    let generation = Some(pool.generation);
+    let update = |type_, status, reason, message: String| {
+        ConditionUpdate::new(type_, status, reason, message).generation(generation)
+    };
+    let counts = &plan.status.nodes;
+    let summary = format!(
+        "{}/{} nodes converged, {} updating, {} pending, {} failed",
+        counts.converged, counts.selected, counts.updating, counts.pending, counts.failed
+    );
+    if let Some(problem) = &pool.invalid {
+        let message = format!("invalid spec: {problem}");
+        return [
+            update(Available, false, Reason::InvalidSpec, message.clone()),
+            update(Progressing, false, Reason::InvalidSpec, message.clone()),
+            update(Degraded, true, Reason::InvalidSpec, message),
+        ];
+    }
+    let failed: Vec<&FailedNode> = plan.status.failed_nodes.iter().collect();
+    let halted = counts.failed > 0 && counts.failed as usize >= plan.max_unavailable;
+    let conflict_nodes: Vec<String> = plan.conflicts.iter().map(|(n, _)| n.clone()).collect();
+    let conflict_owners: BTreeSet<&str> = plan.conflicts.iter().map(|(_, o)| o.as_str()).collect();
+
+    let available = if counts.selected == 0 {
+        let message = if pool.deleting {
+            "no node holds pages of this pool".to_string()
+        } else {
+            "no node matches the nodeSelector".to_string()
+        };
+        update(Available, false, Reason::NoMatchingNodes, message)
+    } else if counts.converged == counts.selected {
+        update(Available, true, Reason::AllNodesConverged, summary.clone())
+    } else {
+        update(Available, false, Reason::NodesNotConverged, summary.clone())
+    };
+
+    let changing = counts.updating + counts.failed;
+    let waiting = counts.pending - conflict_nodes.len() as i64;
+    let progressing = if halted {
+        update(
+            Progressing,
+            false,
+            Reason::RolloutHalted,
+            format!(
+                "rollout halted: {} failed nodes reach maxUnavailable {}",
+                counts.failed, plan.max_unavailable
+            ),
+        )
+    } else if counts.updating == 0 && waiting <= 0 {
+        update(Progressing, false, Reason::RolloutComplete, summary.clone())
+    } else if pool.pool.spec.rollout.paused {
+        update(
+            Progressing,
+            counts.updating > 0,
+            Reason::Paused,
+            format!("rollout paused: {summary}"),
+        )
+    } else if !plan.draining.is_empty() {
+        update(
+            Progressing,
+            true,
+            Reason::Draining,
+            format!(
+                "draining {} for the shrink; {summary}",
+                name_nodes(&plan.draining)
+            ),
+        )
+    } else if waiting > 0 && changing as usize >= plan.max_unavailable {
+        update(
+            Progressing,
+            true,
+            Reason::MaxUnavailableReached,
+            format!(
+                "{changing}/{} nodes changing (maxUnavailable), {waiting} waiting; {summary}",
+                plan.max_unavailable
+            ),
+        )
+    } else {
+        let mut message = format!("{summary}; maxUnavailable {}", plan.max_unavailable);
+        if !plan.blocked.is_empty() {
+            message.push_str(&format!(
+                "; shrink blocked by pages in use on {} (drain policy Never)",
+                name_nodes(&plan.blocked)
+            ));
+        }
+        update(Progressing, true, Reason::RollingOut, message)
+    };
+
+    let describe_failed = || {
+        failed
+            .iter()
+            .map(|f| format!("{} ({}: {})", f.name, f.reason, f.message))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let degraded = if halted {
+        update(
+            Degraded,
+            true,
+            Reason::RolloutHalted,
+            format!(
+                "{} nodes failed, rollout halted at maxUnavailable {}: {}",
+                counts.failed,
+                plan.max_unavailable,
+                describe_failed()
+            ),
+        )
+    } else if !conflict_nodes.is_empty() {
+        update(
+            Degraded,
+            true,
+            Reason::Conflict,
+            format!(
+                "{} nodes already hold {} pages of older pool {}: {}",
+                conflict_nodes.len(),
+                pool.size_text,
+                conflict_owners.into_iter().collect::<Vec<_>>().join(", "),
+                name_nodes(&conflict_nodes)
+            ),
+        )
+    } else if failed
+        .iter()
+        .any(|f| f.reason == Reason::DrainTimeout.as_str())
+    {
+        update(
+            Degraded,
+            true,
+            Reason::DrainTimeout,
+            format!("{} nodes failed: {}", counts.failed, describe_failed()),
+        )
+    } else if counts.failed > 0 {
+        update(
+            Degraded,
+            true,
+            Reason::AllocationFailed,
+            format!("{} nodes failed: {}", counts.failed, describe_failed()),
+        )
+    } else if !plan.stalled.is_empty() {
+        update(
+            Degraded,
+            true,
+            Reason::NodesStalled,
+            format!("kernel writes stalled on {}", name_nodes(&plan.stalled)),
+        )
+    } else if counts.selected == 0 && !pool.deleting {
+        update(
+            Degraded,
+            true,
+            Reason::NoMatchingNodes,
+            "no node matches the nodeSelector".to_string(),
+        )
+    } else {
+        update(Degraded, false, Reason::AsExpected, String::new())
+    };
+    [available, progressing, degraded]
+}
+
+#[cfg(test)]
+mod tests;

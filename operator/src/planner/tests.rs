@@ -1,0 +1,1013 @@
+use std::collections::{BTreeMap, BTreeSet};
+
+use hugepool_crds::conditions::{find_condition, set_condition};
+use hugepool_crds::node::{NumaStatus, PageSizeStatus};
+use hugepool_crds::pool::NumaSpec;
+use hugepool_crds::settings::{DeletionPolicy, DrainPolicy, NumaPolicy, NumaTarget};
+use hugepool_crds::{
+    ConditionUpdate, HugePageNode, HugePagePool, NodeConditionType, PoolConditionType, Reason,
+};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use proptest::prelude::*;
+
+use super::*;
+use crate::fixtures::*;
+
+fn condition<'a>(plan: &'a Plan, pool: &str, type_: PoolConditionType) -> (&'a str, &'a str) {
+    let condition = find_condition(&plan.pools[pool].status.conditions, type_)
+        .unwrap_or_else(|| panic!("{pool} has no {type_} condition"));
+    (condition.status.as_str(), condition.reason.as_str())
+}
+
+fn target_of(plan: &Plan, node: &str, size: &str) -> Option<i64> {
+    plan.nodes[node]
+        .spec
+        .page_sizes
+        .iter()
+        .find(|e| e.size == size)
+        .map(|e| e.pages)
+}
+
+/// Runs plan -> write specs -> agents converge (except `stuck`) until
+/// nothing changes; returns the last plan and the number of passes.
+fn run_to_end(
+    pools: &mut Vec<HugePagePool>,
+    nodes: &[Node],
+    hpns: &mut Vec<HugePageNode>,
+    stuck: &BTreeSet<String>,
+) -> (Plan, usize) {
+    for pass in 0..200 {
+        let plan = run_plan(pools, nodes, hpns, pass as i64);
+        apply_specs(&plan, hpns);
+        apply_statuses(&plan, pools);
+        for hpn in hpns.iter_mut() {
+            if !stuck.contains(hpn.metadata.name.as_deref().unwrap_or_default()) {
+                converge(hpn);
+            }
+        }
+        if plan.spec_writes().next().is_none() && plan.pools.values().all(|p| !p.remove_finalizer) {
+            return (plan, pass);
+        }
+    }
+    panic!("rollout did not finish in 200 passes");
+}
+
+#[test]
+fn grow_admits_at_most_max_unavailable_nodes_in_name_order() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(2),
+    )];
+    let nodes = fleet(5, &["dpdk"]);
+    let plan = run_plan(&pools, &nodes, &[], 0);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-00", "w-01"]);
+    assert_eq!(target_of(&plan, "w-00", "2Mi"), Some(64));
+    assert_eq!(target_of(&plan, "w-02", "2Mi"), None);
+    // Every selected node gets its HugePageNode, so its agent can report.
+    assert_eq!(plan.spec_writes().count(), 5);
+    let counts = &plan.pools["dpdk"].status.nodes;
+    assert_eq!(
+        (counts.selected, counts.updating, counts.pending),
+        (5, 2, 3)
+    );
+    assert_eq!(counts.ready, "0/5");
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Progressing),
+        ("True", "MaxUnavailableReached")
+    );
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Available),
+        ("False", "NodesNotConverged")
+    );
+}
+
+#[test]
+fn a_node_keeps_its_slot_until_it_reports_converged_for_its_target() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(1),
+    )];
+    let nodes = fleet(2, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    // The agent saw the generation but is not at target yet.
+    status_of(&mut hpns[0]).observed_generation = Some(1);
+    status_of(&mut hpns[0]).page_sizes = vec![PageSizeStatus {
+        size: "2Mi".into(),
+        target: Some(64),
+        total: 40,
+        ..PageSizeStatus::default()
+    }];
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert!(plan.pools["dpdk"].admitted.is_empty());
+    assert_eq!(plan.spec_writes().count(), 0);
+    converge(&mut hpns[0]);
+    let plan = run_plan(&pools, &nodes, &hpns, 2);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-01"]);
+}
+
+#[test]
+fn failures_reaching_max_unavailable_halt_the_rollout_and_name_the_nodes() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(2),
+    )];
+    let nodes = fleet(4, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    fail_allocation(&mut hpns[0]);
+    fail_allocation(&mut hpns[1]);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    let pool_plan = &plan.pools["dpdk"];
+    assert!(pool_plan.admitted.is_empty());
+    assert_eq!(plan.spec_writes().count(), 0);
+    assert_eq!(pool_plan.status.nodes.failed, 2);
+    let failed: Vec<&str> = pool_plan
+        .status
+        .failed_nodes
+        .iter()
+        .map(|f| f.name.as_str())
+        .collect();
+    assert_eq!(failed, ["w-00", "w-01"]);
+    assert_eq!(pool_plan.status.failed_nodes[0].reason, "AllocationFailed");
+    assert!(
+        pool_plan.status.failed_nodes[0]
+            .message
+            .contains("Fragmented")
+    );
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Degraded),
+        ("True", "RolloutHalted")
+    );
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Progressing),
+        ("False", "RolloutHalted")
+    );
+}
+
+#[test]
+fn one_failure_below_the_limit_degrades_but_the_rollout_goes_on() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(2),
+    )];
+    let nodes = fleet(4, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    fail_allocation(&mut hpns[0]);
+    converge(&mut hpns[1]);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-02"]);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Degraded),
+        ("True", "AllocationFailed")
+    );
+}
+
+#[test]
+fn older_pool_wins_a_conflict_and_the_newer_touches_nothing() {
+    let pools = vec![
+        pool("newer", 10, "b", "2Mi", 32),
+        pool("older", 5, "a", "2Mi", 64),
+    ];
+    let nodes = vec![node("w-1", &["a", "b"]), node("w-2", &["b"])];
+    let plan = run_plan(&pools, &nodes, &[], 0);
+    let entry = &plan.nodes["w-1"].spec.page_sizes[0];
+    assert_eq!((entry.pool.as_str(), entry.pages), ("older", 64));
+    assert_eq!(target_of(&plan, "w-2", "2Mi"), Some(32));
+    assert_eq!(
+        plan.pools["newer"].conflicts,
+        [("w-1".to_string(), "older".to_string())]
+    );
+    let degraded = find_condition(
+        &plan.pools["newer"].status.conditions,
+        PoolConditionType::Degraded,
+    )
+    .unwrap();
+    assert_eq!(degraded.reason, "Conflict");
+    assert!(degraded.message.contains("w-1"), "{}", degraded.message);
+    assert!(degraded.message.contains("older"), "{}", degraded.message);
+    assert_eq!(
+        condition(&plan, "older", PoolConditionType::Degraded),
+        ("False", "AsExpected")
+    );
+}
+
+#[test]
+fn same_creation_time_breaks_the_tie_by_name() {
+    let pools = vec![
+        pool("b-pool", 0, "x", "2Mi", 2),
+        pool("a-pool", 0, "x", "2Mi", 1),
+    ];
+    let plan = run_plan(&pools, &[node("w", &["x"])], &[], 0);
+    assert_eq!(plan.nodes["w"].spec.page_sizes[0].pool, "a-pool");
+}
+
+#[test]
+fn pools_of_different_sizes_share_a_node() {
+    let pools = vec![
+        pool("small", 0, "x", "2Mi", 8),
+        pool("big", 1, "x", "1Gi", 2),
+    ];
+    let plan = run_plan(&pools, &[node("w", &["x"])], &[], 0);
+    let sizes: Vec<&str> = plan.nodes["w"]
+        .spec
+        .page_sizes
+        .iter()
+        .map(|e| e.size.as_str())
+        .collect();
+    assert_eq!(sizes, ["2Mi", "1Gi"]);
+    assert!(plan.pools["big"].conflicts.is_empty());
+}
+
+#[test]
+fn paused_pool_admits_no_new_nodes_but_keeps_changing_ones() {
+    let mut pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(1),
+    )];
+    let nodes = fleet(3, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    pools[0].spec.rollout.paused = true;
+    pools[0].spec.pages = Some(128);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert_eq!(
+        plan.spec_writes().count(),
+        0,
+        "paused: the in-flight target stays"
+    );
+    converge(&mut hpns[0]);
+    let plan = run_plan(&pools, &nodes, &hpns, 2);
+    assert!(plan.pools["dpdk"].admitted.is_empty());
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Progressing),
+        ("False", "Paused")
+    );
+}
+
+#[test]
+fn a_new_target_moves_an_in_flight_node_without_taking_another_slot() {
+    let mut pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(1),
+    )];
+    let nodes = fleet(3, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    pools[0].spec.pages = Some(128);
+    pools[0].metadata.generation = Some(2);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-00"]);
+    assert_eq!(target_of(&plan, "w-00", "2Mi"), Some(128));
+    assert_eq!(plan.nodes["w-00"].spec.page_sizes[0].pool_generation, 2);
+    assert_eq!(target_of(&plan, "w-01", "2Mi"), None);
+}
+
+#[test]
+fn rollout_runs_to_the_end_and_the_pool_becomes_available() {
+    let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    let nodes = fleet(9, &["dpdk"]);
+    let mut hpns = Vec::new();
+    let (plan, passes) = run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    assert!(passes >= 3, "25% of 9 is 3 nodes at a time");
+    assert!(hpns.iter().all(|h| h.spec.page_sizes[0].pages == 64));
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Available),
+        ("True", "AllNodesConverged")
+    );
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Progressing),
+        ("False", "RolloutComplete")
+    );
+    let status = &plan.pools["dpdk"].status;
+    assert_eq!(status.nodes.ready, "9/9");
+    assert_eq!(status.pages.target, 9 * 64);
+    assert_eq!(status.pages.current, 9 * 64);
+    assert_eq!(status.observed_generation, Some(1));
+}
+
+#[test]
+fn an_unchanged_fleet_plans_no_writes_and_keeps_transition_times() {
+    let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    let nodes = fleet(3, &["dpdk"]);
+    let mut hpns = Vec::new();
+    let (plan, _) = run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    let later = run_plan(&pools, &nodes, &hpns, 10_000);
+    assert_eq!(later.spec_writes().count(), 0);
+    assert_eq!(later.pools["dpdk"].status, plan.pools["dpdk"].status);
+}
+
+#[test]
+fn a_settings_change_on_converged_nodes_rolls_out_like_a_target_change() {
+    let mut pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(1),
+    )];
+    let nodes = fleet(3, &["dpdk"]);
+    let mut hpns = Vec::new();
+    run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    pools[0].spec.allocation.retries = 7;
+    pools[0].metadata.generation = Some(2);
+    let plan = run_plan(&pools, &nodes, &hpns, 100);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-00"]);
+    // A generation bump alone (say, maxUnavailable) rewrites nothing.
+    let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    let mut hpns = Vec::new();
+    run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    pools[0].spec.rollout.max_unavailable = IntOrString::Int(3);
+    pools[0].metadata.generation = Some(2);
+    assert_eq!(
+        run_plan(&pools, &nodes, &hpns, 100).spec_writes().count(),
+        0
+    );
+}
+
+#[test]
+fn spread_splits_evenly_with_the_remainder_to_the_lowest_ids() {
+    let split = spread(10, &[3, 0, 1]);
+    let pages: Vec<(i32, i64)> = split.iter().map(|n| (n.id, n.pages)).collect();
+    assert_eq!(pages, [(0, 4), (1, 3), (3, 3)]);
+}
+
+#[test]
+fn spread_targets_numa_nodes_once_the_agent_reported_them() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 5),
+        IntOrString::Int(2),
+    )];
+    let nodes = vec![node("w-1", &["dpdk"]), node("w-2", &["dpdk"])];
+    let mut reported = hpn("w-1", 1, vec![]);
+    status_of(&mut reported).page_sizes = vec![PageSizeStatus {
+        size: "2Mi".into(),
+        numa: vec![
+            NumaStatus {
+                id: 0,
+                ..NumaStatus::default()
+            },
+            NumaStatus {
+                id: 1,
+                ..NumaStatus::default()
+            },
+        ],
+        ..PageSizeStatus::default()
+    }];
+    let plan = run_plan(&pools, &nodes, &[reported], 0);
+    let numa = plan.nodes["w-1"].spec.page_sizes[0].numa.clone().unwrap();
+    assert_eq!(
+        numa,
+        [
+            NumaTarget { id: 0, pages: 3 },
+            NumaTarget { id: 1, pages: 2 }
+        ]
+    );
+    // Not reported yet: one global target, the kernel places the pages.
+    assert_eq!(plan.nodes["w-2"].spec.page_sizes[0].numa, None);
+}
+
+#[test]
+fn explicit_numa_node_the_node_lacks_fails_that_node_only() {
+    let mut explicit = pool("dpdk", 0, "dpdk", "2Mi", 4);
+    explicit.spec.numa = Some(NumaSpec {
+        policy: NumaPolicy::Explicit,
+        nodes: Some(vec![
+            NumaTarget { id: 0, pages: 1 },
+            NumaTarget { id: 1, pages: 3 },
+        ]),
+    });
+    let mut single = hpn("w-1", 1, vec![]);
+    status_of(&mut single).page_sizes = vec![PageSizeStatus {
+        size: "2Mi".into(),
+        numa: vec![NumaStatus::default()],
+        ..PageSizeStatus::default()
+    }];
+    let nodes = vec![node("w-1", &["dpdk"]), node("w-2", &["dpdk"])];
+    let explicit = with_max_unavailable(explicit, IntOrString::Int(2));
+    let plan = run_plan(&[explicit], &nodes, &[single], 0);
+    assert_eq!(target_of(&plan, "w-1", "2Mi"), None);
+    assert_eq!(target_of(&plan, "w-2", "2Mi"), Some(4));
+    let failed = &plan.pools["dpdk"].status.failed_nodes;
+    assert_eq!(failed.len(), 1);
+    assert_eq!(
+        (failed[0].name.as_str(), failed[0].reason.as_str()),
+        ("w-1", "InvalidSpec")
+    );
+}
+
+#[test]
+fn memory_pool_targets_memory_divided_by_page_size() {
+    let mut by_memory = pool("db", 0, "db", "1Gi", 0);
+    by_memory.spec.pages = None;
+    by_memory.spec.memory = Some("8Gi".into());
+    let plan = run_plan(&[by_memory], &[node("w", &["db"])], &[], 0);
+    assert_eq!(target_of(&plan, "w", "1Gi"), Some(8));
+}
+
+#[test]
+fn what_the_schema_cannot_reject_becomes_invalid_spec_and_touches_nothing() {
+    let mut bad = pool("bad", 0, "x", "2Mi", 0);
+    bad.spec.pages = None;
+    bad.spec.memory = Some("3Mi".into());
+    let held = hpn(
+        "w",
+        2,
+        vec![pool("bad", 0, "x", "2Mi", 4).entry_for_test(4)],
+    );
+    let plan = run_plan(&[bad], &[node("w", &["x"])], std::slice::from_ref(&held), 0);
+    assert_eq!(plan.spec_writes().count(), 0);
+    assert_eq!(plan.nodes["w"].spec, held.spec);
+    let (status, reason) = condition(&plan, "bad", PoolConditionType::Degraded);
+    assert_eq!((status, reason), ("True", "InvalidSpec"));
+    let message = &find_condition(
+        &plan.pools["bad"].status.conditions,
+        PoolConditionType::Degraded,
+    )
+    .unwrap()
+    .message;
+    assert!(message.contains("not a multiple of 2Mi"), "{message}");
+}
+
+#[test]
+fn no_matching_nodes_is_reported() {
+    let plan = run_plan(
+        &[pool("lonely", 0, "none", "2Mi", 1)],
+        &fleet(2, &["x"]),
+        &[],
+        0,
+    );
+    assert_eq!(
+        condition(&plan, "lonely", PoolConditionType::Degraded),
+        ("True", "NoMatchingNodes")
+    );
+    assert_eq!(
+        condition(&plan, "lonely", PoolConditionType::Available),
+        ("False", "NoMatchingNodes")
+    );
+}
+
+#[test]
+fn relabelled_node_leaves_a_retain_pool_at_once_and_a_release_pool_at_zero() {
+    for policy in [DeletionPolicy::Retain, DeletionPolicy::Release] {
+        let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+        pools[0].spec.deletion_policy = policy;
+        let mut nodes = fleet(2, &["dpdk"]);
+        let mut hpns = Vec::new();
+        run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+        nodes[1] = node("w-01", &[]);
+        let plan = run_plan(&pools, &nodes, &hpns, 100);
+        match policy {
+            DeletionPolicy::Retain => {
+                assert!(plan.nodes["w-01"].spec.page_sizes.is_empty());
+                assert_eq!(plan.pools["dpdk"].status.nodes.selected, 1);
+            }
+            DeletionPolicy::Release => {
+                assert_eq!(target_of(&plan, "w-01", "2Mi"), Some(0));
+                assert_eq!(plan.pools["dpdk"].status.nodes.selected, 2);
+                apply_specs(&plan, &mut hpns);
+                converge(&mut hpns[1]);
+                let plan = run_plan(&pools, &nodes, &hpns, 101);
+                assert!(plan.nodes["w-01"].spec.page_sizes.is_empty());
+                assert_eq!(plan.pools["dpdk"].status.nodes.selected, 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn release_deletion_shrinks_every_node_to_zero_within_the_limit_before_the_finalizer_goes() {
+    let mut pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(2),
+    )];
+    pools[0].spec.deletion_policy = DeletionPolicy::Release;
+    let nodes = fleet(5, &["dpdk"]);
+    let mut hpns = Vec::new();
+    run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    pools[0].metadata.deletion_timestamp = Some(Time(at(50)));
+    let mut finalized = false;
+    for pass in 0..20 {
+        let plan = run_plan(&pools, &nodes, &hpns, 100 + pass);
+        let at_zero = plan
+            .nodes
+            .values()
+            .filter(|n| n.spec.page_sizes.iter().any(|e| e.pages == 0))
+            .count();
+        assert!(
+            at_zero <= 2,
+            "pass {pass}: {at_zero} nodes shrinking at once"
+        );
+        if plan.pools["dpdk"].remove_finalizer {
+            assert!(plan.nodes.values().all(|n| n.spec.page_sizes.is_empty()));
+            assert!(hpns.iter().all(|h| {
+                h.status
+                    .as_ref()
+                    .is_some_and(|s| s.page_sizes.iter().all(|r| r.total == 0))
+            }));
+            finalized = true;
+            break;
+        }
+        apply_specs(&plan, &mut hpns);
+        hpns.iter_mut().for_each(converge);
+    }
+    assert!(finalized);
+}
+
+#[test]
+fn retain_deletion_drops_the_entries_and_the_finalizer_at_once() {
+    let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    let nodes = fleet(3, &["dpdk"]);
+    let mut hpns = Vec::new();
+    run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    pools[0].metadata.deletion_timestamp = Some(Time(at(50)));
+    let plan = run_plan(&pools, &nodes, &hpns, 100);
+    assert!(plan.pools["dpdk"].remove_finalizer);
+    assert_eq!(plan.spec_writes().count(), 3);
+    assert!(plan.nodes.values().all(|n| n.spec.page_sizes.is_empty()));
+}
+
+#[test]
+fn entries_of_a_pool_that_no_longer_exists_are_dropped() {
+    let orphan = hpn(
+        "w",
+        1,
+        vec![pool("gone", 0, "x", "2Mi", 4).entry_for_test(4)],
+    );
+    let plan = run_plan(&[], &[node("w", &["x"])], &[orphan], 0);
+    assert!(plan.nodes["w"].spec_changed);
+    assert!(plan.nodes["w"].spec.page_sizes.is_empty());
+}
+
+/// A node whose shrink to 0 is blocked by 3 pages in use.
+fn blocked_shrink(policy: DrainPolicy) -> (Vec<HugePagePool>, Vec<Node>, Vec<HugePageNode>) {
+    let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    pools[0].spec.drain.policy = policy;
+    pools[0].spec.drain.timeout = "1m".into();
+    let nodes = fleet(1, &["dpdk"]);
+    let mut hpns = Vec::new();
+    run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    pools[0].spec.pages = Some(0);
+    pools[0].metadata.generation = Some(2);
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    let generation = hpns[0].metadata.generation;
+    let status = status_of(&mut hpns[0]);
+    status.observed_generation = generation;
+    status.page_sizes = vec![PageSizeStatus {
+        size: "2Mi".into(),
+        target: Some(0),
+        total: 3,
+        free: 0,
+        surplus: 3,
+        in_use: 3,
+        ..PageSizeStatus::default()
+    }];
+    set_condition(
+        &mut status.conditions,
+        ConditionUpdate::new(
+            NodeConditionType::ShrinkBlocked,
+            true,
+            Reason::PagesInUse,
+            "",
+        ),
+        &Time(at(0)),
+    );
+    (pools, nodes, hpns)
+}
+
+#[test]
+fn blocked_shrink_taints_evicts_and_times_out() {
+    let (pools, nodes, mut hpns) = blocked_shrink(DrainPolicy::IfNeeded);
+    let plan = run_plan(&pools, &nodes, &hpns, 10);
+    let drain = &plan.nodes["w-00"].drain;
+    assert!(drain.taint);
+    assert_eq!(drain.evict, [hugepool_crds::PageSize::SIZE_2MI]);
+    assert_eq!(drain.deadline, Some(at(70)));
+    assert_eq!(plan.next_deadline, Some(at(70)));
+    let update = drain.condition.clone().unwrap();
+    assert_eq!((update.status, update.reason), (true, Reason::EvictingPods));
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Progressing),
+        ("True", "Draining")
+    );
+    // The controller records the condition; the deadline counts from then.
+    set_condition(
+        &mut status_of(&mut hpns[0]).conditions,
+        update,
+        &Time(at(10)),
+    );
+    let plan = run_plan(&pools, &nodes, &hpns, 69);
+    assert!(plan.nodes["w-00"].drain.taint);
+    let plan = run_plan(&pools, &nodes, &hpns, 70);
+    let drain = &plan.nodes["w-00"].drain;
+    assert!(!drain.taint, "a timed-out drain gives the node back");
+    let update = drain.condition.clone().unwrap();
+    assert_eq!(
+        (update.status, update.reason),
+        (false, Reason::DrainTimeout)
+    );
+    set_condition(
+        &mut status_of(&mut hpns[0]).conditions,
+        update,
+        &Time(at(70)),
+    );
+    let plan = run_plan(&pools, &nodes, &hpns, 71);
+    let pool_plan = &plan.pools["dpdk"];
+    assert_eq!(pool_plan.status.failed_nodes[0].reason, "DrainTimeout");
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Degraded),
+        ("True", "RolloutHalted")
+    );
+}
+
+#[test]
+fn drain_ends_with_the_taint_removed_once_the_node_converges() {
+    let (pools, nodes, mut hpns) = blocked_shrink(DrainPolicy::IfNeeded);
+    let plan = run_plan(&pools, &nodes, &hpns, 10);
+    let update = plan.nodes["w-00"].drain.condition.clone().unwrap();
+    set_condition(
+        &mut status_of(&mut hpns[0]).conditions,
+        update,
+        &Time(at(10)),
+    );
+    // Pods gone: the kernel frees the surplus.
+    set_condition(
+        &mut status_of(&mut hpns[0]).conditions,
+        ConditionUpdate::new(
+            NodeConditionType::ShrinkBlocked,
+            false,
+            Reason::NotBlocked,
+            "",
+        ),
+        &Time(at(20)),
+    );
+    converge(&mut hpns[0]);
+    let plan = run_plan(&pools, &nodes, &hpns, 20);
+    let drain = &plan.nodes["w-00"].drain;
+    assert!(!drain.taint);
+    let update = drain.condition.clone().unwrap();
+    assert_eq!(
+        (update.status, update.reason),
+        (false, Reason::DrainComplete)
+    );
+}
+
+#[test]
+fn drain_policy_never_leaves_the_node_blocked_and_says_so() {
+    let (pools, nodes, hpns) = blocked_shrink(DrainPolicy::Never);
+    let plan = run_plan(&pools, &nodes, &hpns, 10);
+    assert_eq!(plan.nodes["w-00"].drain, DrainPlan::default());
+    assert_eq!(plan.pools["dpdk"].blocked, ["w-00"]);
+    let progressing = find_condition(
+        &plan.pools["dpdk"].status.conditions,
+        PoolConditionType::Progressing,
+    )
+    .unwrap();
+    assert!(
+        progressing.message.contains("drain policy Never"),
+        "{}",
+        progressing.message
+    );
+}
+
+// ---- property tests ----
+
+/// A random fleet: pools over labels a/b, sizes 2Mi/1Gi, random limits,
+/// pause and deletion; HugePageNodes with random entries and agent reports.
+#[derive(Clone, Debug)]
+struct World {
+    pools: Vec<HugePagePool>,
+    nodes: Vec<Node>,
+    hpns: Vec<HugePageNode>,
+}
+
+const LABELS: [&str; 2] = ["a", "b"];
+const SIZES: [&str; 2] = ["2Mi", "1Gi"];
+
+fn arb_pool(index: usize) -> impl Strategy<Value = HugePagePool> {
+    (
+        0..2usize,
+        0..2usize,
+        0..5i64,
+        0..4i64,
+        prop_oneof![
+            (1..4i32).prop_map(IntOrString::Int),
+            (1..=100u32).prop_map(|p| IntOrString::String(format!("{p}%"))),
+        ],
+        prop::bool::weighted(0.2),
+        prop::bool::weighted(0.2),
+        prop::bool::ANY,
+    )
+        .prop_map(
+            move |(label, size, pages, created, limit, paused, deleting, release)| {
+                let mut pool = with_max_unavailable(
+                    pool(
+                        &format!("p{index}"),
+                        created,
+                        LABELS[label],
+                        SIZES[size],
+                        pages,
+                    ),
+                    limit,
+                );
+                pool.spec.rollout.paused = paused;
+                if deleting {
+                    pool.metadata.deletion_timestamp = Some(Time(at(1)));
+                }
+                if release {
+                    pool.spec.deletion_policy = DeletionPolicy::Release;
+                }
+                pool
+            },
+        )
+}
+
+/// Random entry (pool index, size index, pages) and random agent report.
+fn arb_node(index: usize, pools: usize) -> impl Strategy<Value = (Node, Option<HugePageNode>)> {
+    (
+        prop::sample::subsequence(LABELS.to_vec(), 0..=2),
+        prop::collection::vec((0..pools, 0..2usize, 0..5i64), 0..3),
+        prop::bool::ANY,
+        0..4u8,
+        prop::bool::weighted(0.2),
+    )
+        .prop_map(move |(labels, entries, exists, report, failed)| {
+            let name = format!("w-{index}");
+            let node = node(&name, &labels);
+            if !exists {
+                return (node, None);
+            }
+            let mut seen = BTreeSet::new();
+            let entries = entries
+                .into_iter()
+                .filter(|(_, size, _)| seen.insert(*size))
+                .map(|(pool_index, size, pages)| {
+                    pool(&format!("p{pool_index}"), 0, "a", SIZES[size], pages)
+                        .entry_for_test(pages)
+                })
+                .collect();
+            let mut hpn = hpn(&name, 3, entries);
+            match report {
+                0 => {}
+                1 => converge(&mut hpn),
+                2 => {
+                    converge(&mut hpn);
+                    hpn.metadata.generation = Some(4);
+                }
+                _ => {
+                    converge(&mut hpn);
+                    for reported in &mut status_of(&mut hpn).page_sizes {
+                        reported.total += 1;
+                    }
+                }
+            }
+            if failed {
+                fail_allocation(&mut hpn);
+            }
+            (node, Some(hpn))
+        })
+}
+
+fn arb_world() -> impl Strategy<Value = World> {
+    (1..4usize, 1..8usize)
+        .prop_flat_map(|(pools, nodes)| {
+            (
+                (0..pools).map(arb_pool).collect::<Vec<_>>(),
+                (0..nodes).map(|i| arb_node(i, pools)).collect::<Vec<_>>(),
+            )
+        })
+        .prop_map(|(pools, nodes)| {
+            let (nodes, hpns): (Vec<_>, Vec<_>) = nodes.into_iter().unzip();
+            World {
+                pools,
+                nodes,
+                hpns: hpns.into_iter().flatten().collect(),
+            }
+        })
+}
+
+/// Nodes where `pool`'s entry is changing: not converged for its target
+/// (failed ones included) before, or written by the plan.
+fn changing(world: &World, plan: Option<&Plan>, pool: &str) -> BTreeSet<String> {
+    let size = world
+        .pools
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some(pool))
+        .map(|p| p.spec.page_size.clone())
+        .unwrap_or_default();
+    let ours = |e: &&hugepool_crds::node::PageSizeTarget| e.pool == pool && e.size == size;
+    let mut nodes = BTreeSet::new();
+    for hpn in &world.hpns {
+        let name = hpn.metadata.name.clone().unwrap();
+        let before = hpn.spec.page_sizes.iter().find(ours);
+        let changing_before = before.is_some_and(|e| entry_state(hpn, e) != EntryState::Converged);
+        let changing = match plan.and_then(|p| p.nodes.get(&name)) {
+            None => changing_before,
+            Some(node_plan) => {
+                let after = node_plan.spec.page_sizes.iter().find(ours);
+                match (before, after) {
+                    (_, None) => false,
+                    (Some(b), Some(a)) if b == a => changing_before,
+                    (_, Some(_)) => true,
+                }
+            }
+        };
+        if changing {
+            nodes.insert(name);
+        }
+    }
+    if let Some(plan) = plan {
+        for (name, node_plan) in &plan.nodes {
+            let fresh = !world
+                .hpns
+                .iter()
+                .any(|h| h.metadata.name.as_ref() == Some(name));
+            if fresh && node_plan.spec.page_sizes.iter().any(|e| ours(&e)) {
+                nodes.insert(name.clone());
+            }
+        }
+    }
+    nodes
+}
+
+impl World {
+    /// One line per object, for failure messages.
+    fn describe(&self) -> String {
+        let mut lines = Vec::new();
+        for p in &self.pools {
+            lines.push(format!(
+                "pool {} created={:?} sel={:?} size={} pages={:?} limit={:?} paused={} deleting={} {:?}",
+                p.metadata.name.clone().unwrap(),
+                p.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second() - T0),
+                p.spec.node_selector.match_labels.as_ref().map(|l| l.keys().cloned().collect::<Vec<_>>()),
+                p.spec.page_size, p.spec.pages, p.spec.rollout.max_unavailable, p.spec.rollout.paused,
+                p.metadata.deletion_timestamp.is_some(), p.spec.deletion_policy,
+            ));
+        }
+        for n in &self.nodes {
+            lines.push(format!(
+                "node {} labels={:?}",
+                n.metadata.name.clone().unwrap(),
+                n.metadata
+                    .labels
+                    .as_ref()
+                    .map(|l| l.keys().cloned().collect::<Vec<_>>())
+            ));
+        }
+        for h in &self.hpns {
+            let status = h.status.as_ref();
+            lines.push(format!(
+                "hpn {} gen={:?} observed={:?} entries={:?} reported={:?} conditions={:?}",
+                h.metadata.name.clone().unwrap(),
+                h.metadata.generation,
+                status.and_then(|s| s.observed_generation),
+                h.spec
+                    .page_sizes
+                    .iter()
+                    .map(|e| (e.pool.clone(), e.size.clone(), e.pages))
+                    .collect::<Vec<_>>(),
+                status.map(|s| s
+                    .page_sizes
+                    .iter()
+                    .map(|r| (r.size.clone(), r.target, r.total))
+                    .collect::<Vec<_>>()),
+                status.map(|s| s
+                    .conditions
+                    .iter()
+                    .map(|c| (c.type_.clone(), c.status.clone()))
+                    .collect::<Vec<_>>()),
+            ));
+        }
+        lines.join("\n")
+    }
+}
+
+fn world_plan(world: &World) -> Plan {
+    run_plan(&world.pools, &world.nodes, &world.hpns, 5)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn never_more_than_max_unavailable_nodes_changing(world in arb_world()) {
+        let plan = world_plan(&world);
+        for pool in &world.pools {
+            let name = pool.metadata.name.clone().unwrap();
+            let limit = plan.pools[&name].max_unavailable;
+            let after = changing(&world, Some(&plan), &name);
+            // A node that left the pool (its entry dropped) frees its slot.
+            let still_in: BTreeSet<String> = plan.nodes.iter()
+                .filter(|(_, n)| n.spec.page_sizes.iter().any(|e| e.pool == name && e.size == pool.spec.page_size))
+                .map(|(node, _)| node.clone())
+                .collect();
+            let before: BTreeSet<String> = changing(&world, None, &name).intersection(&still_in).cloned().collect();
+            if before.len() >= limit {
+                prop_assert!(after.is_subset(&before), "{name}: {before:?} -> {after:?}\n{}", world.describe());
+            } else {
+                prop_assert!(after.len() <= limit, "{name}: {before:?} -> {after:?} > {limit}\n{}", world.describe());
+            }
+            if pool.spec.rollout.paused {
+                prop_assert!(after.is_subset(&before), "paused {name} admitted {after:?}\n{}", world.describe());
+            }
+        }
+    }
+
+    #[test]
+    fn each_node_size_has_one_owner_and_it_is_the_oldest_pool_wanting_it(world in arb_world()) {
+        let plan = world_plan(&world);
+        for (node_name, node_plan) in &plan.nodes {
+            let sizes: BTreeSet<&str> = node_plan.spec.page_sizes.iter().map(|e| e.size.as_str()).collect();
+            prop_assert_eq!(sizes.len(), node_plan.spec.page_sizes.len());
+            let before = world.hpns.iter().find(|h| h.metadata.name.as_ref() == Some(node_name));
+            let node = world.nodes.iter().find(|n| n.metadata.name.as_ref() == Some(node_name)).unwrap();
+            for entry in &node_plan.spec.page_sizes {
+                let unchanged = before.is_some_and(|b| b.spec.page_sizes.contains(entry));
+                if unchanged {
+                    continue;
+                }
+                // A written entry belongs to the oldest live pool selecting the node (or releasing it).
+                let mut candidates: Vec<&HugePagePool> = world.pools.iter().filter(|p| {
+                    p.spec.page_size == entry.size
+                        && ((p.metadata.deletion_timestamp.is_none()
+                            && node.metadata.labels.as_ref().unwrap().contains_key(
+                                p.spec.node_selector.match_labels.as_ref().unwrap().keys().next().unwrap()))
+                            || (p.spec.deletion_policy == DeletionPolicy::Release
+                                && before.is_some_and(|b| b.spec.page_sizes.iter().any(|e| e.pool == p.metadata.name.clone().unwrap() && e.size == entry.size))))
+                }).collect();
+                candidates.sort_by_key(|p| (p.metadata.creation_timestamp.clone(), p.metadata.name.clone()));
+                prop_assert_eq!(Some(&entry.pool), candidates.first().and_then(|p| p.metadata.name.as_ref()), "{}", world.describe());
+            }
+        }
+        for (pool_name, pool_plan) in &plan.pools {
+            for (node, owner) in &pool_plan.conflicts {
+                prop_assert_ne!(owner, pool_name);
+                // The loser's entry there stays as it was until the owner takes the size over.
+                let size = &world.pools.iter().find(|p| p.metadata.name.as_ref() == Some(pool_name)).unwrap().spec.page_size;
+                let entry = plan.nodes[node].spec.page_sizes.iter().find(|e| &e.pool == pool_name && &e.size == size);
+                let before = world.hpns.iter().find(|h| h.metadata.name.as_ref() == Some(node))
+                    .and_then(|h| h.spec.page_sizes.iter().find(|e| &e.pool == pool_name && &e.size == size));
+                if entry != before {
+                    let size = &before.unwrap().size;
+                    let now_there = plan.nodes[node].spec.page_sizes.iter().find(|e| &e.size == size);
+                    prop_assert_eq!(now_there.map(|e| &e.pool), Some(owner), "loser {} touched {}\n{}", pool_name, node, world.describe());
+                }
+                let degraded = find_condition(&pool_plan.status.conditions, PoolConditionType::Degraded).unwrap();
+                prop_assert!(degraded.status == "True");
+            }
+        }
+    }
+
+    #[test]
+    fn the_plan_does_not_depend_on_input_order(world in arb_world(), seed in any::<u64>()) {
+        let mut shuffled = world.clone();
+        let rotate = |len: usize| if len == 0 { 0 } else { (seed as usize) % len };
+        let (p, n, h) = (rotate(shuffled.pools.len()), rotate(shuffled.nodes.len()), rotate(shuffled.hpns.len()));
+        shuffled.pools.rotate_left(p);
+        shuffled.pools.reverse();
+        shuffled.nodes.rotate_left(n);
+        shuffled.hpns.rotate_left(h);
+        shuffled.hpns.reverse();
+        prop_assert_eq!(world_plan(&world), world_plan(&shuffled));
+    }
+
+    #[test]
+    fn rollouts_finish_and_never_exceed_the_limit_at_any_step(
+        nodes in 1..12usize,
+        limit in 1..4i32,
+        first in 0..5i64,
+        second in 0..5i64,
+        stuck_mask in any::<u16>(),
+    ) {
+        let mut pools = vec![with_max_unavailable(pool("p", 0, "a", "2Mi", first), IntOrString::Int(limit))];
+        let fleet = fleet(nodes, &["a"]);
+        let mut hpns = Vec::new();
+        run_to_end(&mut pools, &fleet, &mut hpns, &BTreeSet::new());
+        pools[0].spec.pages = Some(second);
+        pools[0].metadata.generation = Some(2);
+        // Each pass, agents of a random subset are slow and report nothing.
+        let mut changing_now: BTreeMap<String, bool> = BTreeMap::new();
+        for pass in 0..100 {
+            let plan = run_plan(&pools, &fleet, &hpns, pass);
+            let world = World { pools: pools.clone(), nodes: fleet.clone(), hpns: hpns.clone() };
+            let after = changing(&world, Some(&plan), "p");
+            prop_assert!(after.len() <= limit as usize, "pass {}: {:?}", pass, after);
+            apply_specs(&plan, &mut hpns);
+            apply_statuses(&plan, &mut pools);
+            for (index, hpn) in hpns.iter_mut().enumerate() {
+                if (stuck_mask >> ((index + pass as usize) % 16)) & 1 == 0 {
+                    converge(hpn);
+                }
+            }
+            changing_now.clear();
+            if hpns.iter().all(|h| h.spec.page_sizes[0].pages == second
+                && entry_state(h, &h.spec.page_sizes[0]) == EntryState::Converged)
+            {
+                let plan = run_plan(&pools, &fleet, &hpns, pass + 1);
+                prop_assert_eq!(condition(&plan, "p", PoolConditionType::Available), ("True", "AllNodesConverged"));
+                return Ok(());
+            }
+        }
+        prop_assert!(stuck_mask == u16::MAX, "rollout did not finish");
+    }
+}
