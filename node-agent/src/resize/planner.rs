@@ -14,8 +14,8 @@
 //! - Shrink never writes below the floor `in_use + reserved`: below it the
 //!   kernel would turn in-use pages into surplus. At the floor it finishes
 //!   `Blocked` with the counts.
-//! - Grow never asks for more than `(MemAvailable - min_mem_available) /
-//!   page_size` pages; when the kernel returns fewer pages than asked it
+//! - Grow never asks for more than `(MemAvailable - min_mem_available -
+//!   headroom) / page_size` pages; when the kernel returns fewer pages than asked it
 //!   compacts and retries up to `retries` times, then finishes with a
 //!   `Shortfall` saying why.
 
@@ -339,6 +339,7 @@ impl Planner {
         let guard_room = observed
             .mem_available
             .saturating_sub(self.settings.min_mem_available)
+            .saturating_sub(guard_headroom(self.settings.min_mem_available))
             / self.target.size.bytes();
         // Promoting surplus pages takes no new memory.
         let guard_cap = guard_room.saturating_add(observed.surplus());
@@ -456,6 +457,13 @@ impl Planner {
         self.failed_writes += 1;
         self.last_error = Some(error);
     }
+}
+
+/// Allocating under memory pressure lowers MemAvailable by a little more
+/// than the pages taken (measured: 1 MiB past a 6 GiB guard), so growth
+/// stops this far above the guard: 1/32 of it, at least 32 MiB.
+pub fn guard_headroom(min_mem_available: u64) -> u64 {
+    (min_mem_available / 32).max(32 << 20)
 }
 
 /// The probe: 32 MiB of pages (16 x 2Mi), at least one page.
@@ -706,13 +714,13 @@ mod tests {
         let mut planner = Planner::new(target(4096), settings);
         planner.grow.last_step = Some(4096);
         let mut now = observed(0, 0, 0, 0);
-        now.mem_available = GIB + 100 * (2 << 20) + 12345;
+        now.mem_available = GIB + guard_headroom(GIB) + 100 * (2 << 20) + 12345;
         let Decision::Write(write) = planner.next(&now, &CostModels::default()) else {
             panic!("expected a write");
         };
         assert_eq!(write.pages, 100);
         assert!(write.guard_limited);
-        now.mem_available = GIB + (2 << 20) - 1;
+        now.mem_available = GIB + guard_headroom(GIB) + (2 << 20) - 1;
         assert!(matches!(
             planner.next(&now, &CostModels::default()),
             Decision::Finish(Outcome::Shortfall {
