@@ -220,6 +220,15 @@ pub fn node_spec_apply(node: &Node, plan: &NodePlan) -> serde_json::Value {
     })
 }
 
+/// The merge patch that empties a HugePageNode's spec.
+pub fn node_spec_clear(node: &Node, with_owner: bool) -> serde_json::Value {
+    let mut patch = json!({"spec": {"pageSizes": []}});
+    if with_owner {
+        patch["metadata"] = node_spec_apply(node, &NodePlan::default())["metadata"].clone();
+    }
+    patch
+}
+
 /// Reconciles one pool: plans the cluster, writes what changed.
 #[instrument(skip(pool, ctx), fields(pool = %pool.name_any()))]
 pub async fn reconcile(pool: Arc<HugePagePool>, ctx: Arc<Context>) -> Result<Action> {
@@ -248,7 +257,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     let pools = fresher(ctx.pools.state(), &mut written.pools, false);
     let nodes = fresher(ctx.nodes.state(), &mut written.nodes, false);
     let node_states = fresher(ctx.node_states.state(), &mut written.node_states, true);
-    let Some(pool) = pools.iter().find(|p| p.name_any() == name).cloned() else {
+    let Some(mut pool) = pools.iter().find(|p| p.name_any() == name).cloned() else {
         ctx.metrics.forget_pool(name);
         return Ok(Action::await_change());
     };
@@ -259,7 +268,8 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         let updated = add_finalizer(&pools_api, &pool).await?;
         written
             .pools
-            .insert(name.to_string(), (updated, Instant::now()));
+            .insert(name.to_string(), (updated.clone(), Instant::now()));
+        pool = updated;
     }
 
     let now = (ctx.now)();
@@ -302,7 +312,9 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
             })?;
         written
             .pools
-            .insert(name.to_string(), (updated, Instant::now()));
+            .insert(name.to_string(), (updated.clone(), Instant::now()));
+        // The finalizer patch below must carry the newest resourceVersion.
+        pool = updated;
         if !pool_plan.admitted.is_empty() {
             info!(admitted = ?pool_plan.admitted, "nodes admitted to the rollout");
         }
@@ -402,12 +414,23 @@ async fn write_node_spec(
     }
     let name = node.name_any();
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
+    let (params, patch) = match current {
+        // Applying an empty list drops `spec` altogether (nothing in it is
+        // owned any more), which the schema refuses; clear it explicitly.
+        Some(_) if plan.spec.page_sizes.is_empty() => {
+            let params = PatchParams {
+                field_manager: Some(OPERATOR_MANAGER.into()),
+                ..PatchParams::default()
+            };
+            (params, Patch::Merge(node_spec_clear(node, needs_owner)))
+        }
+        _ => (
+            PatchParams::apply(OPERATOR_MANAGER).force(),
+            Patch::Apply(node_spec_apply(node, plan)),
+        ),
+    };
     let updated = api
-        .patch(
-            &name,
-            &PatchParams::apply(OPERATOR_MANAGER).force(),
-            &Patch::Apply(node_spec_apply(node, plan)),
-        )
+        .patch(&name, &params, &patch)
         .await
         .map_err(|source| Error::NodeSpec {
             node: name.clone(),

@@ -66,7 +66,7 @@ impl Plan {
     }
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct NodePlan {
     /// The whole desired `.spec`; entries sorted by page size.
     pub spec: HugePageNodeSpec,

@@ -67,7 +67,7 @@ impl ApiServerVerifier {
                         .await;
                 }
                 Scenario::RetainDeletion { pool } => {
-                    self.expect_node_spec("w-1", None)
+                    self.expect_node_spec_cleared("w-1")
                         .await
                         .expect_pool_status(&pool, |status| {
                             assert_eq!(status["nodes"]["selected"], 0);
@@ -169,6 +169,24 @@ impl ApiServerVerifier {
         let mut reply = body.clone();
         reply["metadata"]["generation"] = json!(2);
         reply["metadata"]["resourceVersion"] = json!("20");
+        send.send_response(ok_json(&reply));
+        self
+    }
+
+    async fn expect_node_spec_cleared(mut self, node: &str) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::PATCH);
+        assert_eq!(
+            request.uri().path(),
+            format!("/apis/hugepool.dev/v1alpha1/hugepagenodes/{node}")
+        );
+        let content_type = request.headers()[http::header::CONTENT_TYPE].clone();
+        assert_eq!(content_type, "application/merge-patch+json");
+        let query = request.uri().query().unwrap_or_default().to_string();
+        assert!(query.contains("fieldManager=hugepool-operator"), "{query}");
+        let body = Self::body(request).await;
+        assert_eq!(body["spec"], json!({"pageSizes": []}));
+        let reply = hpn(node, 3, vec![]);
         send.send_response(ok_json(&reply));
         self
     }
