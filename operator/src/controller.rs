@@ -605,6 +605,17 @@ fn pools_for_node(
         .collect()
 }
 
+/// Aborts its tasks when dropped.
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
 /// Runs the operator until `shutdown` completes: the HTTP endpoints, leader
 /// election, the watches and the controller.
 pub async fn run(
@@ -613,6 +624,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let shutdown = shutdown.shared();
+    // Helper tasks end with `run`, also when a test drops its future.
+    let mut tasks = AbortOnDrop(Vec::new());
     let metrics = Arc::new(Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
     if let Some(addr) = config.listen {
@@ -624,14 +637,14 @@ pub async fn run(
             ready: ready.clone(),
         });
         let stop = shutdown.clone();
-        tokio::spawn(async move {
+        tasks.0.push(tokio::spawn(async move {
             if let Err(err) = axum::serve(listener, router)
                 .with_graceful_shutdown(stop)
                 .await
             {
                 warn!(error = %err, "metrics server stopped");
             }
-        });
+        }));
         info!(%addr, "serving /metrics, /healthz and /readyz");
     }
     let leadership = match &config.leader {
@@ -681,7 +694,7 @@ pub async fn run(
             node_states.clone(),
             ready.clone(),
         );
-        tokio::spawn(async move {
+        tasks.0.push(tokio::spawn(async move {
             let synced = futures::future::try_join3(
                 pools.wait_until_ready(),
                 nodes.wait_until_ready(),
@@ -692,7 +705,7 @@ pub async fn run(
                 ready.store(true, Ordering::Relaxed);
                 info!("watches synced");
             }
-        });
+        }));
     }
 
     // Every reconcile that ran while this replica was not leading did

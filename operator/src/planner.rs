@@ -1040,6 +1040,14 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
 
     let changing = counts.updating + counts.failed;
     let waiting = counts.pending - conflict_nodes.len() as i64;
+    let blocked_note = if plan.blocked.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; shrink blocked by pages in use on {} (drain policy Never)",
+            name_nodes(&plan.blocked)
+        )
+    };
     let progressing = if halted {
         update(
             Progressing,
@@ -1057,7 +1065,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             Progressing,
             counts.updating > 0,
             Reason::Paused,
-            format!("rollout paused: {summary}"),
+            format!("rollout paused: {summary}{blocked_note}"),
         )
     } else if !plan.draining.is_empty() {
         update(
@@ -1075,19 +1083,21 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::MaxUnavailableReached,
             format!(
-                "{changing}/{} nodes changing (maxUnavailable), {waiting} waiting; {summary}",
+                "{changing}/{} nodes changing (maxUnavailable), {waiting} waiting; \
+                 {summary}{blocked_note}",
                 plan.max_unavailable
             ),
         )
     } else {
-        let mut message = format!("{summary}; maxUnavailable {}", plan.max_unavailable);
-        if !plan.blocked.is_empty() {
-            message.push_str(&format!(
-                "; shrink blocked by pages in use on {} (drain policy Never)",
-                name_nodes(&plan.blocked)
-            ));
-        }
-        update(Progressing, true, Reason::RollingOut, message)
+        update(
+            Progressing,
+            true,
+            Reason::RollingOut,
+            format!(
+                "{summary}; maxUnavailable {}{blocked_note}",
+                plan.max_unavailable
+            ),
+        )
     };
 
     let describe_failed = || {
@@ -1115,7 +1125,8 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::Conflict,
             format!(
-                "{} nodes already hold {} pages of older pool {}: {}",
+                "{} nodes selected by this pool belong for {} pages to the older pool {}, \
+                 this pool leaves them alone: {}",
                 conflict_nodes.len(),
                 pool.size_text,
                 conflict_owners.into_iter().collect::<Vec<_>>().join(", "),
