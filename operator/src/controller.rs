@@ -548,6 +548,43 @@ async fn set_drain_taint(
     written: &mut Written,
 ) -> Result<()> {
     let name = node.name_any();
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    let error = |source| Error::Taint {
+        node: name.clone(),
+        source,
+    };
+    let updated = match api
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(taint_patch(node, taint)),
+        )
+        .await
+    {
+        Ok(updated) => updated,
+        // The Node moved on since the watch saw it (status updates do
+        // that often): read it once more and try again.
+        Err(kube::Error::Api(status)) if status.code == 409 => {
+            let fresh = api.get(&name).await.map_err(error)?;
+            api.patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(taint_patch(&fresh, taint)),
+            )
+            .await
+            .map_err(error)?
+        }
+        Err(source) => return Err(error(source)),
+    };
+    info!(node = %name, taint, "draining taint updated");
+    written.nodes.insert(name, (updated, Instant::now()));
+    Ok(())
+}
+
+/// The merge patch that sets the Node's taints with or without
+/// `hugepool.dev/draining:NoSchedule`. Taints are one atomic list, so the
+/// patch names the resourceVersion it was computed from.
+pub fn taint_patch(node: &Node, taint: bool) -> serde_json::Value {
     let mut taints: Vec<Taint> = node
         .spec
         .as_ref()
@@ -562,21 +599,10 @@ async fn set_drain_taint(
             time_added: None,
         });
     }
-    let patch = json!({
+    json!({
         "metadata": {"resourceVersion": node.resource_version()},
         "spec": {"taints": taints},
-    });
-    let api: Api<Node> = Api::all(ctx.client.clone());
-    let updated = api
-        .patch(&name, &PatchParams::default(), &Patch::Merge(patch))
-        .await
-        .map_err(|source| Error::Taint {
-            node: name.clone(),
-            source,
-        })?;
-    info!(node = %name, taint, "draining taint updated");
-    written.nodes.insert(name, (updated, Instant::now()));
-    Ok(())
+    })
 }
 
 /// Pools that care about a node: those selecting it and those with an

@@ -601,3 +601,33 @@ fn node_spec_apply_names_the_node_as_owner() {
     assert_eq!(body["metadata"]["ownerReferences"][0]["uid"], "uid-w-1");
     assert_eq!(body["spec"]["pageSizes"], json!([]));
 }
+
+#[test]
+fn taint_patch_adds_and_removes_only_the_draining_taint() {
+    let mut tainted = node("w-1", &[]);
+    tainted.metadata.resource_version = Some("7".into());
+    tainted.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
+        taints: Some(vec![k8s_openapi::api::core::v1::Taint {
+            key: "other".into(),
+            effect: "NoExecute".into(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    });
+    let on = taint_patch(&tainted, true);
+    assert_eq!(on["metadata"]["resourceVersion"], "7");
+    let keys: Vec<&str> = on["spec"]["taints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["other", hugepool_crds::DRAINING_TAINT]);
+    tainted.spec.as_mut().unwrap().taints =
+        Some(serde_json::from_value(on["spec"]["taints"].clone()).unwrap());
+    let off = taint_patch(&tainted, false);
+    assert_eq!(
+        off["spec"]["taints"],
+        json!([{"key": "other", "effect": "NoExecute"}])
+    );
+}
