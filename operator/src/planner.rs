@@ -382,6 +382,44 @@ fn same_target(a: &PageSizeTarget, b: &PageSizeTarget) -> bool {
     normalise(a) == normalise(b)
 }
 
+/// A global target the kernel already placed exactly as the NUMA split now
+/// asks (the split became known after the write): rewriting it would move
+/// no page, so it does not cost the node another pass through the rollout.
+fn placed_as_desired(
+    state: &HugePageNode,
+    held: &PageSizeTarget,
+    desired: &PageSizeTarget,
+) -> bool {
+    let Some(split) = &desired.numa else {
+        return false;
+    };
+    let as_split = PageSizeTarget {
+        numa: Some(split.clone()),
+        ..held.clone()
+    };
+    if held.numa.is_some() || !same_target(&as_split, desired) {
+        return false;
+    }
+    if entry_state(state, held) != EntryState::Converged {
+        return false;
+    }
+    let Some(reported) = state
+        .status
+        .as_ref()
+        .and_then(|s| s.page_sizes.iter().find(|r| r.size == held.size))
+    else {
+        return false;
+    };
+    let mut placed: Vec<(i32, i64)> = reported
+        .numa
+        .iter()
+        .map(|n| (n.id, n.total - n.surplus))
+        .collect();
+    placed.sort_unstable();
+    let wanted: Vec<(i32, i64)> = split.iter().map(|n| (n.id, n.pages)).collect();
+    placed == wanted
+}
+
 /// The NUMA node ids the agent reports, preferring the entry of `size`.
 fn reported_numa_ids(node_state: Option<&HugePageNode>, size: &str) -> Vec<i32> {
     let Some(status) = node_state.and_then(|n| n.status.as_ref()) else {
@@ -715,7 +753,9 @@ fn classify(
         member.decision = Decision::Remove;
         return member;
     }
-    let up_to_date = held.is_some_and(|e| same_target(e, desired));
+    let up_to_date = held.is_some_and(|e| {
+        same_target(e, desired) || state.is_some_and(|s| placed_as_desired(s, e, desired))
+    });
     let in_flight = matches!(
         held_state,
         Some(EntryState::InFlight | EntryState::Failed { .. })

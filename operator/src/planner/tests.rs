@@ -368,6 +368,43 @@ fn spread_targets_numa_nodes_once_the_agent_reported_them() {
 }
 
 #[test]
+fn a_global_target_the_kernel_already_spread_evenly_is_not_rolled_again() {
+    let pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 4)];
+    let nodes = vec![node("w-1", &["dpdk"])];
+    let mut states = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &states, 0), &mut states);
+    assert_eq!(states[0].spec.page_sizes[0].numa, None);
+    converge(&mut states[0]);
+    let numa = |totals: [i64; 2]| {
+        totals
+            .iter()
+            .enumerate()
+            .map(|(id, total)| NumaStatus {
+                id: id as i32,
+                total: *total,
+                ..NumaStatus::default()
+            })
+            .collect::<Vec<_>>()
+    };
+    status_of(&mut states[0]).page_sizes[0].numa = numa([2, 2]);
+    assert_eq!(
+        run_plan(&pools, &nodes, &states, 1).spec_writes().count(),
+        0
+    );
+    // Placed unevenly: the split is written and the node changes again.
+    status_of(&mut states[0]).page_sizes[0].numa = numa([3, 1]);
+    let plan = run_plan(&pools, &nodes, &states, 2);
+    let split = plan.nodes["w-1"].spec.page_sizes[0].numa.clone().unwrap();
+    assert_eq!(
+        split,
+        [
+            NumaTarget { id: 0, pages: 2 },
+            NumaTarget { id: 1, pages: 2 }
+        ]
+    );
+}
+
+#[test]
 fn explicit_numa_node_the_node_lacks_fails_that_node_only() {
     let mut explicit = pool("dpdk", 0, "dpdk", "2Mi", 4);
     explicit.spec.numa = Some(NumaSpec {
