@@ -280,14 +280,28 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         now,
     });
     let mut evicting = false;
+    // One node's failed write must not hold up the others or the status;
+    // the first error is returned at the end so the pass is retried.
+    let mut node_error = None;
     for (node_name, node_plan) in &plan.nodes {
+        if !*ctx.is_leader.borrow() {
+            return Ok(Action::await_change());
+        }
         let Some(node) = nodes.iter().find(|n| &n.name_any() == node_name) else {
             continue;
         };
         let current = node_states.iter().find(|s| &s.name_any() == node_name);
-        let node_state = write_node_spec(ctx, node, current, node_plan, &mut written).await?;
-        evicting |=
-            carry_out_drain(ctx, node, node_state.as_ref(), node_plan, now, &mut written).await?;
+        let written_node = async {
+            let node_state = write_node_spec(ctx, node, current, node_plan, &mut written).await?;
+            carry_out_drain(ctx, node, node_state.as_ref(), node_plan, now, &mut written).await
+        };
+        match written_node.await {
+            Ok(still_evicting) => evicting |= still_evicting,
+            Err(err) => {
+                warn!(node = %node_name, error = %err, "node not updated");
+                node_error.get_or_insert(err);
+            }
+        }
     }
 
     let Some(pool_plan) = plan.pools.get(name) else {
@@ -323,6 +337,9 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         }
     }
     ctx.metrics.observe_pool(name, pool_plan);
+    if let Some(err) = node_error {
+        return Err(err);
+    }
     if pool_plan.remove_finalizer && pool.finalizers().iter().any(|f| f == POOL_FINALIZER) {
         remove_finalizer(&pools_api, &pool).await?;
         written.pools.remove(name);

@@ -39,6 +39,9 @@ enum Scenario {
     /// A blocked shrink: Draining condition, its event, the taint, the pod
     /// list, one eviction refused by a PDB (429) and its event, then status.
     BlockedShrink { pool: HugePagePool, node: Box<Node> },
+    /// The API server fails one node's write: the other node and the
+    /// pool's status are still written.
+    OneNodeWriteFails { pool: HugePagePool },
 }
 
 fn ok_json(value: &impl serde::Serialize) -> Response<Body> {
@@ -74,6 +77,18 @@ impl ApiServerVerifier {
                         })
                         .await
                         .expect_finalizer_removed(&pool)
+                        .await;
+                }
+                Scenario::OneNodeWriteFails { pool } => {
+                    self.expect_node_spec_failure("w-1")
+                        .await
+                        .expect_node_spec("w-2", Some(64))
+                        .await
+                        .expect_pool_status(&pool, |status| {
+                            assert_eq!(status["nodes"]["updating"], 2);
+                        })
+                        .await
+                        .expect_event("RolloutStarted")
                         .await;
                 }
                 Scenario::BlockedShrink { pool, node } => {
@@ -170,6 +185,25 @@ impl ApiServerVerifier {
         reply["metadata"]["generation"] = json!(2);
         reply["metadata"]["resourceVersion"] = json!("20");
         send.send_response(ok_json(&reply));
+        self
+    }
+
+    async fn expect_node_spec_failure(mut self, node: &str) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(
+            request.uri().path(),
+            format!("/apis/hugepool.dev/v1alpha1/hugepagenodes/{node}")
+        );
+        let failure = json!({
+            "apiVersion": "v1", "kind": "Status", "status": "Failure",
+            "message": "etcdserver: request timed out", "reason": "InternalError", "code": 500,
+        });
+        send.send_response(
+            Response::builder()
+                .status(StatusCode::INTERNAL_SERVER_ERROR)
+                .body(Body::from(serde_json::to_vec(&failure).unwrap()))
+                .unwrap(),
+        );
         self
     }
 
@@ -413,26 +447,37 @@ async fn reconcile_with(
     pool: &HugePagePool,
     scenario: Option<Scenario>,
 ) -> Action {
+    reconcile_result(harness, pool, scenario)
+        .await
+        .expect("reconcile succeeded")
+}
+
+/// Reconciles `pool` while the verifier plays `scenario`; every expected
+/// call must be made, and no other (an unanswered call hangs, and times out).
+async fn reconcile_result(
+    harness: Harness,
+    pool: &HugePagePool,
+    scenario: Option<Scenario>,
+) -> Result<Action> {
     let Harness {
         ctx,
         verifier,
         _leader,
     } = harness;
     let server = scenario.map(|s| verifier.run(s));
-    let action = tokio::time::timeout(
+    let result = tokio::time::timeout(
         Duration::from_secs(5),
         reconcile(Arc::new(pool.clone()), ctx),
     )
     .await
-    .expect("reconcile finished (an unexpected API call would hang it)")
-    .expect("reconcile succeeded");
+    .expect("reconcile finished (an unexpected API call would hang it)");
     if let Some(server) = server {
         tokio::time::timeout(Duration::from_secs(5), server)
             .await
             .expect("every expected call was made")
             .expect("scenario assertions hold");
     }
-    action
+    result
 }
 
 fn with_finalizer(mut pool: HugePagePool) -> HugePagePool {
@@ -630,4 +675,23 @@ fn taint_patch_adds_and_removes_only_the_draining_taint() {
         off["spec"]["taints"],
         json!([{"key": "other", "effect": "NoExecute"}])
     );
+}
+
+#[tokio::test]
+async fn a_failed_node_write_does_not_hold_up_the_others_and_is_retried() {
+    let pool = fixtures::with_max_unavailable(
+        with_finalizer(pool("dpdk", 0, "dpdk", "2Mi", 64)),
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(2),
+    );
+    let nodes = vec![node("w-1", &["dpdk"]), node("w-2", &["dpdk"])];
+    let harness = harness(std::slice::from_ref(&pool), &nodes, &[], true);
+    let result = reconcile_result(
+        harness,
+        &pool,
+        Some(Scenario::OneNodeWriteFails { pool: pool.clone() }),
+    )
+    .await;
+    let err = result.expect_err("the failed write is reported");
+    assert_eq!(err.metric_label(), "node_spec");
+    assert!(err.to_string().contains("w-1"), "{err}");
 }
