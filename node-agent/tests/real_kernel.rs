@@ -109,6 +109,9 @@ impl RealKernel {
             if got == pages {
                 return;
             }
+            // Page cache from builds on the same machine can outrun what a
+            // hugetlb allocation reclaims; a set-up may drop it.
+            let _ = std::fs::write("/proc/sys/vm/drop_caches", "1");
             self.kernel
                 .compact(PoolScope::Global)
                 .expect("compact memory");
