@@ -126,6 +126,7 @@ pub async fn observe(kernel: &Arc<dyn Kernel>, target: Target) -> Result<Observa
             pool,
             node,
             mem_available: kernel.meminfo()?.available_bytes,
+            hvo: kernel.hvo()?.unwrap_or(false),
         })
     })
     .await

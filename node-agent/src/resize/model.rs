@@ -1,6 +1,7 @@
 //! The online cost model: `latency = fixed + per_page * pages`, fitted by
 //! least squares over a sliding window of recent writes, one model per
-//! (page size, direction).
+//! (page size, direction, HVO state): HVO changes what freeing costs several
+//! times over, so a model measured without it says nothing about with it.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -144,27 +145,32 @@ impl CostModel {
     }
 }
 
+/// Which model a write belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ModelKey {
+    pub size: PageSize,
+    pub direction: Direction,
+    pub hvo: bool,
+}
+
 /// All models of one agent; kept across resizes so a later resize starts
 /// from what earlier ones measured.
 #[derive(Clone, Debug, Default)]
 pub struct CostModels {
-    models: HashMap<(PageSize, Direction), CostModel>,
+    models: HashMap<ModelKey, CostModel>,
 }
 
 impl CostModels {
-    pub fn get(&self, size: PageSize, direction: Direction) -> Option<&CostModel> {
-        self.models.get(&(size, direction))
+    pub fn get(&self, key: ModelKey) -> Option<&CostModel> {
+        self.models.get(&key)
     }
 
-    pub fn fit(&self, size: PageSize, direction: Direction) -> Option<Fit> {
-        self.get(size, direction).and_then(CostModel::fit)
+    pub fn fit(&self, key: ModelKey) -> Option<Fit> {
+        self.get(key).and_then(CostModel::fit)
     }
 
-    pub fn record(&mut self, size: PageSize, direction: Direction, sample: Sample) {
-        self.models
-            .entry((size, direction))
-            .or_default()
-            .record(sample);
+    pub fn record(&mut self, key: ModelKey, sample: Sample) {
+        self.models.entry(key).or_default().record(sample);
     }
 
     /// The windows as plain data, to keep the models across restarts.
@@ -172,9 +178,10 @@ impl CostModels {
         let mut saved: Vec<SavedModel> = self
             .models
             .iter()
-            .map(|((size, direction), model)| SavedModel {
-                size: size.to_string(),
-                direction: *direction,
+            .map(|(key, model)| SavedModel {
+                size: key.size.to_string(),
+                direction: key.direction,
+                hvo: key.hvo,
                 samples: model
                     .samples()
                     .map(|s| SavedSample {
@@ -184,7 +191,9 @@ impl CostModels {
                     .collect(),
             })
             .collect();
-        saved.sort_by(|a, b| (&a.size, a.direction.as_str()).cmp(&(&b.size, b.direction.as_str())));
+        saved.sort_by(|a, b| {
+            (&a.size, a.direction.as_str(), a.hvo).cmp(&(&b.size, b.direction.as_str(), b.hvo))
+        });
         saved
     }
 
@@ -196,11 +205,15 @@ impl CostModels {
             let Ok(size) = entry.size.parse::<PageSize>() else {
                 continue;
             };
+            let key = ModelKey {
+                size,
+                direction: entry.direction,
+                hvo: entry.hvo,
+            };
             for sample in &entry.samples {
                 if let Ok(latency) = Duration::try_from_secs_f64(sample.seconds) {
                     models.record(
-                        size,
-                        entry.direction,
+                        key,
                         Sample {
                             pages: sample.pages,
                             latency,
@@ -218,6 +231,8 @@ impl CostModels {
 pub struct SavedModel {
     pub size: String,
     pub direction: Direction,
+    #[serde(default)]
+    pub hvo: bool,
     pub samples: Vec<SavedSample>,
 }
 
@@ -291,17 +306,20 @@ mod tests {
     #[test]
     fn saved_models_round_trip_and_skip_garbage() {
         let mut models = CostModels::default();
+        let key = ModelKey {
+            size: PageSize::SIZE_2MI,
+            direction: Direction::Shrink,
+            hvo: true,
+        };
         models.record(
-            PageSize::SIZE_2MI,
-            Direction::Shrink,
+            key,
             Sample {
                 pages: 16,
                 latency: ms(13.0),
             },
         );
         models.record(
-            PageSize::SIZE_2MI,
-            Direction::Shrink,
+            ModelKey { hvo: false, ..key },
             Sample {
                 pages: 32,
                 latency: ms(14.0),
@@ -310,9 +328,11 @@ mod tests {
         let mut saved = models.to_saved();
         let restored = CostModels::from_saved(&saved);
         assert_eq!(restored.to_saved(), saved);
+        assert_eq!(restored.get(key).map(|m| m.samples().count()), Some(1));
         saved.push(SavedModel {
             size: "3Mi".into(),
             direction: Direction::Grow,
+            hvo: false,
             samples: vec![SavedSample {
                 pages: 1,
                 seconds: -1.0,

@@ -25,7 +25,7 @@ use hugepool_crds::PageSize;
 use serde::Serialize;
 
 use crate::kernel::{NumaCounts, PoolCounts, PoolScope};
-use crate::resize::model::{CostModels, Direction, Sample};
+use crate::resize::model::{CostModels, Direction, ModelKey, Sample};
 
 /// The first write of a direction moves this much memory.
 const PROBE_BYTES: u64 = 32 << 20;
@@ -80,6 +80,8 @@ pub struct Observation {
     /// The target node's counts when the target is per NUMA node.
     pub node: Option<NumaCounts>,
     pub mem_available: u64,
+    /// HVO is on (costs are modelled separately for each state).
+    pub hvo: bool,
 }
 
 impl Observation {
@@ -171,6 +173,8 @@ pub struct PlannedWrite {
     pub estimate: Option<Duration>,
     /// The memory guard, not the step size, limited this write.
     pub guard_limited: bool,
+    /// HVO was on when the write was planned.
+    pub hvo: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -249,7 +253,7 @@ impl Planner {
     }
 
     /// Pages the next write of `direction` may move.
-    pub fn step_size(&self, direction: Direction, models: &CostModels) -> u64 {
+    pub fn step_size(&self, direction: Direction, hvo: bool, models: &CostModels) -> u64 {
         let size = self.target.size;
         let state = match direction {
             Direction::Grow => self.grow,
@@ -259,7 +263,7 @@ impl Planner {
             .settings
             .max_step_duration
             .mul_f64(self.settings.budget_fraction);
-        let model = models.get(size, direction);
+        let model = models.get(self.model_key(direction, hvo));
         let fitted = model.and_then(|m| m.fit()).map(|fit| fit.pages_within(aim));
         let step = match state.last_step {
             // Warm start: what earlier resizes measured, at most double the
@@ -320,9 +324,16 @@ impl Planner {
             if current <= floor {
                 return Decision::Finish(self.blocked(observed));
             }
-            let step = self.step_size(Direction::Shrink, models);
+            let step = self.step_size(Direction::Shrink, observed.hvo, models);
             let value = target.max(floor).max(current.saturating_sub(step));
-            return Decision::Write(self.planned(current, value, Direction::Shrink, false, models));
+            return Decision::Write(self.planned(
+                current,
+                value,
+                Direction::Shrink,
+                false,
+                observed.hvo,
+                models,
+            ));
         }
         if self.short_grows > self.settings.retries {
             return Decision::Finish(Outcome::Shortfall {
@@ -351,7 +362,7 @@ impl Planner {
                 detail: None,
             });
         }
-        let step = self.step_size(Direction::Grow, models);
+        let step = self.step_size(Direction::Grow, observed.hvo, models);
         let pages = (target - current).min(step).min(guard_cap);
         let guard_limited = guard_cap < (target - current).min(step);
         Decision::Write(self.planned(
@@ -359,8 +370,17 @@ impl Planner {
             current + pages,
             Direction::Grow,
             guard_limited,
+            observed.hvo,
             models,
         ))
+    }
+
+    fn model_key(&self, direction: Direction, hvo: bool) -> ModelKey {
+        ModelKey {
+            size: self.target.size,
+            direction,
+            hvo,
+        }
     }
 
     fn planned(
@@ -369,6 +389,7 @@ impl Planner {
         value: u64,
         direction: Direction,
         guard_limited: bool,
+        hvo: bool,
         models: &CostModels,
     ) -> PlannedWrite {
         let pages = from.abs_diff(value);
@@ -378,9 +399,10 @@ impl Planner {
             pages,
             direction,
             estimate: models
-                .fit(self.target.size, direction)
+                .fit(self.model_key(direction, hvo))
                 .map(|fit| fit.estimate(pages)),
             guard_limited,
+            hvo,
         }
     }
 
@@ -406,8 +428,7 @@ impl Planner {
         models: &mut CostModels,
     ) {
         models.record(
-            self.target.size,
-            write.direction,
+            self.model_key(write.direction, write.hvo),
             Sample {
                 pages: write.pages,
                 latency,
@@ -498,6 +519,7 @@ mod tests {
             },
             node: None,
             mem_available: 16 * GIB,
+            hvo: false,
         }
     }
 
@@ -509,6 +531,7 @@ mod tests {
                 PoolScope::Node(id) => Some(kernel.numa_pool(target.size, id).unwrap()),
             },
             mem_available: kernel.meminfo().unwrap().available_bytes,
+            hvo: kernel.hvo().unwrap().unwrap_or(false),
         }
     }
 
@@ -600,6 +623,23 @@ mod tests {
     }
 
     #[test]
+    fn a_model_of_the_other_hvo_state_is_not_used() {
+        let kernel = instant_kernel(32 * GIB);
+        kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
+        let mut models = CostModels::default();
+        let mut planner = Planner::new(target(0), Settings::default());
+        drive(&kernel, &mut planner, &mut models, |pages| {
+            Duration::from_micros(50 + 7 * pages)
+        });
+        kernel.set_hvo(true);
+        kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
+        let mut planner = Planner::new(target(0), Settings::default());
+        let (writes, _) = drive(&kernel, &mut planner, &mut models, hvo_free_cost);
+        assert_eq!(writes[0].pages, 16, "probe again: HVO changed the costs");
+        assert!(writes[0].hvo);
+    }
+
+    #[test]
     fn over_budget_write_halves_the_next_step() {
         let mut planner = Planner::new(target(0), Settings::default());
         let mut models = CostModels::default();
@@ -630,7 +670,7 @@ mod tests {
         };
         let after = observed(4096 - first.pages, 4096 - first.pages, 0, 0);
         planner.record_write(&first, Duration::from_millis(300), &after, &mut models);
-        assert!(planner.step_size(Direction::Shrink, &models) <= first.pages / 4);
+        assert!(planner.step_size(Direction::Shrink, false, &models) <= first.pages / 4);
     }
 
     #[test]
@@ -677,6 +717,7 @@ mod tests {
                 surplus: 0,
             }),
             mem_available: 16 * GIB,
+            hvo: false,
         };
         // Globally 50 pages must stay; node 0 already has 50, so only node 1's
         // in-use pages bind.
