@@ -658,3 +658,27 @@ fn killed_mid_resize_then_restarted_reaches_the_target() {
     assert_eq!(report["outcome"]["kind"], "reached");
     assert_eq!(real.pool(), PoolCounts::default());
 }
+
+#[test]
+fn the_kernel_log_device_yields_records_the_parser_reads() {
+    let path = std::path::Path::new("/dev/kmsg");
+    if let Err(err) = std::fs::File::open(path) {
+        let reason = format!("cannot open /dev/kmsg: {err}");
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{reason}");
+        eprintln!("skipping: {reason}");
+        return;
+    }
+    // The ring buffer holds at least the boot messages; read a few from the
+    // start (the read would block only after the last one).
+    let mut headers = Vec::new();
+    hugepool_agent::kmsg::read_lines(path, false, |line| {
+        if let Some((header, message)) = hugepool_agent::kmsg::split_record(line) {
+            assert!(!message.is_empty() || header.sequence > 0, "{line:?}");
+            headers.push(header);
+        }
+        headers.len() < 5
+    })
+    .expect("read /dev/kmsg");
+    assert_eq!(headers.len(), 5);
+    assert!(headers.windows(2).all(|w| w[0].sequence < w[1].sequence));
+}
