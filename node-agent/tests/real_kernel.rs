@@ -334,21 +334,49 @@ async fn a_few_1gi_pages_grow_and_shrink() {
         eprintln!("skipping: the kernel offers no 1Gi pages");
         return;
     }
-    // Two: the development machines' layout has room for no more than two
-    // 1 GiB-aligned free blocks even after compaction.
-    for wanted in [2, 0] {
-        let (summary, _) = run_engine(
-            real.shared(),
-            target(gi, wanted, PoolScope::Global),
-            quick(),
-            Options::default(),
-            |_| {},
-        )
-        .await;
-        assert!(summary.reached(), "{summary:?}");
-        let pool = real.kernel.pool(gi).expect("read 1Gi pool");
-        assert_eq!((pool.persistent(), pool.surplus), (wanted, 0));
+    // Whether 1 GiB of contiguous memory exists depends on the machine's
+    // state (the development machines have room for at most two such blocks
+    // and, with builds running, sometimes none). So: either the engine
+    // reaches two pages exactly, or it compacts, retries and reports exactly
+    // what it got as a fragmentation shortfall. Either way the shrink to 0 is
+    // exact.
+    let (summary, _) = run_engine(
+        real.shared(),
+        target(gi, 2, PoolScope::Global),
+        quick(),
+        Options::default(),
+        |_| {},
+    )
+    .await;
+    let pool = real.kernel.pool(gi).expect("read 1Gi pool");
+    assert_eq!(pool.surplus, 0);
+    match summary.outcome {
+        Outcome::Reached => assert_eq!(pool.persistent(), 2),
+        Outcome::Shortfall {
+            requested: 2,
+            achieved,
+            reason: ShortfallReason::Fragmented | ShortfallReason::InsufficientMemory,
+            ..
+        } => {
+            eprintln!("only {achieved} x 1Gi could be allocated now: {summary:?}");
+            assert_eq!(pool.persistent(), achieved);
+            assert_eq!(summary.compactions, quick().retries);
+        }
+        other => panic!("unexpected outcome {other:?}"),
     }
+    let (summary, _) = run_engine(
+        real.shared(),
+        target(gi, 0, PoolScope::Global),
+        quick(),
+        Options::default(),
+        |_| {},
+    )
+    .await;
+    assert!(summary.reached(), "{summary:?}");
+    assert_eq!(
+        real.kernel.pool(gi).expect("read 1Gi pool"),
+        PoolCounts::default()
+    );
 }
 
 /// Delegates to the real kernel and records where writes went.
