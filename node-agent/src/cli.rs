@@ -325,7 +325,7 @@ fn millis(duration: Duration) -> String {
 pub fn describe(event: &Event) -> String {
     match event {
         Event::Step(step) => format!(
-            "step {:>3} {:<6} {:>8} -> {:>8} pages (target {}, step {}): write {}{}{}{}",
+            "step {:>3} {:<6} {:>8} -> {:>8} pages (target {}, step {}): write {}{}{}{}{}",
             step.step,
             step.direction.as_str(),
             step.before,
@@ -341,6 +341,7 @@ pub fn describe(event: &Event) -> String {
             } else {
                 ""
             },
+            if step.stalled { ", stalled" } else { "" },
             if step.guard_limited {
                 ", limited by min-mem-available"
             } else {

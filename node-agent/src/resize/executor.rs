@@ -51,6 +51,8 @@ pub struct StepEvent {
     pub latency: Duration,
     pub estimate: Option<Duration>,
     pub over_budget: bool,
+    /// The write outlived the stall threshold (a `Stall` event came first).
+    pub stalled: bool,
     pub guard_limited: bool,
     pub mem_available: u64,
 }
@@ -200,6 +202,7 @@ pub async fn run(
                             latency,
                             estimate: write.estimate,
                             over_budget: latency > planner.settings().max_step_duration,
+                            stalled,
                             guard_limited: write.guard_limited,
                             mem_available: after.mem_available,
                         }));

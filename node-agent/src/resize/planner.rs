@@ -15,9 +15,9 @@
 //!   kernel would turn in-use pages into surplus. At the floor it finishes
 //!   `Blocked` with the counts.
 //! - Grow never asks for more than `(MemAvailable - min_mem_available -
-//!   headroom) / page_size` pages; when the kernel returns fewer pages than asked it
-//!   compacts and retries up to `retries` times, then finishes with a
-//!   `Shortfall` saying why.
+//!   headroom) / page_size` pages; when the kernel returns fewer pages than
+//!   asked it compacts and retries up to `retries` times, then finishes with
+//!   a `Shortfall` saying why.
 
 use std::time::Duration;
 
