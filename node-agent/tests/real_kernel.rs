@@ -710,3 +710,55 @@ fn the_kernel_log_device_yields_records_the_parser_reads() {
     assert_eq!(headers.len(), 5);
     assert!(headers.windows(2).all(|w| w[0].sequence < w[1].sequence));
 }
+
+/// The simulated kernel's pool semantics, checked against the real one on
+/// the same sequence: pages in use and reserved, a write below them, their
+/// release, and growth promoting surplus.
+#[test]
+fn simulated_kernel_matches_the_real_kernel_on_pages_in_use() {
+    use hugepool_agent::kernel::{SimConfig, SimulatedKernel};
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    let sim = SimulatedKernel::new(SimConfig {
+        time_scale: 0.0,
+        ..SimConfig::single_node(16 * GIB)
+    });
+    let counts = |kernel: &dyn Kernel| kernel.pool(MI2).expect("read pool");
+    let both = |pages: u64| {
+        real.kernel
+            .write_pool(MI2, PoolScope::Global, pages)
+            .expect("write real pool");
+        sim.write_pool(MI2, PoolScope::Global, pages)
+            .expect("write simulated pool");
+    };
+    both(100);
+    // 80 pages mapped, 60 faulted in: 60 in use, 20 reserved.
+    let holder = Helper::start(Hold::HugePages {
+        pages: 80,
+        touched: 60,
+    });
+    sim.hold_pages(MI2, 0, 60).expect("hold");
+    sim.reserve_pages(MI2, 20).expect("reserve");
+    let mut steps = vec![("held", counts(&real.kernel), counts(&sim))];
+    both(10);
+    steps.push(("written below", counts(&real.kernel), counts(&sim)));
+    both(70);
+    steps.push(("grown into surplus", counts(&real.kernel), counts(&sim)));
+    both(10);
+    drop(holder);
+    sim.release_pages(MI2, 0, 60).expect("release");
+    sim.unreserve_pages(MI2, 20).expect("unreserve");
+    steps.push(("released", counts(&real.kernel), counts(&sim)));
+    both(0);
+    steps.push(("emptied", counts(&real.kernel), counts(&sim)));
+    for (step, real_counts, sim_counts) in &steps {
+        eprintln!(
+            "{step:>20}: real {real_counts:?}\n{:>20}  sim  {sim_counts:?}",
+            ""
+        );
+    }
+    for (step, real_counts, sim_counts) in steps {
+        assert_eq!(real_counts, sim_counts, "after {step}");
+    }
+}
