@@ -325,7 +325,8 @@ impl Planner {
                 return Decision::Finish(self.blocked(observed));
             }
             let step = self.step_size(Direction::Shrink, observed.hvo, models);
-            let value = target.max(floor).max(current.saturating_sub(step));
+            let stop = target.max(floor);
+            let value = current - balanced(current - stop, step);
             return Decision::Write(self.planned(
                 current,
                 value,
@@ -363,7 +364,8 @@ impl Planner {
             });
         }
         let step = self.step_size(Direction::Grow, observed.hvo, models);
-        let pages = (target - current).min(step).min(guard_cap);
+        let reachable = (target - current).min(guard_cap);
+        let pages = balanced(reachable, step);
         let guard_limited = guard_cap < (target - current).min(step);
         Decision::Write(self.planned(
             current,
@@ -478,6 +480,18 @@ impl Planner {
         self.failed_writes += 1;
         self.last_error = Some(error);
     }
+}
+
+/// The next step towards `remaining` pages when one write may move at most
+/// `step`: the writes still needed, `ceil(remaining / step)`, split evenly,
+/// so the last one is not a tiny remainder that pays a whole fixed cost and
+/// the others stay below the limit.
+pub fn balanced(remaining: u64, step: u64) -> u64 {
+    let step = step.max(1);
+    if remaining <= step {
+        return remaining;
+    }
+    remaining.div_ceil(remaining.div_ceil(step))
 }
 
 /// Allocating under memory pressure lowers MemAvailable by a little more
@@ -603,8 +617,11 @@ mod tests {
                 "{write:?}"
             );
         }
-        // Steps settle at the model's answer for 0.7 x 50 ms: 1692 pages.
-        assert!(writes.iter().any(|w| w.pages == 1692), "{writes:?}");
+        // Steps settle near the model's answer for 0.7 x 50 ms: 1692 pages.
+        assert!(
+            writes.iter().any(|w| (1500..=1692).contains(&w.pages)),
+            "{writes:?}"
+        );
         assert_eq!(writes.iter().map(|w| w.pages).sum::<u64>(), 8192);
     }
 
@@ -618,8 +635,20 @@ mod tests {
         kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
         let mut planner = Planner::new(target(0), Settings::default());
         let (writes, _) = drive(&kernel, &mut planner, &mut models, hvo_free_cost);
-        assert_eq!(writes[0].pages, 1692);
+        // 8192 pages at most 1692 a write: five writes, split evenly.
         assert_eq!(writes.len(), 5);
+        assert!(
+            writes.iter().all(|w| w.pages == 1639 || w.pages == 1638),
+            "{writes:?}"
+        );
+    }
+
+    #[test]
+    fn balanced_steps_need_no_more_writes_and_leave_no_tiny_tail() {
+        assert_eq!(balanced(8192, 2900), 2731);
+        assert_eq!(balanced(100, 2900), 100);
+        assert_eq!(balanced(4112, 4096), 2056);
+        assert_eq!(balanced(5, 0), 1);
     }
 
     #[test]
@@ -849,6 +878,16 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn balanced_never_exceeds_the_step_nor_adds_writes(remaining in 0u64..1_000_000, step in 1u64..100_000) {
+            let first = balanced(remaining, step);
+            prop_assert!(first <= step.max(1) && first <= remaining);
+            prop_assert!(remaining == 0 || first > 0);
+            // What is left still fits in one write fewer.
+            let writes = remaining.div_ceil(step);
+            prop_assert!((remaining - first).div_ceil(step) <= writes.saturating_sub(1));
+        }
+
         /// From any start, with any pages held and reserved, the planner never
         /// writes below the floor, never creates surplus, and ends at the
         /// target or exactly at the floor.
