@@ -108,6 +108,8 @@ pub struct PoolPlan {
     pub stalled: Vec<String>,
     /// Nodes being drained for the pool.
     pub draining: Vec<String>,
+    /// Failed nodes whose drain timed out.
+    pub drain_timeouts: Vec<String>,
 }
 
 /// Where one node stands for one pool.
@@ -861,6 +863,9 @@ fn settle_pool(
             .collect()
     };
     let stalled = names(&|m| m.stalled);
+    let drain_timeouts = names(
+        &|m| matches!(&m.state, NodeState::Failed { reason, .. } if reason == Reason::DrainTimeout.as_str()),
+    );
     let blocked = if pool.drain_policy() == DrainPolicy::Never {
         names(&|m| m.shrink_blocked && m.state == NodeState::Updating)
     } else {
@@ -882,6 +887,7 @@ fn settle_pool(
         blocked,
         stalled,
         draining: Vec::new(),
+        drain_timeouts,
     };
     (pool_plan, decisions)
 }
@@ -1147,7 +1153,28 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             .collect::<Vec<_>>()
             .join("; ")
     };
-    let degraded = if halted {
+    let halt_note = if halted {
+        format!(
+            "; rollout halted at maxUnavailable {}",
+            plan.max_unavailable
+        )
+    } else {
+        String::new()
+    };
+    // A timed-out drain names its own cause (a PodDisruptionBudget, most
+    // likely) even when it is also what halted the rollout.
+    let degraded = if !plan.drain_timeouts.is_empty() {
+        update(
+            Degraded,
+            true,
+            Reason::DrainTimeout,
+            format!(
+                "drain timed out on {}{halt_note}: {}",
+                name_nodes(&plan.drain_timeouts),
+                describe_failed()
+            ),
+        )
+    } else if halted {
         update(
             Degraded,
             true,
@@ -1172,16 +1199,6 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
                 conflict_owners.into_iter().collect::<Vec<_>>().join(", "),
                 name_nodes(&conflict_nodes)
             ),
-        )
-    } else if failed
-        .iter()
-        .any(|f| f.reason == Reason::DrainTimeout.as_str())
-    {
-        update(
-            Degraded,
-            true,
-            Reason::DrainTimeout,
-            format!("{} nodes failed: {}", counts.failed, describe_failed()),
         )
     } else if counts.failed > 0 {
         update(

@@ -651,9 +651,14 @@ fn blocked_shrink_taints_evicts_and_times_out() {
     let plan = run_plan(&pools, &nodes, &hpns, 71);
     let pool_plan = &plan.pools["dpdk"];
     assert_eq!(pool_plan.status.failed_nodes[0].reason, "DrainTimeout");
+    // The cause is named even though the one failure also halts the rollout.
     assert_eq!(
         condition(&plan, "dpdk", PoolConditionType::Degraded),
-        ("True", "RolloutHalted")
+        ("True", "DrainTimeout")
+    );
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Progressing),
+        ("False", "RolloutHalted")
     );
 }
 
