@@ -527,8 +527,8 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         // their slots until that pool writes its own target there.
         let shadow_busy = shadowed
             .iter()
-            .filter(|(node, size, owner)| {
-                *owner == index
+            .filter(|(node, size, wanting)| {
+                *wanting == index
                     && node_states.get(node).is_some_and(|state| {
                         state.spec.page_sizes.iter().any(|e| {
                             e.pool == pool.name
