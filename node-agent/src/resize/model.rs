@@ -97,11 +97,13 @@ impl CostModel {
             .max()
     }
 
-    /// The fit. Where the data cannot tell the two terms apart (write sizes
-    /// within 25% of each other, or noise making the slope negative) it
-    /// charges all cost per page: by linearity a write k times larger costs
-    /// at most k times as much, so this never underestimates a larger step,
-    /// and steps sized from it converge on the budget.
+    /// The fit. Where the data cannot tell the two terms apart it charges
+    /// all cost per page: by linearity a write k times larger costs at most k
+    /// times as much, so this never underestimates a larger step, and steps
+    /// sized from it converge on the budget. With write sizes within 25% of
+    /// each other the charge is their mean; when noise in the fixed cost
+    /// makes the slope negative (small writes), it is the largest write's,
+    /// which amortises the fixed cost best.
     pub fn fit(&self) -> Option<Fit> {
         let count = self.samples.len() as f64;
         if count == 0.0 {
@@ -126,7 +128,18 @@ impl CostModel {
             / count;
         let slope = cov / var_x;
         if slope <= 0.0 {
-            return Some(per_page_only);
+            let largest = xs().fold(0.0, f64::max);
+            let (sum, count) = self
+                .samples
+                .iter()
+                .filter(|s| s.pages.max(1) as f64 == largest)
+                .fold((0.0, 0.0), |(sum, count), s| {
+                    (sum + s.latency.as_secs_f64(), count + 1.0)
+                });
+            return Some(Fit {
+                fixed_seconds: 0.0,
+                seconds_per_page: sum / count / largest,
+            });
         }
         let intercept = mean_y - slope * mean_x;
         if intercept < 0.0 {
@@ -284,11 +297,11 @@ mod tests {
     }
 
     #[test]
-    fn noise_that_inverts_the_slope_charges_everything_per_page() {
+    fn noise_that_inverts_the_slope_charges_the_largest_write_per_page() {
         let fit = model_of(&[(16, 16.0), (32, 8.0)]).fit().unwrap();
         assert_eq!(fit.fixed_seconds, 0.0);
-        // 24 ms over 48 pages: 0.5 ms a page.
-        assert_eq!(fit.pages_within(ms(35.0)), 70);
+        // The 32-page write: 0.25 ms a page.
+        assert_eq!(fit.pages_within(ms(35.0)), 140);
     }
 
     #[test]

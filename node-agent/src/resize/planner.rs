@@ -8,7 +8,8 @@
 //! - Step size: the first write of a direction is a small probe (32 MiB worth
 //!   of pages) unless earlier writes already fitted the cost model; after
 //!   that, the largest step the fitted `a + b*pages` puts within
-//!   `budget_fraction * max_step_duration`, at most double the previous step,
+//!   `budget_fraction * max_step_duration`, at most double the previous step
+//!   and at most what scaling the previous write's latency linearly allows,
 //!   at most half of it after a write that went over the budget (a quarter
 //!   after a stall), at least 1.
 //! - Shrink never writes below the floor `in_use + reserved`: below it the
@@ -187,6 +188,7 @@ pub enum Decision {
 #[derive(Clone, Copy, Debug, Default)]
 struct DirectionState {
     last_step: Option<u64>,
+    last_latency: Option<Duration>,
     over_budget: bool,
     stalled: bool,
 }
@@ -279,6 +281,14 @@ impl Planner {
                 let mut step = previous.saturating_mul(2);
                 if let Some(fitted) = fitted {
                     step = step.min(fitted);
+                }
+                // Linearity with a non-negative fixed cost: a write k times
+                // the last costs at most k times its latency. Guards against
+                // a fit that noise made optimistic.
+                if let Some(latency) = state.last_latency.filter(|l| !l.is_zero()) {
+                    let ratio =
+                        self.settings.max_step_duration.as_secs_f64() / latency.as_secs_f64();
+                    step = step.min((previous as f64 * ratio) as u64);
                 }
                 if state.over_budget {
                     step = step.min(previous / 2);
@@ -440,6 +450,7 @@ impl Planner {
         let stall = self.settings.stall_threshold;
         let state = self.direction_state(write.direction);
         state.last_step = Some(write.pages);
+        state.last_latency = Some(latency);
         state.over_budget = latency > budget;
         state.stalled = latency > stall;
         self.failed_writes = 0;
