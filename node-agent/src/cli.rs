@@ -1,1 +1,602 @@
-//! placeholder
+//! The `hugepool-agent` command line. `resize` moves one pool to a target
+//! without a cluster, for operators and benchmarks; the cluster agent's
+//! `run` comes with issue 4.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use hugepool_crds::PageSize;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::kernel::{Kernel, PoolScope, SysfsKernel};
+use crate::kmsg::{self, KernelLogEvent};
+use crate::resize::model::SavedModel;
+use crate::resize::{
+    self, CostModels, Event, Options, Outcome, Settings, ShortfallReason, Summary, Target,
+};
+use crate::{Error, Result};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "hugepool-agent",
+    version,
+    about = "Sizes this node's hugetlb pools in budgeted kernel writes"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub kernel: KernelArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Where the kernel's files are (a container mounts the host's there).
+#[derive(Debug, Args)]
+pub struct KernelArgs {
+    /// Root of sysfs.
+    #[arg(long, global = true, default_value = "/sys", env = "HUGEPOOL_SYS_ROOT")]
+    pub sys_root: PathBuf,
+    /// Root of procfs.
+    #[arg(
+        long,
+        global = true,
+        default_value = "/proc",
+        env = "HUGEPOOL_PROC_ROOT"
+    )]
+    pub proc_root: PathBuf,
+    /// The kernel log device watched for lockups during a resize.
+    #[arg(
+        long,
+        global = true,
+        default_value = "/dev/kmsg",
+        env = "HUGEPOOL_KMSG"
+    )]
+    pub kmsg: PathBuf,
+}
+
+impl KernelArgs {
+    pub fn sysfs(&self) -> SysfsKernel {
+        SysfsKernel::new(&self.sys_root, &self.proc_root)
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Move one size's pool to a number of pages in budgeted writes.
+    Resize(ResizeArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct ResizeArgs {
+    /// Page size, as in the API: 2Mi, 1Gi.
+    #[arg(long, value_name = "SIZE", value_parser = parse_page_size)]
+    pub page_size: PageSize,
+    /// Target number of persistent pages.
+    #[arg(long, value_name = "N", allow_hyphen_values = true, value_parser = parse_count)]
+    pub pages: u64,
+    /// Target one NUMA node's pool (its own nr_hugepages file).
+    #[arg(long, value_name = "ID", allow_hyphen_values = true, value_parser = parse_node)]
+    pub numa_node: Option<u32>,
+    /// Time budget of one kernel write.
+    #[arg(long, default_value = "50ms", value_parser = parse_duration)]
+    pub max_step_duration: Duration,
+    /// Pause between writes.
+    #[arg(long, default_value = "5ms", value_parser = parse_duration)]
+    pub step_pause: Duration,
+    /// A write slower than this is reported as a stall.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub stall_threshold: Duration,
+    /// Growth never takes MemAvailable below this.
+    #[arg(long, default_value = "1Gi", value_parser = parse_bytes)]
+    pub min_mem_available: u64,
+    /// Compaction + retry rounds when growth comes up short.
+    #[arg(long, default_value_t = 3, allow_hyphen_values = true, value_parser = parse_retries)]
+    pub retries: u32,
+    /// Do not compact memory before retrying a short grow.
+    #[arg(long)]
+    pub no_compact: bool,
+    /// When pages in use block a shrink, wait this long for their release.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    pub wait_blocked: Duration,
+    #[arg(long, value_enum, default_value = "text")]
+    pub output: Output,
+    /// Keep the fitted write-cost models in this file: read before, written
+    /// after, so the next resize starts from measured costs, not a probe.
+    #[arg(long, value_name = "PATH")]
+    pub model_file: Option<PathBuf>,
+}
+
+fn parse_page_size(text: &str) -> std::result::Result<PageSize, String> {
+    text.parse()
+        .map_err(|err: hugepool_crds::ParseError| err.to_string())
+}
+
+fn parse_count(text: &str) -> std::result::Result<u64, String> {
+    text.parse()
+        .map_err(|_| format!("expected a non-negative whole number of pages, got {text:?}"))
+}
+
+fn parse_node(text: &str) -> std::result::Result<u32, String> {
+    text.parse()
+        .map_err(|_| format!("expected a NUMA node id such as 0, got {text:?}"))
+}
+
+fn parse_retries(text: &str) -> std::result::Result<u32, String> {
+    text.parse()
+        .map_err(|_| format!("expected a non-negative number of retries, got {text:?}"))
+}
+
+fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
+    hugepool_crds::duration::parse(text).map_err(|err| err.to_string())
+}
+
+fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
+    hugepool_crds::quantity::parse_bytes(text).map_err(|err| err.to_string())
+}
+
+/// What a finished command tells the shell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// The target was reached.
+    Reached = 0,
+    /// An error, including writes that kept failing.
+    Error = 1,
+    /// Ended short of the target or blocked by pages in use.
+    Short = 2,
+}
+
+impl ResizeArgs {
+    fn invalid(name: &'static str, detail: impl Into<String>) -> Error {
+        Error::InvalidArgument {
+            name,
+            detail: detail.into(),
+        }
+    }
+
+    /// Checks the arguments against each other and the kernel; no writes.
+    pub fn target(&self, kernel: &dyn Kernel) -> Result<Target> {
+        if self.max_step_duration.is_zero() {
+            return Err(Self::invalid(
+                "--max-step-duration",
+                "must be greater than 0",
+            ));
+        }
+        if self.stall_threshold < self.max_step_duration {
+            return Err(Self::invalid(
+                "--stall-threshold",
+                "must not be shorter than --max-step-duration",
+            ));
+        }
+        kernel
+            .check_size_offered(self.page_size)
+            .map_err(|err| Self::invalid("--page-size", err.to_string()))?;
+        let scope = match self.numa_node {
+            None => PoolScope::Global,
+            Some(node) => {
+                kernel
+                    .numa_pool(self.page_size, node)
+                    .map_err(|err| Self::invalid("--numa-node", err.to_string()))?;
+                PoolScope::Node(node)
+            }
+        };
+        Ok(Target {
+            size: self.page_size,
+            pages: self.pages,
+            scope,
+        })
+    }
+
+    pub fn settings(&self) -> Settings {
+        Settings {
+            max_step_duration: self.max_step_duration,
+            step_pause: self.step_pause,
+            stall_threshold: self.stall_threshold,
+            min_mem_available: self.min_mem_available,
+            retries: self.retries,
+            compact: !self.no_compact,
+            ..Settings::default()
+        }
+    }
+}
+
+/// The JSON document `resize --output json` prints.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    #[serde(flatten)]
+    pub summary: Summary,
+    /// Peak resident memory of this process (VmHWM).
+    pub peak_rss_bytes: Option<u64>,
+    /// Lockups, RCU stalls and hung tasks the kernel logged meanwhile.
+    pub kernel_log: Vec<KernelLogEvent>,
+}
+
+/// Runs `resize`: validates, resizes, prints progress and the summary.
+pub async fn resize(
+    args: &ResizeArgs,
+    kernel: Arc<dyn Kernel>,
+    kmsg_path: Option<PathBuf>,
+    out: &mut (dyn Write + Send),
+) -> Result<Exit> {
+    let target = args.target(kernel.as_ref())?;
+    let kernel_log = Arc::new(Mutex::new(Vec::new()));
+    if let Some(path) = kmsg_path {
+        watch_kernel_log(path, Arc::clone(&kernel_log));
+    }
+    let (_target_tx, mut target_rx) = watch::channel(target);
+    let options = Options {
+        blocked_wait: args.wait_blocked,
+        blocked_poll: Duration::from_millis(200),
+    };
+    let text = args.output == Output::Text;
+    let mut models = args
+        .model_file
+        .as_deref()
+        .map(load_models)
+        .unwrap_or_default();
+    let summary = resize::run(
+        kernel,
+        &mut target_rx,
+        args.settings(),
+        &options,
+        &mut models,
+        |event| {
+            if text {
+                // Progress is best effort; a closed stdout must not stop a resize.
+                let _ = writeln!(out, "{}", describe(event));
+            }
+        },
+    )
+    .await?;
+    if let Some(path) = &args.model_file {
+        save_models(path, &models);
+    }
+    let kernel_log =
+        std::mem::take(&mut *kernel_log.lock().unwrap_or_else(PoisonError::into_inner));
+    let exit = match &summary.outcome {
+        Outcome::Reached => Exit::Reached,
+        Outcome::Shortfall {
+            reason: ShortfallReason::WriteError,
+            ..
+        } => Exit::Error,
+        _ => Exit::Short,
+    };
+    let report = Report {
+        summary,
+        peak_rss_bytes: peak_rss_bytes(),
+        kernel_log,
+    };
+    let written = match args.output {
+        Output::Json => serde_json::to_string(&report)
+            .map_err(std::io::Error::other)
+            .and_then(|json| writeln!(out, "{json}")),
+        Output::Text => writeln!(out, "{}", describe_report(&report)),
+    };
+    written.map_err(|source| Error::Write {
+        path: PathBuf::from("stdout"),
+        value: "summary".into(),
+        source,
+    })?;
+    Ok(exit)
+}
+
+/// A missing or unreadable model file means a cold start, never a failure.
+fn load_models(path: &Path) -> CostModels {
+    let saved = std::fs::read_to_string(path)
+        .map_err(|err| err.to_string())
+        .and_then(|text| {
+            serde_json::from_str::<Vec<SavedModel>>(&text).map_err(|err| err.to_string())
+        });
+    match saved {
+        Ok(saved) => CostModels::from_saved(&saved),
+        Err(err) => {
+            tracing::info!(path = %path.display(), %err, "starting without saved cost models");
+            CostModels::default()
+        }
+    }
+}
+
+fn save_models(path: &Path, models: &CostModels) {
+    let staging = path.with_extension("tmp");
+    let result = serde_json::to_string(&models.to_saved())
+        .map_err(std::io::Error::other)
+        .and_then(|json| std::fs::write(&staging, json))
+        .and_then(|()| std::fs::rename(&staging, path));
+    if let Err(err) = result {
+        tracing::warn!(path = %path.display(), %err, "cannot save the cost models");
+    }
+}
+
+fn watch_kernel_log(path: PathBuf, sink: Arc<Mutex<Vec<KernelLogEvent>>>) {
+    // The thread blocks on the device for the life of the process.
+    let spawned = std::thread::Builder::new().name("kmsg".into()).spawn(move || {
+        let result = kmsg::watch(&path, true, |event| {
+            tracing::warn!(kind = event.kind.as_str(), message = %event.message, "kernel reported a stall");
+            sink.lock().unwrap_or_else(PoisonError::into_inner).push(event);
+            true
+        });
+        if let Err(err) = result {
+            tracing::debug!(%err, "not watching the kernel log");
+        }
+    });
+    if let Err(err) = spawned {
+        tracing::debug!(%err, "cannot start the kernel log watcher");
+    }
+}
+
+fn millis(duration: Duration) -> String {
+    format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
+}
+
+/// One line per event.
+pub fn describe(event: &Event) -> String {
+    match event {
+        Event::Step(step) => format!(
+            "step {:>3} {:<6} {:>8} -> {:>8} pages (target {}, step {}): write {}{}{}{}",
+            step.step,
+            step.direction.as_str(),
+            step.before,
+            step.after,
+            step.target,
+            step.pages,
+            millis(step.latency),
+            step.estimate
+                .map(|e| format!(", model {}", millis(e)))
+                .unwrap_or_default(),
+            if step.over_budget {
+                ", over budget"
+            } else {
+                ""
+            },
+            if step.guard_limited {
+                ", limited by min-mem-available"
+            } else {
+                ""
+            },
+        ),
+        Event::Stall {
+            step,
+            direction,
+            pages,
+            elapsed,
+        } => format!(
+            "step {step:>3} stalled: {} write of {pages} pages still running after {}",
+            direction.as_str(),
+            millis(*elapsed)
+        ),
+        Event::WriteFailed { step, error } => format!("step {step:>3} failed: {error}"),
+        Event::Compacted { scope, error: None } => format!("compacted memory ({scope}), retrying"),
+        Event::Compacted {
+            scope,
+            error: Some(error),
+        } => format!("compaction ({scope}) failed: {error}; retrying anyway"),
+        Event::Blocked(outcome) => format!("waiting: {}", describe_outcome(outcome)),
+        Event::Retargeted(target) => format!("new target: {} pages", target.pages),
+    }
+}
+
+fn describe_outcome(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Reached => "target reached".into(),
+        Outcome::Blocked {
+            target,
+            current,
+            in_use,
+            reserved,
+            surplus,
+            floor,
+        } => format!(
+            "blocked by pages in use: pool stays at {current} (target {target}; in use {in_use}, reserved {reserved}, surplus {surplus}, floor {floor})"
+        ),
+        Outcome::Shortfall {
+            requested,
+            achieved,
+            reason,
+            detail,
+        } => format!(
+            "shortfall: achieved {achieved} of {requested} pages ({reason:?}){}",
+            detail
+                .as_ref()
+                .map(|d| format!(": {d}"))
+                .unwrap_or_default()
+        ),
+    }
+}
+
+fn describe_report(report: &Report) -> String {
+    let s = &report.summary;
+    let mut text = format!(
+        "{}: {} {} pages {} -> {} (target {}) in {} writes, {:.3} s; max write {}, total write {}, {:.0} pages/s, {} stalls, {} compactions",
+        describe_outcome(&s.outcome),
+        s.page_size,
+        s.scope,
+        s.from,
+        s.achieved,
+        s.to,
+        s.steps,
+        s.duration_seconds,
+        millis(Duration::from_secs_f64(s.max_write_seconds)),
+        millis(Duration::from_secs_f64(s.total_write_seconds)),
+        s.pages_per_second,
+        s.stalls,
+        s.compactions,
+    );
+    for event in &report.kernel_log {
+        text.push_str(&format!(
+            "\nkernel log ({}): {}",
+            event.kind.as_str(),
+            event.message
+        ));
+    }
+    text
+}
+
+/// VmHWM of this process, from `/proc/self/status` (the process's own
+/// memory, not the kernel under `--proc-root`).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
+/// One line for a command-line error: clap's message with its lists folded
+/// in, without usage and hints.
+pub fn one_line_error(rendered: &str) -> String {
+    let message = rendered.split("\n\n").next().unwrap_or(rendered);
+    message
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::fixture::FakeSysfs;
+
+    fn parse(args: &[&str]) -> std::result::Result<Cli, String> {
+        Cli::try_parse_from(std::iter::once("hugepool-agent").chain(args.iter().copied()))
+            .map_err(|err| one_line_error(&err.render().to_string()))
+    }
+
+    fn resize_args(args: &[&str]) -> ResizeArgs {
+        let mut all = vec!["resize"];
+        all.extend_from_slice(args);
+        match parse(&all).unwrap().command {
+            Command::Resize(args) => args,
+        }
+    }
+
+    #[test]
+    fn bad_arguments_get_one_line_naming_the_argument() {
+        let cases: [(&[&str], &str); 6] = [
+            (
+                &["resize", "--page-size", "3Mi", "--pages", "1"],
+                "--page-size",
+            ),
+            (
+                &["resize", "--page-size", "2Mi", "--pages", "-5"],
+                "--pages",
+            ),
+            (
+                &[
+                    "resize",
+                    "--page-size",
+                    "2Mi",
+                    "--pages",
+                    "1",
+                    "--max-step-duration",
+                    "fast",
+                ],
+                "--max-step-duration",
+            ),
+            (
+                &[
+                    "resize",
+                    "--page-size",
+                    "2Mi",
+                    "--pages",
+                    "1",
+                    "--min-mem-available",
+                    "lots",
+                ],
+                "--min-mem-available",
+            ),
+            (
+                &[
+                    "resize",
+                    "--page-size",
+                    "2Mi",
+                    "--pages",
+                    "1",
+                    "--numa-node",
+                    "-1",
+                ],
+                "--numa-node",
+            ),
+            (&["resize", "--page-size", "2Mi"], "--pages"),
+        ];
+        for (args, name) in cases {
+            let err = parse(args).unwrap_err();
+            assert!(err.starts_with("error: "), "{err}");
+            assert!(err.contains(name), "{args:?}: {err}");
+            assert!(!err.contains('\n'), "{err}");
+        }
+    }
+
+    #[test]
+    fn sizes_and_nodes_the_kernel_lacks_are_rejected_before_any_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = FakeSysfs::two_nodes_1gi_missing_on_node1(dir.path());
+        let kernel = fake.kernel();
+        let err = resize_args(&["--page-size", "64Ki", "--pages", "1"])
+            .target(&kernel)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid --page-size: the kernel does not offer 64Ki huge pages (offered: 2Mi, 1Gi)"
+        );
+        let err = resize_args(&["--page-size", "1Gi", "--pages", "1", "--numa-node", "1"])
+            .target(&kernel)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid --numa-node: NUMA node 1 has no 1Gi pool"
+        );
+        let target = resize_args(&["--page-size", "1Gi", "--pages", "2", "--numa-node", "0"])
+            .target(&kernel)
+            .unwrap();
+        assert_eq!(target.scope, PoolScope::Node(0));
+        let err = resize_args(&[
+            "--page-size",
+            "2Mi",
+            "--pages",
+            "1",
+            "--stall-threshold",
+            "10ms",
+        ])
+        .target(&kernel)
+        .unwrap_err();
+        assert!(
+            err.to_string().starts_with("invalid --stall-threshold"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn settings_follow_the_flags() {
+        let args = resize_args(&[
+            "--page-size",
+            "2Mi",
+            "--pages",
+            "8",
+            "--max-step-duration",
+            "20ms",
+            "--step-pause",
+            "1ms",
+            "--min-mem-available",
+            "2Gi",
+            "--retries",
+            "5",
+            "--no-compact",
+        ]);
+        let settings = args.settings();
+        assert_eq!(settings.max_step_duration, Duration::from_millis(20));
+        assert_eq!(settings.step_pause, Duration::from_millis(1));
+        assert_eq!(settings.min_mem_available, 2 << 30);
+        assert_eq!(settings.retries, 5);
+        assert!(!settings.compact);
+    }
+}

@@ -6,13 +6,13 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use hugepool_crds::PageSize;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Recent writes a fit looks at; old ones age out as the kernel's state
 /// (HVO, memory pressure) changes.
 pub const WINDOW: usize = 8;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum Direction {
     Grow,
@@ -166,6 +166,65 @@ impl CostModels {
             .or_default()
             .record(sample);
     }
+
+    /// The windows as plain data, to keep the models across restarts.
+    pub fn to_saved(&self) -> Vec<SavedModel> {
+        let mut saved: Vec<SavedModel> = self
+            .models
+            .iter()
+            .map(|((size, direction), model)| SavedModel {
+                size: size.to_string(),
+                direction: *direction,
+                samples: model
+                    .samples()
+                    .map(|s| SavedSample {
+                        pages: s.pages,
+                        seconds: s.latency.as_secs_f64(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        saved.sort_by(|a, b| (&a.size, a.direction.as_str()).cmp(&(&b.size, b.direction.as_str())));
+        saved
+    }
+
+    /// Models from saved windows; entries that do not parse are skipped
+    /// (a stale file must not stop a resize).
+    pub fn from_saved(saved: &[SavedModel]) -> Self {
+        let mut models = Self::default();
+        for entry in saved {
+            let Ok(size) = entry.size.parse::<PageSize>() else {
+                continue;
+            };
+            for sample in &entry.samples {
+                if let Ok(latency) = Duration::try_from_secs_f64(sample.seconds) {
+                    models.record(
+                        size,
+                        entry.direction,
+                        Sample {
+                            pages: sample.pages,
+                            latency,
+                        },
+                    );
+                }
+            }
+        }
+        models
+    }
+}
+
+/// One model's window as stored in a model file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SavedModel {
+    pub size: String,
+    pub direction: Direction,
+    pub samples: Vec<SavedSample>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SavedSample {
+    pub pages: u64,
+    pub seconds: f64,
 }
 
 #[cfg(test)]
@@ -227,6 +286,43 @@ mod tests {
             });
         }
         assert_eq!(model.fit().unwrap().pages_within(ms(10.0)), 1000);
+    }
+
+    #[test]
+    fn saved_models_round_trip_and_skip_garbage() {
+        let mut models = CostModels::default();
+        models.record(
+            PageSize::SIZE_2MI,
+            Direction::Shrink,
+            Sample {
+                pages: 16,
+                latency: ms(13.0),
+            },
+        );
+        models.record(
+            PageSize::SIZE_2MI,
+            Direction::Shrink,
+            Sample {
+                pages: 32,
+                latency: ms(14.0),
+            },
+        );
+        let mut saved = models.to_saved();
+        let restored = CostModels::from_saved(&saved);
+        assert_eq!(restored.to_saved(), saved);
+        saved.push(SavedModel {
+            size: "3Mi".into(),
+            direction: Direction::Grow,
+            samples: vec![SavedSample {
+                pages: 1,
+                seconds: -1.0,
+            }],
+        });
+        saved[0].samples.push(SavedSample {
+            pages: 1,
+            seconds: f64::NAN,
+        });
+        assert_eq!(CostModels::from_saved(&saved).to_saved(), models.to_saved());
     }
 
     proptest! {

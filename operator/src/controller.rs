@@ -1,0 +1,751 @@
+//! The controller: a kube-runtime Controller on HugePagePools that watches
+//! Nodes and HugePageNodes, runs the planner over everything it sees and
+//! carries the plan out. It decides nothing itself (see `planner`).
+//!
+//! Every pass plans the whole cluster under one lock, so two pools' passes
+//! never admit nodes from different snapshots, and it plans from what this
+//! process last wrote when the watch has not caught up with it yet.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::{FutureExt, StreamExt};
+use hugepool_crds::conditions::{find_condition, set_condition};
+use hugepool_crds::{
+    HugePageNode, HugePagePool, NodeConditionType, OPERATOR_MANAGER, POOL_FINALIZER,
+};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod, Taint};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::core::{Selector, SelectorExt};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use tokio::sync::{Mutex, watch};
+use tracing::{debug, info, instrument, warn};
+
+use crate::drain::{self, Eviction, EvictionBackoff};
+use crate::error::{Error, Result};
+use crate::events;
+use crate::leader::{LeaderConfig, Leadership};
+use crate::metrics::{self, Health, Metrics};
+use crate::planner::{self, NodePlan, Plan, PlanInput};
+
+/// How the operator runs; `main` fills it from flags, tests directly.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Where `/metrics`, `/healthz` and `/readyz` listen; None serves nothing.
+    pub listen: Option<SocketAddr>,
+    /// Lease-based leader election; None leads alone.
+    pub leader: Option<LeaderConfig>,
+    /// Names this replica in Events.
+    pub instance: String,
+    /// Re-plan at least this often even without events.
+    pub resync: Duration,
+    /// Re-plan this often while a drain is evicting pods.
+    pub drain_poll: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            leader: None,
+            instance: "hugepool-operator".into(),
+            resync: Duration::from_secs(300),
+            drain_poll: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What this process wrote last, by name, until the watches show it.
+#[derive(Default)]
+struct Written {
+    pools: BTreeMap<String, (HugePagePool, Instant)>,
+    nodes: BTreeMap<String, (Node, Instant)>,
+    node_states: BTreeMap<String, (HugePageNode, Instant)>,
+    /// Pods whose eviction a PodDisruptionBudget refused, by namespace/name.
+    evictions: BTreeMap<String, EvictionBackoff>,
+}
+
+/// How long a write the watch never shows (the object was deleted) is kept.
+const WRITTEN_TTL: Duration = Duration::from_secs(30);
+
+fn resource_version<K: Resource>(object: &K) -> Option<u64> {
+    object.meta().resource_version.as_deref()?.parse().ok()
+}
+
+/// The store's objects, each replaced by what this process wrote when that
+/// is newer (resourceVersions of one resource come from one etcd revision
+/// counter, so they order writes).
+fn fresher<K: Resource + Clone>(
+    stored: Vec<Arc<K>>,
+    written: &mut BTreeMap<String, (K, Instant)>,
+    keep_unseen: bool,
+) -> Vec<K> {
+    let mut objects = Vec::with_capacity(stored.len());
+    let mut seen = Vec::new();
+    for object in stored {
+        let name = object.meta().name.clone().unwrap_or_default();
+        match written.get(&name) {
+            Some((ours, _)) if resource_version(ours) > resource_version(object.as_ref()) => {
+                objects.push(ours.clone());
+            }
+            Some(_) => {
+                written.remove(&name);
+                objects.push(object.as_ref().clone());
+            }
+            None => objects.push(object.as_ref().clone()),
+        }
+        seen.push(name);
+    }
+    written
+        .retain(|name, (_, at)| seen.contains(name) || (keep_unseen && at.elapsed() < WRITTEN_TTL));
+    if keep_unseen {
+        objects.extend(
+            written
+                .iter()
+                .filter(|(name, _)| !seen.contains(name))
+                .map(|(_, (object, _))| object.clone()),
+        );
+    }
+    objects
+}
+
+/// Shared by every reconcile.
+pub struct Context {
+    pub client: Client,
+    pub pools: Store<HugePagePool>,
+    pub nodes: Store<Node>,
+    pub node_states: Store<HugePageNode>,
+    pub recorder: Recorder,
+    pub metrics: Arc<Metrics>,
+    pub is_leader: watch::Receiver<bool>,
+    pub ready: Arc<AtomicBool>,
+    pub config: Config,
+    /// The clock; tests pass a fixed one.
+    pub now: fn() -> Timestamp,
+    written: Mutex<Written>,
+}
+
+impl Context {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        client: Client,
+        pools: Store<HugePagePool>,
+        nodes: Store<Node>,
+        node_states: Store<HugePageNode>,
+        metrics: Arc<Metrics>,
+        is_leader: watch::Receiver<bool>,
+        ready: Arc<AtomicBool>,
+        config: Config,
+    ) -> Self {
+        let reporter = Reporter {
+            controller: OPERATOR_MANAGER.into(),
+            instance: Some(config.instance.clone()),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            pools,
+            nodes,
+            node_states,
+            metrics,
+            is_leader,
+            ready,
+            config,
+            now: Timestamp::now,
+            written: Mutex::new(Written::default()),
+        }
+    }
+
+    async fn publish(&self, event: Event, reference: &ObjectReference) {
+        if let Err(err) = self.recorder.publish(&event, reference).await {
+            warn!(error = %err, reason = %event.reason, "publishing an event");
+        }
+    }
+}
+
+fn node_reference(node: &Node) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: node.metadata.name.clone(),
+        uid: node.metadata.uid.clone(),
+        ..ObjectReference::default()
+    }
+}
+
+fn has_drain_taint(node: &Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == hugepool_crds::DRAINING_TAINT))
+}
+
+/// The HugePageNode is owned by its Node (so it goes with it).
+fn owned_by(node_state: &HugePageNode, node: &Node) -> bool {
+    node_state
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.kind == "Node" && Some(&o.uid) == node.metadata.uid.as_ref())
+}
+
+/// The server-side apply body of a HugePageNode's spec.
+pub fn node_spec_apply(node: &Node, plan: &NodePlan) -> serde_json::Value {
+    let name = node.name_any();
+    json!({
+        "apiVersion": HugePageNode::api_version(&()),
+        "kind": HugePageNode::kind(&()),
+        "metadata": {
+            "name": name,
+            "ownerReferences": [{
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": name,
+                "uid": node.metadata.uid.clone().unwrap_or_default(),
+            }],
+        },
+        "spec": plan.spec,
+    })
+}
+
+/// Reconciles one pool: plans the cluster, writes what changed.
+#[instrument(skip(pool, ctx), fields(pool = %pool.name_any()))]
+pub async fn reconcile(pool: Arc<HugePagePool>, ctx: Arc<Context>) -> Result<Action> {
+    if !*ctx.is_leader.borrow() {
+        return Ok(Action::await_change());
+    }
+    if !ctx.ready.load(Ordering::Relaxed) {
+        // Never plan from a partial view: a missing HugePageNode would be
+        // planned as new and its node admitted again.
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
+    let started = Instant::now();
+    let action = reconcile_pool(&pool.name_any(), &ctx).await;
+    ctx.metrics.observe_reconcile(started.elapsed());
+    action
+}
+
+pub fn error_policy(pool: Arc<HugePagePool>, error: &Error, ctx: Arc<Context>) -> Action {
+    warn!(pool = %pool.name_any(), %error, "reconcile failed");
+    ctx.metrics.count_error(error.metric_label());
+    Action::requeue(Duration::from_secs(5))
+}
+
+async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
+    let mut written = ctx.written.lock().await;
+    let pools = fresher(ctx.pools.state(), &mut written.pools, false);
+    let nodes = fresher(ctx.nodes.state(), &mut written.nodes, false);
+    let node_states = fresher(ctx.node_states.state(), &mut written.node_states, true);
+    let Some(pool) = pools.iter().find(|p| p.name_any() == name).cloned() else {
+        ctx.metrics.forget_pool(name);
+        return Ok(Action::await_change());
+    };
+    let pools_api: Api<HugePagePool> = Api::all(ctx.client.clone());
+    if pool.metadata.deletion_timestamp.is_none()
+        && !pool.finalizers().iter().any(|f| f == POOL_FINALIZER)
+    {
+        let updated = add_finalizer(&pools_api, &pool).await?;
+        written
+            .pools
+            .insert(name.to_string(), (updated, Instant::now()));
+    }
+
+    let now = (ctx.now)();
+    let plan = planner::plan(&PlanInput {
+        pools: &pools,
+        nodes: &nodes,
+        node_states: &node_states,
+        now,
+    });
+    let mut evicting = false;
+    for (node_name, node_plan) in &plan.nodes {
+        let Some(node) = nodes.iter().find(|n| &n.name_any() == node_name) else {
+            continue;
+        };
+        let current = node_states.iter().find(|s| &s.name_any() == node_name);
+        let node_state = write_node_spec(ctx, node, current, node_plan, &mut written).await?;
+        evicting |=
+            carry_out_drain(ctx, node, node_state.as_ref(), node_plan, now, &mut written).await?;
+    }
+
+    let Some(pool_plan) = plan.pools.get(name) else {
+        return Ok(Action::await_change());
+    };
+    let old_status = pool.status.clone().unwrap_or_default();
+    if pool_plan.status != old_status {
+        let updated = pools_api
+            .patch_status(
+                name,
+                &PatchParams::apply(OPERATOR_MANAGER).force(),
+                &Patch::Apply(json!({
+                    "apiVersion": HugePagePool::api_version(&()),
+                    "kind": HugePagePool::kind(&()),
+                    "status": pool_plan.status,
+                })),
+            )
+            .await
+            .map_err(|source| Error::PoolStatus {
+                pool: name.to_string(),
+                source,
+            })?;
+        written
+            .pools
+            .insert(name.to_string(), (updated, Instant::now()));
+        if !pool_plan.admitted.is_empty() {
+            info!(admitted = ?pool_plan.admitted, "nodes admitted to the rollout");
+        }
+        for event in events::pool_events(&old_status, &pool_plan.status) {
+            ctx.publish(event, &pool.object_ref(&())).await;
+        }
+    }
+    ctx.metrics.observe_pool(name, pool_plan);
+    if pool_plan.remove_finalizer && pool.finalizers().iter().any(|f| f == POOL_FINALIZER) {
+        remove_finalizer(&pools_api, &pool).await?;
+        written.pools.remove(name);
+        ctx.metrics.forget_pool(name);
+        info!("pool released every node; finalizer removed");
+        return Ok(Action::await_change());
+    }
+    Ok(next_action(&ctx.config, &plan, now, evicting))
+}
+
+/// When to look again without an event: a drain deadline, a drain that is
+/// evicting, or the resync period.
+fn next_action(config: &Config, plan: &Plan, now: Timestamp, evicting: bool) -> Action {
+    let mut wait = config.resync;
+    if let Some(deadline) = plan.next_deadline {
+        let until = deadline.duration_since(now);
+        let until = Duration::try_from(until).unwrap_or(Duration::ZERO);
+        wait = wait.min(until + Duration::from_millis(100));
+    }
+    if evicting {
+        wait = wait.min(config.drain_poll);
+    }
+    Action::requeue(wait)
+}
+
+async fn add_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Result<HugePagePool> {
+    let mut finalizers = pool.finalizers().to_vec();
+    finalizers.push(POOL_FINALIZER.into());
+    let patch = json!({
+        "metadata": {
+            "resourceVersion": pool.resource_version(),
+            "finalizers": finalizers,
+        }
+    });
+    api.patch(
+        &pool.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(patch),
+    )
+    .await
+    .map_err(|source| Error::Finalizer {
+        pool: pool.name_any(),
+        source,
+    })
+}
+
+async fn remove_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Result<()> {
+    let finalizers: Vec<&String> = pool
+        .finalizers()
+        .iter()
+        .filter(|f| *f != POOL_FINALIZER)
+        .collect();
+    let patch = json!({
+        "metadata": {
+            "resourceVersion": pool.resource_version(),
+            "finalizers": finalizers,
+        }
+    });
+    match api
+        .patch(
+            &pool.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        // Already gone: nothing left to release.
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(source) => Err(Error::Finalizer {
+            pool: pool.name_any(),
+            source,
+        }),
+    }
+}
+
+/// Creates or updates the node's HugePageNode when its spec or owner is not
+/// what the plan says; returns the HugePageNode as it now is.
+async fn write_node_spec(
+    ctx: &Context,
+    node: &Node,
+    current: Option<&HugePageNode>,
+    plan: &NodePlan,
+    written: &mut Written,
+) -> Result<Option<HugePageNode>> {
+    let needs_owner = current.is_none_or(|c| !owned_by(c, node));
+    if !plan.spec_changed && !needs_owner {
+        return Ok(current.cloned());
+    }
+    let name = node.name_any();
+    let api: Api<HugePageNode> = Api::all(ctx.client.clone());
+    let updated = api
+        .patch(
+            &name,
+            &PatchParams::apply(OPERATOR_MANAGER).force(),
+            &Patch::Apply(node_spec_apply(node, plan)),
+        )
+        .await
+        .map_err(|source| Error::NodeSpec {
+            node: name.clone(),
+            source,
+        })?;
+    debug!(node = %name, generation = ?updated.metadata.generation, "wrote HugePageNode spec");
+    written
+        .node_states
+        .insert(name, (updated.clone(), Instant::now()));
+    Ok(Some(updated))
+}
+
+/// Sets the Draining condition, the taint and evicts as the plan says;
+/// returns whether evictions are still going on.
+async fn carry_out_drain(
+    ctx: &Context,
+    node: &Node,
+    node_state: Option<&HugePageNode>,
+    plan: &NodePlan,
+    now: Timestamp,
+    written: &mut Written,
+) -> Result<bool> {
+    let drain = &plan.drain;
+    let name = node.name_any();
+    if let (Some(update), Some(state)) = (&drain.condition, node_state) {
+        let mut conditions = state
+            .status
+            .as_ref()
+            .map(|s| s.conditions.clone())
+            .unwrap_or_default();
+        let before = find_condition(&conditions, NodeConditionType::Draining).cloned();
+        if set_condition(&mut conditions, update.clone(), &Time(now)) {
+            let Some(condition) = find_condition(&conditions, NodeConditionType::Draining) else {
+                return Ok(false);
+            };
+            let api: Api<HugePageNode> = Api::all(ctx.client.clone());
+            let updated = api
+                .patch_status(
+                    &name,
+                    &PatchParams::apply(OPERATOR_MANAGER).force(),
+                    &Patch::Apply(json!({
+                        "apiVersion": HugePageNode::api_version(&()),
+                        "kind": HugePageNode::kind(&()),
+                        "status": {"conditions": [condition]},
+                    })),
+                )
+                .await
+                .map_err(|source| Error::DrainCondition {
+                    node: name.clone(),
+                    source,
+                })?;
+            written
+                .node_states
+                .insert(name.clone(), (updated, Instant::now()));
+            if let Some(event) = events::drain_event(before.as_ref(), update) {
+                ctx.publish(event, &node_reference(node)).await;
+            }
+        }
+    }
+    if drain.taint != has_drain_taint(node) {
+        set_drain_taint(ctx, node, drain.taint, written).await?;
+    }
+    if drain.evict.is_empty() {
+        return Ok(false);
+    }
+    let pods: Api<Pod> = Api::all(ctx.client.clone());
+    let on_node = pods
+        .list(&ListParams::default().fields(&format!("spec.nodeName={name}")))
+        .await
+        .map_err(|source| Error::ListPods {
+            node: name.clone(),
+            source,
+        })?;
+    let pool = drain.pools.first().cloned().unwrap_or_default();
+    for pod in drain::hugepage_consumers(&on_node.items, &drain.evict) {
+        let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+        if written
+            .evictions
+            .get(&key)
+            .is_some_and(|b| b.next_try > now)
+        {
+            continue;
+        }
+        let outcome = drain::evict(&ctx.client, pod).await;
+        ctx.metrics.count_eviction(&pool, outcome.metric_label());
+        let first_refusal = !written.evictions.contains_key(&key);
+        match &outcome {
+            Eviction::Evicted => {
+                written.evictions.remove(&key);
+                info!(node = %name, pod = %key, "evicted");
+            }
+            Eviction::Blocked(message) | Eviction::Failed(message) => {
+                let backoff = EvictionBackoff::refused(written.evictions.get(&key), now);
+                debug!(node = %name, pod = %key, %message, attempts = backoff.attempts, "eviction refused");
+                written.evictions.insert(key.clone(), backoff);
+            }
+        }
+        if matches!(outcome, Eviction::Evicted) || first_refusal {
+            ctx.publish(
+                events::eviction_event(&key, &outcome),
+                &node_reference(node),
+            )
+            .await;
+        }
+    }
+    Ok(true)
+}
+
+/// Adds or removes `hugepool.dev/draining:NoSchedule`, leaving other taints
+/// alone; the resourceVersion makes a concurrent change fail and retry.
+async fn set_drain_taint(
+    ctx: &Context,
+    node: &Node,
+    taint: bool,
+    written: &mut Written,
+) -> Result<()> {
+    let name = node.name_any();
+    let mut taints: Vec<Taint> = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    taints.retain(|t| t.key != hugepool_crds::DRAINING_TAINT);
+    if taint {
+        taints.push(Taint {
+            key: hugepool_crds::DRAINING_TAINT.into(),
+            effect: "NoSchedule".into(),
+            value: None,
+            time_added: None,
+        });
+    }
+    let patch = json!({
+        "metadata": {"resourceVersion": node.resource_version()},
+        "spec": {"taints": taints},
+    });
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    let updated = api
+        .patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .map_err(|source| Error::Taint {
+            node: name.clone(),
+            source,
+        })?;
+    info!(node = %name, taint, "draining taint updated");
+    written.nodes.insert(name, (updated, Instant::now()));
+    Ok(())
+}
+
+/// Pools that care about a node: those selecting it and those with an
+/// entry on its HugePageNode.
+fn pools_for_node(
+    node_name: &str,
+    labels: Option<&BTreeMap<String, String>>,
+    pools: &Store<HugePagePool>,
+    node_states: &Store<HugePageNode>,
+) -> Vec<ObjectRef<HugePagePool>> {
+    let entries: Vec<String> = node_states
+        .get(&ObjectRef::new(node_name))
+        .map(|s| s.spec.page_sizes.iter().map(|e| e.pool.clone()).collect())
+        .unwrap_or_default();
+    pools
+        .state()
+        .iter()
+        .filter(|pool| {
+            let selected = labels.is_some_and(|labels| {
+                Selector::try_from(pool.spec.node_selector.clone())
+                    .is_ok_and(|selector| selector.matches(labels))
+            });
+            selected || entries.contains(&pool.name_any())
+        })
+        .map(|pool| ObjectRef::from_obj(pool.as_ref()))
+        .collect()
+}
+
+/// Runs the operator until `shutdown` completes: the HTTP endpoints, leader
+/// election, the watches and the controller.
+pub async fn run(
+    client: Client,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let shutdown = shutdown.shared();
+    let metrics = Arc::new(Metrics::default());
+    let ready = Arc::new(AtomicBool::new(false));
+    if let Some(addr) = config.listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| Error::Serve { addr, source })?;
+        let router = metrics::router(Health {
+            metrics: metrics.clone(),
+            ready: ready.clone(),
+        });
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(err) = axum::serve(listener, router)
+                .with_graceful_shutdown(stop)
+                .await
+            {
+                warn!(error = %err, "metrics server stopped");
+            }
+        });
+        info!(%addr, "serving /metrics, /healthz and /readyz");
+    }
+    let leadership = match &config.leader {
+        Some(leader) => Leadership::elect(client.clone(), leader).await?,
+        None => Leadership::always(),
+    };
+    let is_leader = leadership.is_leader.clone();
+
+    let (nodes, node_writer) = reflector::store();
+    let node_events = reflector::reflector(
+        node_writer,
+        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()),
+    )
+    .default_backoff()
+    .touched_objects();
+    let (node_states, state_writer) = reflector::store();
+    let state_events = reflector::reflector(
+        state_writer,
+        watcher(
+            Api::<HugePageNode>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .touched_objects();
+
+    let controller = Controller::new(
+        Api::<HugePagePool>::all(client.clone()),
+        watcher::Config::default(),
+    );
+    let pools = controller.store();
+    let ctx = Arc::new(Context::new(
+        client,
+        pools.clone(),
+        nodes.clone(),
+        node_states.clone(),
+        metrics.clone(),
+        is_leader.clone(),
+        ready.clone(),
+        config,
+    ));
+
+    {
+        let (pools, nodes, node_states, ready) = (
+            pools.clone(),
+            nodes.clone(),
+            node_states.clone(),
+            ready.clone(),
+        );
+        tokio::spawn(async move {
+            let synced = futures::future::try_join3(
+                pools.wait_until_ready(),
+                nodes.wait_until_ready(),
+                node_states.wait_until_ready(),
+            )
+            .await;
+            if synced.is_ok() {
+                ready.store(true, Ordering::Relaxed);
+                info!("watches synced");
+            }
+        });
+    }
+
+    // Every reconcile that ran while this replica was not leading did
+    // nothing; on becoming leader, reconcile every pool.
+    let became_leader = {
+        let metrics = metrics.clone();
+        futures::stream::unfold(is_leader.clone(), move |mut is_leader| {
+            let metrics = metrics.clone();
+            async move {
+                loop {
+                    is_leader.changed().await.ok()?;
+                    let leading = *is_leader.borrow_and_update();
+                    metrics.leader.set(i64::from(leading));
+                    info!(leading, "leadership changed");
+                    if leading {
+                        return Some(((), is_leader));
+                    }
+                }
+            }
+        })
+    };
+    metrics.leader.set(i64::from(*is_leader.borrow()));
+
+    let node_map = {
+        let (pools, node_states) = (pools.clone(), node_states.clone());
+        move |node: Node| {
+            pools_for_node(
+                &node.name_any(),
+                node.metadata.labels.as_ref(),
+                &pools,
+                &node_states,
+            )
+        }
+    };
+    let state_map = {
+        let (pools, nodes) = (pools.clone(), nodes.clone());
+        move |state: HugePageNode| {
+            let name = state.name_any();
+            let node = nodes.get(&ObjectRef::new(&name));
+            let labels = node.as_ref().and_then(|n| n.metadata.labels.as_ref());
+            let named: Vec<String> = state
+                .spec
+                .page_sizes
+                .iter()
+                .map(|e| e.pool.clone())
+                .collect();
+            pools
+                .state()
+                .iter()
+                .filter(|pool| {
+                    named.contains(&pool.name_any())
+                        || labels.is_some_and(|labels| {
+                            Selector::try_from(pool.spec.node_selector.clone())
+                                .is_ok_and(|selector| selector.matches(labels))
+                        })
+                })
+                .map(|pool| ObjectRef::from_obj(pool.as_ref()))
+                .collect::<Vec<_>>()
+        }
+    };
+
+    controller
+        .watches_stream(node_events, node_map)
+        .watches_stream(state_events, state_map)
+        .reconcile_all_on(became_leader)
+        .graceful_shutdown_on(shutdown.clone())
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                debug!(error = %err, "reconcile");
+            }
+        })
+        .await;
+    leadership.release().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,187 @@
+//! Drain helpers: which pods consume a page size, how long to wait before
+//! retrying an eviction a PodDisruptionBudget refused, and the eviction call.
+
+use std::time::Duration;
+
+use hugepool_crds::PageSize;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Pod, ResourceRequirements};
+use kube::api::{Api, EvictParams};
+use kube::{Client, ResourceExt};
+
+/// First wait after a refused eviction; it doubles up to [`MAX_BACKOFF`].
+pub const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Whether any container of `pod` requests (or is limited to) one of `sizes`.
+pub fn requests_hugepages(pod: &Pod, sizes: &[PageSize]) -> bool {
+    let Some(spec) = &pod.spec else {
+        return false;
+    };
+    let names: Vec<String> = sizes.iter().map(|s| s.resource_name()).collect();
+    let asks = |resources: &Option<ResourceRequirements>| {
+        resources.as_ref().is_some_and(|r| {
+            [&r.requests, &r.limits]
+                .into_iter()
+                .flatten()
+                .any(|amounts| {
+                    amounts
+                        .iter()
+                        .any(|(name, amount)| names.contains(name) && amount.0 != "0")
+                })
+        })
+    };
+    spec.containers.iter().any(|c| asks(&c.resources))
+        || spec
+            .init_containers
+            .iter()
+            .flatten()
+            .any(|c| asks(&c.resources))
+}
+
+/// Pods to evict: those that request one of `sizes`, not already going and
+/// not finished (their pages are already free).
+pub fn hugepage_consumers<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> Vec<&'a Pod> {
+    let mut consumers: Vec<&Pod> = pods
+        .iter()
+        .filter(|pod| pod.metadata.deletion_timestamp.is_none())
+        .filter(|pod| {
+            let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+            !matches!(phase, Some("Succeeded" | "Failed"))
+        })
+        .filter(|pod| requests_hugepages(pod, sizes))
+        .collect();
+    consumers.sort_by_key(|pod| (pod.namespace(), pod.name_any()));
+    consumers
+}
+
+/// Retry state of one pod whose eviction was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EvictionBackoff {
+    pub attempts: u32,
+    pub next_try: Timestamp,
+}
+
+impl EvictionBackoff {
+    /// The state after a refusal at `now`.
+    pub fn refused(previous: Option<&EvictionBackoff>, now: Timestamp) -> Self {
+        let attempts = previous.map_or(0, |b| b.attempts) + 1;
+        let wait = FIRST_BACKOFF
+            .saturating_mul(1 << attempts.saturating_sub(1).min(16))
+            .min(MAX_BACKOFF);
+        let next_try = jiff::SignedDuration::try_from(wait)
+            .ok()
+            .and_then(|wait| now.checked_add(wait).ok())
+            .unwrap_or(now);
+        Self { attempts, next_try }
+    }
+}
+
+/// How one eviction went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Eviction {
+    /// The API server accepted it (or the pod is already gone).
+    Evicted,
+    /// 429: a PodDisruptionBudget does not allow it now.
+    Blocked(String),
+    Failed(String),
+}
+
+impl Eviction {
+    /// The `result` label of `hugepool_evictions_total`.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Eviction::Evicted => "evicted",
+            Eviction::Blocked(_) => "blocked",
+            Eviction::Failed(_) => "failed",
+        }
+    }
+}
+
+/// Evicts one pod through the Eviction API, so PodDisruptionBudgets apply.
+pub async fn evict(client: &Client, pod: &Pod) -> Eviction {
+    let namespace = pod.namespace().unwrap_or_default();
+    let api: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    match api.evict(&pod.name_any(), &EvictParams::default()).await {
+        Ok(_) => Eviction::Evicted,
+        Err(kube::Error::Api(status)) if status.code == 404 => Eviction::Evicted,
+        Err(kube::Error::Api(status)) if status.code == 429 => Eviction::Blocked(status.message),
+        Err(err) => Eviction::Failed(err.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+
+    use super::*;
+
+    fn pod(name: &str, resources: &[(&str, &str)]) -> Pod {
+        let amounts: BTreeMap<String, Quantity> = resources
+            .iter()
+            .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+            .collect();
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("apps".into()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "main".into(),
+                    resources: Some(ResourceRequirements {
+                        limits: Some(amounts.clone()),
+                        requests: Some(amounts),
+                        ..ResourceRequirements::default()
+                    }),
+                    ..Container::default()
+                }],
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn only_pods_requesting_the_blocked_size_are_evicted() {
+        let mut terminating = pod("going", &[("hugepages-2Mi", "4Mi")]);
+        terminating.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        let mut finished = pod("done", &[("hugepages-2Mi", "4Mi")]);
+        finished.status.as_mut().unwrap().phase = Some("Succeeded".into());
+        let pods = vec![
+            pod("dpdk", &[("hugepages-2Mi", "8Mi"), ("memory", "1Gi")]),
+            pod("web", &[("cpu", "1"), ("memory", "1Gi")]),
+            pod("db", &[("hugepages-1Gi", "2Gi")]),
+            pod("zero", &[("hugepages-2Mi", "0")]),
+            terminating,
+            finished,
+        ];
+        let names: Vec<String> = hugepage_consumers(&pods, &[PageSize::SIZE_2MI])
+            .iter()
+            .map(|p| p.name_any())
+            .collect();
+        assert_eq!(names, ["dpdk"]);
+        let both = hugepage_consumers(&pods, &[PageSize::SIZE_2MI, PageSize::SIZE_1GI]);
+        assert_eq!(both.len(), 2);
+    }
+
+    #[test]
+    fn refused_evictions_back_off_exponentially_up_to_a_cap() {
+        let now = Timestamp::UNIX_EPOCH;
+        let mut backoff = EvictionBackoff::refused(None, now);
+        let mut waits = vec![backoff.next_try.as_second()];
+        for _ in 0..7 {
+            backoff = EvictionBackoff::refused(Some(&backoff), now);
+            waits.push(backoff.next_try.as_second());
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+    }
+}

@@ -1,0 +1,43 @@
+//! The operator's one error type. Each variant names the metric label it is
+//! counted under (`hugepool_reconcile_errors_total{error}`).
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("writing HugePageNode {node}: {source}")]
+    NodeSpec { node: String, source: kube::Error },
+    #[error("writing the Draining condition of HugePageNode {node}: {source}")]
+    DrainCondition { node: String, source: kube::Error },
+    #[error("updating the draining taint of Node {node}: {source}")]
+    Taint { node: String, source: kube::Error },
+    #[error("listing the pods on Node {node}: {source}")]
+    ListPods { node: String, source: kube::Error },
+    #[error("writing the status of HugePagePool {pool}: {source}")]
+    PoolStatus { pool: String, source: kube::Error },
+    #[error("updating the finalizer of HugePagePool {pool}: {source}")]
+    Finalizer { pool: String, source: kube::Error },
+    #[error("leader election: {0}")]
+    Leader(#[from] kube_lease_manager::LeaseManagerError),
+    #[error("serving metrics and health on {addr}: {source}")]
+    Serve {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// The `error` label of `hugepool_reconcile_errors_total`.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::NodeSpec { .. } => "node_spec",
+            Error::DrainCondition { .. } => "drain_condition",
+            Error::Taint { .. } => "taint",
+            Error::ListPods { .. } => "list_pods",
+            Error::PoolStatus { .. } => "pool_status",
+            Error::Finalizer { .. } => "finalizer",
+            Error::Leader(_) => "leader",
+            Error::Serve { .. } => "serve",
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

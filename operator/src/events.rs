@@ -1,0 +1,192 @@
+//! Which Events a pass emits, derived from what changed (pure): rollout
+//! start, finish and halt on pools; drain start, timeout and end on nodes.
+
+use hugepool_crds::conditions::{ConditionUpdate, find_condition};
+use hugepool_crds::{HugePagePoolStatus, NodeConditionType, PoolConditionType, Reason};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::runtime::events::{Event, EventType};
+
+fn event(type_: EventType, reason: &str, action: &str, note: String) -> Event {
+    Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: action.into(),
+        secondary: None,
+    }
+}
+
+/// True -> the condition of `type_` is True now and was not before, or its
+/// reason changed to `reason`.
+fn became(
+    old: &[Condition],
+    new: &[Condition],
+    type_: PoolConditionType,
+    status: &str,
+    reasons: &[Reason],
+) -> Option<String> {
+    let now = find_condition(new, type_)?;
+    let matches =
+        |c: &Condition| c.status == status && reasons.iter().any(|r| r.as_str() == c.reason);
+    if !matches(now) {
+        return None;
+    }
+    match find_condition(old, type_) {
+        Some(before) if matches(before) => None,
+        _ => Some(now.message.clone()),
+    }
+}
+
+/// Events for a pool whose status goes from `old` to `new`.
+pub fn pool_events(old: &HugePagePoolStatus, new: &HugePagePoolStatus) -> Vec<Event> {
+    let (old, new) = (&old.conditions, &new.conditions);
+    let mut events = Vec::new();
+    if let Some(message) = became(
+        old,
+        new,
+        PoolConditionType::Progressing,
+        "True",
+        &[
+            Reason::RollingOut,
+            Reason::MaxUnavailableReached,
+            Reason::Draining,
+        ],
+    ) && find_condition(old, PoolConditionType::Progressing).is_none_or(|c| c.status != "True")
+    {
+        events.push(event(
+            EventType::Normal,
+            "RolloutStarted",
+            "Rollout",
+            message,
+        ));
+    }
+    if let Some(message) = became(
+        old,
+        new,
+        PoolConditionType::Available,
+        "True",
+        &[Reason::AllNodesConverged],
+    ) {
+        events.push(event(
+            EventType::Normal,
+            "RolloutFinished",
+            "Rollout",
+            message,
+        ));
+    }
+    if let Some(message) = became(
+        old,
+        new,
+        PoolConditionType::Degraded,
+        "True",
+        &[Reason::RolloutHalted],
+    ) {
+        events.push(event(
+            EventType::Warning,
+            "RolloutHalted",
+            "Rollout",
+            message,
+        ));
+    }
+    if let Some(message) = became(
+        old,
+        new,
+        PoolConditionType::Degraded,
+        "True",
+        &[Reason::Conflict],
+    ) {
+        events.push(event(EventType::Warning, "Conflict", "Plan", message));
+    }
+    events
+}
+
+/// The Event for a Draining condition a node moves to, if it is new.
+pub fn drain_event(old: Option<&Condition>, update: &ConditionUpdate) -> Option<Event> {
+    debug_assert_eq!(update.type_, NodeConditionType::Draining.as_str());
+    let unchanged = old.is_some_and(|c| {
+        c.reason == update.reason.as_str() && (c.status == "True") == update.status
+    });
+    if unchanged {
+        return None;
+    }
+    let (type_, reason) = match update.reason {
+        Reason::EvictingPods => (EventType::Normal, "DrainStarted"),
+        Reason::DrainTimeout => (EventType::Warning, "DrainTimeout"),
+        _ => (EventType::Normal, "DrainFinished"),
+    };
+    Some(event(type_, reason, "Drain", update.message.clone()))
+}
+
+/// The Event for one eviction attempt.
+pub fn eviction_event(pod: &str, outcome: &crate::drain::Eviction) -> Event {
+    use crate::drain::Eviction;
+    match outcome {
+        Eviction::Evicted => event(
+            EventType::Normal,
+            "Evicted",
+            "Evict",
+            format!("evicted pod {pod} to free its huge pages"),
+        ),
+        Eviction::Blocked(message) => event(
+            EventType::Warning,
+            "EvictionBlocked",
+            "Evict",
+            format!("eviction of pod {pod} refused, will retry: {message}"),
+        ),
+        Eviction::Failed(message) => event(
+            EventType::Warning,
+            "EvictionFailed",
+            "Evict",
+            format!("eviction of pod {pod} failed: {message}"),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hugepool_crds::conditions::set_condition;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    use super::*;
+
+    fn status(updates: &[(PoolConditionType, bool, Reason)]) -> HugePagePoolStatus {
+        let mut status = HugePagePoolStatus::default();
+        for (type_, value, reason) in updates {
+            set_condition(
+                &mut status.conditions,
+                ConditionUpdate::new(*type_, *value, *reason, "3/4 nodes converged"),
+                &Time(jiff::Timestamp::UNIX_EPOCH),
+            );
+        }
+        status
+    }
+
+    fn reasons(events: &[Event]) -> Vec<&str> {
+        events.iter().map(|e| e.reason.as_str()).collect()
+    }
+
+    #[test]
+    fn a_rollout_starts_finishes_and_halts_once_each() {
+        use PoolConditionType::*;
+        let idle = status(&[(Progressing, false, Reason::RolloutComplete)]);
+        let rolling = status(&[(Progressing, true, Reason::RollingOut)]);
+        let limited = status(&[(Progressing, true, Reason::MaxUnavailableReached)]);
+        let done = status(&[
+            (Progressing, false, Reason::RolloutComplete),
+            (Available, true, Reason::AllNodesConverged),
+        ]);
+        let halted = status(&[
+            (Progressing, false, Reason::RolloutHalted),
+            (Degraded, true, Reason::RolloutHalted),
+        ]);
+        assert_eq!(reasons(&pool_events(&idle, &rolling)), ["RolloutStarted"]);
+        assert!(
+            pool_events(&rolling, &limited).is_empty(),
+            "still the same rollout"
+        );
+        assert_eq!(reasons(&pool_events(&limited, &done)), ["RolloutFinished"]);
+        assert!(pool_events(&done, &done).is_empty());
+        assert_eq!(reasons(&pool_events(&rolling, &halted)), ["RolloutHalted"]);
+        assert!(pool_events(&halted, &halted).is_empty());
+    }
+}

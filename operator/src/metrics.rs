@@ -1,0 +1,229 @@
+//! Operator metrics (docs/design.md, "Dashboards and tooling") and the one
+//! HTTP port that serves them with `/healthz` and `/readyz`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::planner::PoolPlan;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolStateLabels {
+    pub pool: String,
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolKindLabels {
+    pub pool: String,
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EvictionLabels {
+    pub pool: String,
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub error: String,
+}
+
+/// Every metric the operator exports, registered in `registry`.
+pub struct Metrics {
+    pub registry: Registry,
+    pub pool_nodes: Family<PoolStateLabels, Gauge>,
+    pub pool_pages: Family<PoolKindLabels, Gauge>,
+    pub evictions: Family<EvictionLabels, Counter>,
+    pub reconciles: Counter,
+    pub reconcile_errors: Family<ErrorLabels, Counter>,
+    pub reconcile_duration: Histogram,
+    pub leader: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let pool_nodes = Family::<PoolStateLabels, Gauge>::default();
+        let pool_pages = Family::<PoolKindLabels, Gauge>::default();
+        let evictions = Family::<EvictionLabels, Counter>::default();
+        let reconciles = Counter::default();
+        let reconcile_errors = Family::<ErrorLabels, Counter>::default();
+        let reconcile_duration = Histogram::new([
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        ]);
+        let leader = Gauge::default();
+        registry.register(
+            "hugepool_pool_nodes",
+            "Nodes of a pool by state (selected, converged, updating, pending, failed)",
+            pool_nodes.clone(),
+        );
+        registry.register(
+            "hugepool_pool_pages",
+            "Pages of a pool summed over its nodes (target, current)",
+            pool_pages.clone(),
+        );
+        registry.register(
+            "hugepool_evictions",
+            "Evictions of hugepage consumers by result (evicted, blocked, failed)",
+            evictions.clone(),
+        );
+        registry.register(
+            "hugepool_reconciles",
+            "Reconciles of pools",
+            reconciles.clone(),
+        );
+        registry.register(
+            "hugepool_reconcile_errors",
+            "Failed reconciles by error",
+            reconcile_errors.clone(),
+        );
+        registry.register(
+            "hugepool_reconcile_duration_seconds",
+            "Duration of one reconcile",
+            reconcile_duration.clone(),
+        );
+        registry.register(
+            "hugepool_leader",
+            "1 while this replica holds the leader Lease",
+            leader.clone(),
+        );
+        Self {
+            registry,
+            pool_nodes,
+            pool_pages,
+            evictions,
+            reconciles,
+            reconcile_errors,
+            reconcile_duration,
+            leader,
+        }
+    }
+}
+
+impl Metrics {
+    /// Publishes one pool's counts and pages.
+    pub fn observe_pool(&self, pool: &str, plan: &PoolPlan) {
+        let nodes = &plan.status.nodes;
+        for (state, value) in [
+            ("selected", nodes.selected),
+            ("converged", nodes.converged),
+            ("updating", nodes.updating),
+            ("pending", nodes.pending),
+            ("failed", nodes.failed),
+        ] {
+            self.pool_nodes
+                .get_or_create(&PoolStateLabels {
+                    pool: pool.into(),
+                    state: state.into(),
+                })
+                .set(value);
+        }
+        for (kind, value) in [
+            ("target", plan.status.pages.target),
+            ("current", plan.status.pages.current),
+        ] {
+            self.pool_pages
+                .get_or_create(&PoolKindLabels {
+                    pool: pool.into(),
+                    kind: kind.into(),
+                })
+                .set(value);
+        }
+    }
+
+    /// Drops the series of a pool that is gone.
+    pub fn forget_pool(&self, pool: &str) {
+        for state in ["selected", "converged", "updating", "pending", "failed"] {
+            self.pool_nodes.remove(&PoolStateLabels {
+                pool: pool.into(),
+                state: state.into(),
+            });
+        }
+        for kind in ["target", "current"] {
+            self.pool_pages.remove(&PoolKindLabels {
+                pool: pool.into(),
+                kind: kind.into(),
+            });
+        }
+    }
+
+    pub fn count_eviction(&self, pool: &str, result: &str) {
+        self.evictions
+            .get_or_create(&EvictionLabels {
+                pool: pool.into(),
+                result: result.into(),
+            })
+            .inc();
+    }
+
+    pub fn observe_reconcile(&self, duration: Duration) {
+        self.reconciles.inc();
+        self.reconcile_duration.observe(duration.as_secs_f64());
+    }
+
+    pub fn count_error(&self, label: &str) {
+        self.reconcile_errors
+            .get_or_create(&ErrorLabels {
+                error: label.into(),
+            })
+            .inc();
+    }
+
+    /// The registry in OpenMetrics text.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+}
+
+/// What the HTTP endpoints read.
+#[derive(Clone)]
+pub struct Health {
+    pub metrics: Arc<Metrics>,
+    /// Set once the watches have listed everything (the planner never plans
+    /// from a partial view).
+    pub ready: Arc<AtomicBool>,
+}
+
+/// `/metrics`, `/healthz` and `/readyz`.
+pub fn router(health: Health) -> Router {
+    Router::new()
+        .route("/metrics", get(serve_metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(serve_ready))
+        .with_state(health)
+}
+
+async fn serve_metrics(State(health): State<Health>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        health.metrics.encode(),
+    )
+}
+
+async fn serve_ready(State(health): State<Health>) -> impl IntoResponse {
+    if health.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "caches not synced")
+    }
+}
