@@ -293,3 +293,153 @@ pub fn build(snapshot: &KernelSnapshot, memory: &AgentMemory, conditions_list: &
         conditions: conditions_list.clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::{MemInfo, NumaCounts, PoolCounts};
+    use hugepool_crds::conditions::{NodeConditionType, find_condition};
+
+    fn snapshot(total: u64, free: u64, reserved: u64, surplus: u64) -> KernelSnapshot {
+        KernelSnapshot {
+            release: "6.18.44".into(),
+            hvo: Some(true),
+            memory: MemInfo { total_bytes: 24 << 30, available_bytes: 20 << 30 },
+            sizes: vec![
+                SizeSnapshot {
+                    size: PageSize::SIZE_2MI,
+                    pool: PoolCounts { total, free, reserved, surplus },
+                    numa: vec![NumaCounts { node: 0, total, free, surplus }],
+                },
+                SizeSnapshot { size: PageSize::SIZE_1GI, pool: PoolCounts::default(), numa: vec![] },
+            ],
+        }
+    }
+
+    fn target(size: &str, pages: i64) -> PageSizeTarget {
+        PageSizeTarget {
+            size: size.into(),
+            pages,
+            numa: None,
+            pool: "p".into(),
+            pool_generation: 1,
+            resize: Default::default(),
+            allocation: Default::default(),
+            kubelet_restart: Default::default(),
+        }
+    }
+
+    fn memory(targets: Vec<PageSizeTarget>) -> AgentMemory {
+        AgentMemory { generation: Some(3), targets, ..Default::default() }
+    }
+
+    fn built(snapshot: &KernelSnapshot, memory: &AgentMemory) -> HugePageNodeStatus {
+        let now = Time(jiff::Timestamp::from_second(1_700_000_000).unwrap());
+        build(snapshot, memory, &mut Vec::new(), &now)
+    }
+
+    fn cond<'a>(status: &'a HugePageNodeStatus, t: NodeConditionType) -> &'a Condition {
+        find_condition(&status.conditions, t).unwrap_or_else(|| panic!("no {t} condition"))
+    }
+
+    #[test]
+    fn at_target_is_converged_with_counts_from_the_kernel() {
+        let status = built(&snapshot(4096, 1000, 10, 0), &memory(vec![target("2Mi", 4096)]));
+        assert_eq!(status.observed_generation, Some(3));
+        let two_mi = &status.page_sizes[0];
+        assert_eq!((two_mi.size.as_str(), two_mi.target, two_mi.total, two_mi.free, two_mi.reserved, two_mi.in_use), ("2Mi", Some(4096), 4096, 1000, 10, 3096));
+        assert_eq!(two_mi.numa[0].total, 4096);
+        assert_eq!(status.page_sizes[1].target, None, "1Gi has no target");
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!((converged.status.as_str(), converged.reason.as_str()), ("True", "AtTarget"));
+        assert_eq!(converged.observed_generation, Some(3));
+        assert_eq!(cond(&status, NodeConditionType::ShrinkBlocked).status, "False");
+        assert_eq!(cond(&status, NodeConditionType::Resizing).reason, "Idle");
+        assert!(find_condition(&status.conditions, NodeConditionType::KubeletCapacityStale).is_none(), "no Node read yet");
+    }
+
+    #[test]
+    fn pages_in_use_above_target_block_the_shrink_with_counts() {
+        // 60 pages in use, target 10: the engine stopped at the floor of 60.
+        let status = built(&snapshot(60, 0, 0, 0), &memory(vec![target("2Mi", 10)]));
+        let blocked = cond(&status, NodeConditionType::ShrinkBlocked);
+        assert_eq!((blocked.status.as_str(), blocked.reason.as_str()), ("True", "PagesInUse"));
+        assert!(blocked.message.contains("target 10") && blocked.message.contains("60 pages in use"), "{}", blocked.message);
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!((converged.status.as_str(), converged.reason.as_str()), ("False", "PagesInUse"));
+    }
+
+    #[test]
+    fn surplus_is_not_converged_even_at_the_count() {
+        let status = built(&snapshot(100, 0, 0, 50), &memory(vec![target("2Mi", 50)]));
+        assert_eq!(cond(&status, NodeConditionType::Converged).status, "False");
+        assert_eq!(cond(&status, NodeConditionType::ShrinkBlocked).status, "True");
+    }
+
+    #[test]
+    fn shortfall_sets_allocation_failed_with_the_reason_and_numbers() {
+        let mut memory = memory(vec![target("2Mi", 6000)]);
+        memory.sizes.insert(
+            PageSize::SIZE_2MI,
+            SizeRecord {
+                last_outcome: Some((6000, Outcome::Shortfall { requested: 6000, achieved: 4057, reason: ShortfallReason::MemoryGuard, detail: None })),
+                ..Default::default()
+            },
+        );
+        let status = built(&snapshot(4057, 4057, 0, 0), &memory);
+        let failed = cond(&status, NodeConditionType::AllocationFailed);
+        assert_eq!((failed.status.as_str(), failed.reason.as_str()), ("True", "MemoryGuard"));
+        assert!(failed.message.contains("requested 6000, achieved 4057, short 1943"), "{}", failed.message);
+        assert_eq!(cond(&status, NodeConditionType::Converged).reason, "AllocationShortfall");
+    }
+
+    #[test]
+    fn a_running_resize_and_a_stall_show() {
+        let mut memory = memory(vec![target("2Mi", 4096)]);
+        memory.sizes.insert(
+            PageSize::SIZE_2MI,
+            SizeRecord {
+                running: Some(Running { direction: Direction::Shrink, from: 8192, target: 4096 }),
+                stall: Some(StallRecord { reason: Reason::SoftLockup, message: "kernel: watchdog: BUG: soft lockup".into() }),
+                ..Default::default()
+            },
+        );
+        let status = built(&snapshot(6000, 6000, 0, 0), &memory);
+        let resizing = cond(&status, NodeConditionType::Resizing);
+        assert_eq!((resizing.status.as_str(), resizing.reason.as_str()), ("True", "Shrinking"));
+        assert!(resizing.message.contains("8192 -> 4096"));
+        let stalled = cond(&status, NodeConditionType::Stalled);
+        assert_eq!((stalled.status.as_str(), stalled.reason.as_str()), ("True", "SoftLockup"));
+        assert!(stalled.message.contains("soft lockup"));
+    }
+
+    #[test]
+    fn unsupported_size_is_reported_not_attempted() {
+        let status = built(&snapshot(0, 0, 0, 0), &memory(vec![target("16Gi", 2)]));
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!((converged.status.as_str(), converged.reason.as_str()), ("False", "UnsupportedPageSize"));
+        assert!(converged.message.contains("offered: 2Mi, 1Gi"), "{}", converged.message);
+    }
+
+    #[test]
+    fn kubelet_capacity_compared_in_bytes() {
+        let mut memory = memory(vec![target("2Mi", 512)]);
+        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 0)]));
+        let status = built(&snapshot(512, 512, 0, 0), &memory);
+        let stale = cond(&status, NodeConditionType::KubeletCapacityStale);
+        assert_eq!((stale.status.as_str(), stale.reason.as_str()), ("True", "KubeletRestartRequired"));
+        memory.kubelet.restarted_for = Some(BTreeMap::from([(PageSize::SIZE_2MI, 512)]));
+        assert_eq!(cond(&built(&snapshot(512, 512, 0, 0), &memory), NodeConditionType::KubeletCapacityStale).reason, "KubeletRestarted");
+        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 512 * 2 * 1024 * 1024)]));
+        let matches = built(&snapshot(512, 512, 0, 0), &memory);
+        assert_eq!(cond(&matches, NodeConditionType::KubeletCapacityStale).status, "False");
+    }
+
+    #[test]
+    fn numa_targets_must_each_match() {
+        let mut entry = target("2Mi", 4096);
+        entry.numa = Some(vec![hugepool_crds::settings::NumaTarget { id: 0, pages: 4000 }]);
+        let status = built(&snapshot(4096, 4096, 0, 0), &memory(vec![entry]));
+        assert_eq!(cond(&status, NodeConditionType::Converged).status, "False");
+    }
+}
