@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::settings::{AllocationSettings, KubeletRestart, NumaTarget, ResizeSettings};
 
+// Each printcolumn(...) names its own type_; clippy reads them as one list.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[kube(
     group = "hugepool.dev",

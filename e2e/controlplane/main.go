@@ -11,6 +11,8 @@
 package main
 
 import (
+	"errors"
+	"flag"
 	"fmt"
 	"os"
 
@@ -35,7 +37,9 @@ func main() {
 	args := os.Args[2:]
 	switch os.Args[1] {
 	case "up":
-		if err := runUp(args); err != nil {
+		if err := runUp(args); errors.Is(err, flag.ErrHelp) {
+			return
+		} else if err != nil {
 			fmt.Fprintf(os.Stderr, "controlplane: %v\n", err)
 			os.Exit(1)
 		}

@@ -8,12 +8,14 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -82,6 +84,9 @@ func runUp(args []string) error {
 		os.Exit(1)
 	}()
 	go watchParent(ctx, cancel)
+	// If our stdout is a pipe to a parent that died, printing must not kill
+	// us with SIGPIPE before the children are stopped.
+	signal.Ignore(syscall.SIGPIPE)
 
 	for _, d := range []string{dir, filepath.Join(dir, "logs")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
@@ -131,6 +136,9 @@ func runUp(args []string) error {
 		}
 		running = append(running, c)
 		if err := c.waitUntil(ctx, *timeout, check); err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("stopped while starting %s: %w", name, err)
+			}
 			return fmt.Errorf("%s: %w\n%s", name, err, c.logTail(30))
 		}
 		return nil
@@ -221,11 +229,36 @@ func lockDir(dir string) (func(), error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+	// A previous `up` given SIGTERM may still be stopping its children.
+	if !retryFor(30*time.Second, func() bool {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		return err == nil
+	}) {
+		pid, _ := os.ReadFile(f.Name())
 		f.Close()
-		return nil, fmt.Errorf("another controlplane up is running on %s: %w", dir, err)
+		return nil, fmt.Errorf("another controlplane up (pid %s) is running on %s: %w", strings.TrimSpace(string(pid)), dir, err)
+	}
+	if err := f.Truncate(0); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if _, err := fmt.Fprintf(f, "%d\n", os.Getpid()); err != nil {
+		f.Close()
+		return nil, err
 	}
 	return func() { f.Close() }, nil
+}
+
+// retryFor polls ok every 100ms until it returns true or d has passed.
+func retryFor(d time.Duration, ok func() bool) bool {
+	deadline := time.Now().Add(d)
+	for !ok() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return true
 }
 
 func loadOrPickPorts(path string) (ports, error) {
@@ -241,15 +274,18 @@ func loadOrPickPorts(path string) (ports, error) {
 	}
 	// The apiserver port is part of every kubeconfig handed out, so it must
 	// not change; the internal ports may move if something took them.
-	if p.APIServer != 0 && !portFree(p.APIServer) {
+	// A previous apiserver killed via Pdeathsig may still be exiting.
+	if p.APIServer != 0 && !retryFor(10*time.Second, func() bool { return portFree(p.APIServer) }) {
 		return p, fmt.Errorf("apiserver port %d (from %s) is in use", p.APIServer, path)
 	}
+	taken := map[int]bool{}
 	for _, port := range []*int{&p.APIServer, &p.EtcdClient, &p.EtcdPeer, &p.ControllerManager} {
-		if *port == 0 || !portFree(*port) {
-			if *port, err = freePort(); err != nil {
+		if *port == 0 || taken[*port] || !portFree(*port) {
+			if *port, err = freePort(taken); err != nil {
 				return p, err
 			}
 		}
+		taken[*port] = true
 	}
 	data, err = json.MarshalIndent(p, "", "  ")
 	if err != nil {
@@ -258,7 +294,25 @@ func loadOrPickPorts(path string) (ports, error) {
 	return p, writeFileAtomic(path, append(data, '\n'), 0o644)
 }
 
-func freePort() (int, error) {
+// freePort picks a random free port below the kernel's ephemeral range:
+// while the control plane is stopped for a restart, a client's outgoing
+// connection could otherwise be given the apiserver's port.
+func freePort(taken map[int]bool) (int, error) {
+	const lowest = 10000
+	ephemeralStart := 32768
+	if data, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(data)); len(f) == 2 {
+			if n, err := strconv.Atoi(f[0]); err == nil {
+				ephemeralStart = n
+			}
+		}
+	}
+	for i := 0; i < 100 && ephemeralStart > lowest; i++ {
+		port := lowest + rand.IntN(ephemeralStart-lowest)
+		if !taken[port] && portFree(port) {
+			return port, nil
+		}
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err

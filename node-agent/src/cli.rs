@@ -4,7 +4,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -228,10 +228,7 @@ pub async fn resize(
     out: &mut (dyn Write + Send),
 ) -> Result<Exit> {
     let target = args.target(kernel.as_ref())?;
-    let kernel_log = Arc::new(Mutex::new(Vec::new()));
-    if let Some(path) = kmsg_path {
-        watch_kernel_log(path, Arc::clone(&kernel_log));
-    }
+    let mut kernel_log = kmsg_path.map(|path| kmsg::spawn(path, true));
     let (_target_tx, mut target_rx) = watch::channel(target);
     let options = Options {
         blocked_wait: args.wait_blocked,
@@ -260,8 +257,12 @@ pub async fn resize(
     if let Some(path) = &args.model_file {
         save_models(path, &models);
     }
-    let kernel_log =
-        std::mem::take(&mut *kernel_log.lock().unwrap_or_else(PoisonError::into_inner));
+    let mut seen = Vec::new();
+    if let Some(receiver) = &mut kernel_log {
+        while let Ok(event) = receiver.try_recv() {
+            seen.push(event);
+        }
+    }
     let exit = match &summary.outcome {
         Outcome::Reached => Exit::Reached,
         Outcome::Shortfall {
@@ -273,7 +274,7 @@ pub async fn resize(
     let report = Report {
         summary,
         peak_rss_bytes: peak_rss_bytes(),
-        kernel_log,
+        kernel_log: seen,
     };
     let written = match args.output {
         Output::Json => serde_json::to_string(&report)
@@ -316,23 +317,6 @@ fn save_models(path: &Path, models: &CostModels) {
     }
 }
 
-fn watch_kernel_log(path: PathBuf, sink: Arc<Mutex<Vec<KernelLogEvent>>>) {
-    // The thread blocks on the device for the life of the process.
-    let spawned = std::thread::Builder::new().name("kmsg".into()).spawn(move || {
-        let result = kmsg::watch(&path, true, |event| {
-            tracing::warn!(kind = event.kind.as_str(), message = %event.message, "kernel reported a stall");
-            sink.lock().unwrap_or_else(PoisonError::into_inner).push(event);
-            true
-        });
-        if let Err(err) = result {
-            tracing::debug!(%err, "not watching the kernel log");
-        }
-    });
-    if let Err(err) = spawned {
-        tracing::debug!(%err, "cannot start the kernel log watcher");
-    }
-}
-
 fn millis(duration: Duration) -> String {
     format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
 }
@@ -341,7 +325,7 @@ fn millis(duration: Duration) -> String {
 pub fn describe(event: &Event) -> String {
     match event {
         Event::Step(step) => format!(
-            "step {:>3} {:<6} {:>8} -> {:>8} pages (target {}, step {}): write {}{}{}{}",
+            "step {:>3} {:<6} {:>8} -> {:>8} pages (target {}, step {}): write {}{}{}{}{}",
             step.step,
             step.direction.as_str(),
             step.before,
@@ -357,6 +341,7 @@ pub fn describe(event: &Event) -> String {
             } else {
                 ""
             },
+            if step.stalled { ", stalled" } else { "" },
             if step.guard_limited {
                 ", limited by min-mem-available"
             } else {

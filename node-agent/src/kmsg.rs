@@ -4,7 +4,7 @@
 
 use std::fs::File;
 use std::io::{ErrorKind, Read, Seek, SeekFrom};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
@@ -60,38 +60,56 @@ pub fn classify(message: &str) -> Option<KernelLogKind> {
     None
 }
 
-/// Parses one line of `/dev/kmsg` (`prio,seq,usec,flags;message`) or a
-/// plain message line, and returns it if it reports a stall. Continuation
-/// lines (starting with a space) are never events.
+/// The header of a `/dev/kmsg` record, `prio,seq,usec,flags;message`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordHeader {
+    pub priority: u32,
+    pub sequence: u64,
+    pub timestamp_us: u64,
+}
+
+/// Splits a record line into its header and message; `None` for lines
+/// without a kmsg header (continuation lines, plain dmesg text).
+pub fn split_record(line: &str) -> Option<(RecordHeader, &str)> {
+    let (header, message) = line.split_once(';')?;
+    let mut fields = header.split(',');
+    let mut number = || {
+        fields
+            .next()
+            .filter(|f| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let priority = number()?.parse().ok()?;
+    let sequence = number()?.parse().ok()?;
+    let timestamp_us = number()?.parse().ok()?;
+    fields.next()?;
+    Some((
+        RecordHeader {
+            priority,
+            sequence,
+            timestamp_us,
+        },
+        message,
+    ))
+}
+
+/// Parses one line of `/dev/kmsg` or a plain message line, and returns it if
+/// it reports a stall. Continuation lines (starting with a space) are never
+/// events.
 pub fn parse_record(line: &str) -> Option<KernelLogEvent> {
     let line = line.trim_end_matches(['\n', '\r']);
     if line.starts_with(' ') {
         return None;
     }
-    let (sequence, timestamp_us, message) = match line.split_once(';') {
-        Some((header, message)) if is_kmsg_header(header) => {
-            let mut fields = header.split(',');
-            let _priority = fields.next();
-            let sequence = fields.next().and_then(|s| s.parse().ok());
-            let timestamp = fields.next().and_then(|s| s.parse().ok());
-            (sequence, timestamp, message)
-        }
-        _ => (None, None, line),
+    let (header, message) = match split_record(line) {
+        Some((header, message)) => (Some(header), message),
+        None => (None, line),
     };
     Some(KernelLogEvent {
         kind: classify(message)?,
         message: message.to_string(),
-        sequence,
-        timestamp_us,
+        sequence: header.map(|h| h.sequence),
+        timestamp_us: header.map(|h| h.timestamp_us),
     })
-}
-
-fn is_kmsg_header(header: &str) -> bool {
-    let fields: Vec<&str> = header.split(',').collect();
-    fields.len() >= 4
-        && fields[..3]
-            .iter()
-            .all(|f| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Reads records from `path` (`/dev/kmsg`, or a file of record lines) and
@@ -102,6 +120,19 @@ pub fn watch(
     path: &Path,
     from_end: bool,
     mut on_event: impl FnMut(KernelLogEvent) -> bool,
+) -> Result<()> {
+    read_lines(path, from_end, |line| match parse_record(line) {
+        Some(event) => on_event(event),
+        None => true,
+    })
+}
+
+/// Every line of the log, recognised or not, until the file ends or
+/// `on_line` returns false.
+pub fn read_lines(
+    path: &Path,
+    from_end: bool,
+    mut on_line: impl FnMut(&str) -> bool,
 ) -> Result<()> {
     let read_err = |source| Error::Read {
         path: path.to_path_buf(),
@@ -127,13 +158,34 @@ pub fn watch(
         pending.push_str(&String::from_utf8_lossy(&buffer[..read]));
         while let Some(end) = pending.find('\n') {
             let line: String = pending.drain(..=end).collect();
-            if let Some(event) = parse_record(&line)
-                && !on_event(event)
-            {
+            if !on_line(line.trim_end_matches('\n')) {
                 return Ok(());
             }
         }
     }
+}
+
+/// Watches the log on its own thread (from now on with `from_end`, as the
+/// agent does; from the start for a file of records in tests); recognised
+/// records arrive on the returned channel. The thread ends when the receiver is
+/// dropped and the next record arrives, or when the log cannot be read
+/// (logged, as the agent works without it).
+pub fn spawn(
+    path: PathBuf,
+    from_end: bool,
+) -> tokio::sync::mpsc::UnboundedReceiver<KernelLogEvent> {
+    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+    let spawned = std::thread::Builder::new()
+        .name("kmsg".into())
+        .spawn(move || {
+            if let Err(err) = watch(&path, from_end, |event| sender.send(event).is_ok()) {
+                tracing::warn!(%err, "not watching the kernel log");
+            }
+        });
+    if let Err(err) = spawned {
+        tracing::warn!(%err, "cannot start the kernel log watcher");
+    }
+    receiver
 }
 
 #[cfg(test)]
@@ -218,6 +270,19 @@ mod tests {
         })
         .unwrap();
         assert_eq!(none, 0);
+    }
+
+    #[tokio::test]
+    async fn spawned_watcher_delivers_events_on_a_channel() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(LOG.as_bytes()).unwrap();
+        let mut events = spawn(file.path().to_path_buf(), false);
+        let mut kinds = Vec::new();
+        while let Some(event) = events.recv().await {
+            kinds.push(event.kind);
+        }
+        assert_eq!(kinds.len(), 4);
+        assert_eq!(kinds[3], KernelLogKind::HungTask);
     }
 
     proptest! {

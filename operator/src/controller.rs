@@ -220,6 +220,15 @@ pub fn node_spec_apply(node: &Node, plan: &NodePlan) -> serde_json::Value {
     })
 }
 
+/// The merge patch that empties a HugePageNode's spec.
+pub fn node_spec_clear(node: &Node, with_owner: bool) -> serde_json::Value {
+    let mut patch = json!({"spec": {"pageSizes": []}});
+    if with_owner {
+        patch["metadata"] = node_spec_apply(node, &NodePlan::default())["metadata"].clone();
+    }
+    patch
+}
+
 /// Reconciles one pool: plans the cluster, writes what changed.
 #[instrument(skip(pool, ctx), fields(pool = %pool.name_any()))]
 pub async fn reconcile(pool: Arc<HugePagePool>, ctx: Arc<Context>) -> Result<Action> {
@@ -248,7 +257,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     let pools = fresher(ctx.pools.state(), &mut written.pools, false);
     let nodes = fresher(ctx.nodes.state(), &mut written.nodes, false);
     let node_states = fresher(ctx.node_states.state(), &mut written.node_states, true);
-    let Some(pool) = pools.iter().find(|p| p.name_any() == name).cloned() else {
+    let Some(mut pool) = pools.iter().find(|p| p.name_any() == name).cloned() else {
         ctx.metrics.forget_pool(name);
         return Ok(Action::await_change());
     };
@@ -259,7 +268,8 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         let updated = add_finalizer(&pools_api, &pool).await?;
         written
             .pools
-            .insert(name.to_string(), (updated, Instant::now()));
+            .insert(name.to_string(), (updated.clone(), Instant::now()));
+        pool = updated;
     }
 
     let now = (ctx.now)();
@@ -270,14 +280,28 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         now,
     });
     let mut evicting = false;
+    // One node's failed write must not hold up the others or the status;
+    // the first error is returned at the end so the pass is retried.
+    let mut node_error = None;
     for (node_name, node_plan) in &plan.nodes {
+        if !*ctx.is_leader.borrow() {
+            return Ok(Action::await_change());
+        }
         let Some(node) = nodes.iter().find(|n| &n.name_any() == node_name) else {
             continue;
         };
         let current = node_states.iter().find(|s| &s.name_any() == node_name);
-        let node_state = write_node_spec(ctx, node, current, node_plan, &mut written).await?;
-        evicting |=
-            carry_out_drain(ctx, node, node_state.as_ref(), node_plan, now, &mut written).await?;
+        let written_node = async {
+            let node_state = write_node_spec(ctx, node, current, node_plan, &mut written).await?;
+            carry_out_drain(ctx, node, node_state.as_ref(), node_plan, now, &mut written).await
+        };
+        match written_node.await {
+            Ok(still_evicting) => evicting |= still_evicting,
+            Err(err) => {
+                warn!(node = %node_name, error = %err, "node not updated");
+                node_error.get_or_insert(err);
+            }
+        }
     }
 
     let Some(pool_plan) = plan.pools.get(name) else {
@@ -302,7 +326,9 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
             })?;
         written
             .pools
-            .insert(name.to_string(), (updated, Instant::now()));
+            .insert(name.to_string(), (updated.clone(), Instant::now()));
+        // The finalizer patch below must carry the newest resourceVersion.
+        pool = updated;
         if !pool_plan.admitted.is_empty() {
             info!(admitted = ?pool_plan.admitted, "nodes admitted to the rollout");
         }
@@ -311,6 +337,9 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         }
     }
     ctx.metrics.observe_pool(name, pool_plan);
+    if let Some(err) = node_error {
+        return Err(err);
+    }
     if pool_plan.remove_finalizer && pool.finalizers().iter().any(|f| f == POOL_FINALIZER) {
         remove_finalizer(&pools_api, &pool).await?;
         written.pools.remove(name);
@@ -402,12 +431,23 @@ async fn write_node_spec(
     }
     let name = node.name_any();
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
+    let (params, patch) = match current {
+        // Applying an empty list drops `spec` altogether (nothing in it is
+        // owned any more), which the schema refuses; clear it explicitly.
+        Some(_) if plan.spec.page_sizes.is_empty() => {
+            let params = PatchParams {
+                field_manager: Some(OPERATOR_MANAGER.into()),
+                ..PatchParams::default()
+            };
+            (params, Patch::Merge(node_spec_clear(node, needs_owner)))
+        }
+        _ => (
+            PatchParams::apply(OPERATOR_MANAGER).force(),
+            Patch::Apply(node_spec_apply(node, plan)),
+        ),
+    };
     let updated = api
-        .patch(
-            &name,
-            &PatchParams::apply(OPERATOR_MANAGER).force(),
-            &Patch::Apply(node_spec_apply(node, plan)),
-        )
+        .patch(&name, &params, &patch)
         .await
         .map_err(|source| Error::NodeSpec {
             node: name.clone(),
@@ -525,6 +565,43 @@ async fn set_drain_taint(
     written: &mut Written,
 ) -> Result<()> {
     let name = node.name_any();
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    let error = |source| Error::Taint {
+        node: name.clone(),
+        source,
+    };
+    let updated = match api
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(taint_patch(node, taint)),
+        )
+        .await
+    {
+        Ok(updated) => updated,
+        // The Node moved on since the watch saw it (status updates do
+        // that often): read it once more and try again.
+        Err(kube::Error::Api(status)) if status.code == 409 => {
+            let fresh = api.get(&name).await.map_err(error)?;
+            api.patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(taint_patch(&fresh, taint)),
+            )
+            .await
+            .map_err(error)?
+        }
+        Err(source) => return Err(error(source)),
+    };
+    info!(node = %name, taint, "draining taint updated");
+    written.nodes.insert(name, (updated, Instant::now()));
+    Ok(())
+}
+
+/// The merge patch that sets the Node's taints with or without
+/// `hugepool.dev/draining:NoSchedule`. Taints are one atomic list, so the
+/// patch names the resourceVersion it was computed from.
+pub fn taint_patch(node: &Node, taint: bool) -> serde_json::Value {
     let mut taints: Vec<Taint> = node
         .spec
         .as_ref()
@@ -539,21 +616,10 @@ async fn set_drain_taint(
             time_added: None,
         });
     }
-    let patch = json!({
+    json!({
         "metadata": {"resourceVersion": node.resource_version()},
         "spec": {"taints": taints},
-    });
-    let api: Api<Node> = Api::all(ctx.client.clone());
-    let updated = api
-        .patch(&name, &PatchParams::default(), &Patch::Merge(patch))
-        .await
-        .map_err(|source| Error::Taint {
-            node: name.clone(),
-            source,
-        })?;
-    info!(node = %name, taint, "draining taint updated");
-    written.nodes.insert(name, (updated, Instant::now()));
-    Ok(())
+    })
 }
 
 /// Pools that care about a node: those selecting it and those with an
@@ -582,6 +648,17 @@ fn pools_for_node(
         .collect()
 }
 
+/// Aborts its tasks when dropped.
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
 /// Runs the operator until `shutdown` completes: the HTTP endpoints, leader
 /// election, the watches and the controller.
 pub async fn run(
@@ -590,6 +667,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let shutdown = shutdown.shared();
+    // Helper tasks end with `run`, also when a test drops its future.
+    let mut tasks = AbortOnDrop(Vec::new());
     let metrics = Arc::new(Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
     if let Some(addr) = config.listen {
@@ -601,14 +680,14 @@ pub async fn run(
             ready: ready.clone(),
         });
         let stop = shutdown.clone();
-        tokio::spawn(async move {
+        tasks.0.push(tokio::spawn(async move {
             if let Err(err) = axum::serve(listener, router)
                 .with_graceful_shutdown(stop)
                 .await
             {
                 warn!(error = %err, "metrics server stopped");
             }
-        });
+        }));
         info!(%addr, "serving /metrics, /healthz and /readyz");
     }
     let leadership = match &config.leader {
@@ -658,7 +737,7 @@ pub async fn run(
             node_states.clone(),
             ready.clone(),
         );
-        tokio::spawn(async move {
+        tasks.0.push(tokio::spawn(async move {
             let synced = futures::future::try_join3(
                 pools.wait_until_ready(),
                 nodes.wait_until_ready(),
@@ -669,7 +748,7 @@ pub async fn run(
                 ready.store(true, Ordering::Relaxed);
                 info!("watches synced");
             }
-        });
+        }));
     }
 
     // Every reconcile that ran while this replica was not leading did

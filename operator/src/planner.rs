@@ -66,7 +66,7 @@ impl Plan {
     }
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct NodePlan {
     /// The whole desired `.spec`; entries sorted by page size.
     pub spec: HugePageNodeSpec,
@@ -108,6 +108,8 @@ pub struct PoolPlan {
     pub stalled: Vec<String>,
     /// Nodes being drained for the pool.
     pub draining: Vec<String>,
+    /// Failed nodes whose drain timed out.
+    pub drain_timeouts: Vec<String>,
 }
 
 /// Where one node stands for one pool.
@@ -382,6 +384,44 @@ fn same_target(a: &PageSizeTarget, b: &PageSizeTarget) -> bool {
     normalise(a) == normalise(b)
 }
 
+/// A global target the kernel already placed exactly as the NUMA split now
+/// asks (the split became known after the write): rewriting it would move
+/// no page, so it does not cost the node another pass through the rollout.
+fn placed_as_desired(
+    state: &HugePageNode,
+    held: &PageSizeTarget,
+    desired: &PageSizeTarget,
+) -> bool {
+    let Some(split) = &desired.numa else {
+        return false;
+    };
+    let as_split = PageSizeTarget {
+        numa: Some(split.clone()),
+        ..held.clone()
+    };
+    if held.numa.is_some() || !same_target(&as_split, desired) {
+        return false;
+    }
+    if entry_state(state, held) != EntryState::Converged {
+        return false;
+    }
+    let Some(reported) = state
+        .status
+        .as_ref()
+        .and_then(|s| s.page_sizes.iter().find(|r| r.size == held.size))
+    else {
+        return false;
+    };
+    let mut placed: Vec<(i32, i64)> = reported
+        .numa
+        .iter()
+        .map(|n| (n.id, n.total - n.surplus))
+        .collect();
+    placed.sort_unstable();
+    let wanted: Vec<(i32, i64)> = split.iter().map(|n| (n.id, n.pages)).collect();
+    placed == wanted
+}
+
 /// The NUMA node ids the agent reports, preferring the entry of `size`.
 fn reported_numa_ids(node_state: Option<&HugePageNode>, size: &str) -> Vec<i32> {
     let Some(status) = node_state.and_then(|n| n.status.as_ref()) else {
@@ -487,8 +527,8 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         // their slots until that pool writes its own target there.
         let shadow_busy = shadowed
             .iter()
-            .filter(|(node, size, owner)| {
-                *owner == index
+            .filter(|(node, size, wanting)| {
+                *wanting == index
                     && node_states.get(node).is_some_and(|state| {
                         state.spec.page_sizes.iter().any(|e| {
                             e.pool == pool.name
@@ -715,7 +755,9 @@ fn classify(
         member.decision = Decision::Remove;
         return member;
     }
-    let up_to_date = held.is_some_and(|e| same_target(e, desired));
+    let up_to_date = held.is_some_and(|e| {
+        same_target(e, desired) || state.is_some_and(|s| placed_as_desired(s, e, desired))
+    });
     let in_flight = matches!(
         held_state,
         Some(EntryState::InFlight | EntryState::Failed { .. })
@@ -821,6 +863,9 @@ fn settle_pool(
             .collect()
     };
     let stalled = names(&|m| m.stalled);
+    let drain_timeouts = names(
+        &|m| matches!(&m.state, NodeState::Failed { reason, .. } if reason == Reason::DrainTimeout.as_str()),
+    );
     let blocked = if pool.drain_policy() == DrainPolicy::Never {
         names(&|m| m.shrink_blocked && m.state == NodeState::Updating)
     } else {
@@ -842,6 +887,7 @@ fn settle_pool(
         blocked,
         stalled,
         draining: Vec::new(),
+        drain_timeouts,
     };
     (pool_plan, decisions)
 }
@@ -1040,6 +1086,14 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
 
     let changing = counts.updating + counts.failed;
     let waiting = counts.pending - conflict_nodes.len() as i64;
+    let blocked_note = if plan.blocked.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; shrink blocked by pages in use on {} (drain policy Never)",
+            name_nodes(&plan.blocked)
+        )
+    };
     let progressing = if halted {
         update(
             Progressing,
@@ -1057,7 +1111,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             Progressing,
             counts.updating > 0,
             Reason::Paused,
-            format!("rollout paused: {summary}"),
+            format!("rollout paused: {summary}{blocked_note}"),
         )
     } else if !plan.draining.is_empty() {
         update(
@@ -1075,19 +1129,21 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::MaxUnavailableReached,
             format!(
-                "{changing}/{} nodes changing (maxUnavailable), {waiting} waiting; {summary}",
+                "{changing}/{} nodes changing (maxUnavailable), {waiting} waiting; \
+                 {summary}{blocked_note}",
                 plan.max_unavailable
             ),
         )
     } else {
-        let mut message = format!("{summary}; maxUnavailable {}", plan.max_unavailable);
-        if !plan.blocked.is_empty() {
-            message.push_str(&format!(
-                "; shrink blocked by pages in use on {} (drain policy Never)",
-                name_nodes(&plan.blocked)
-            ));
-        }
-        update(Progressing, true, Reason::RollingOut, message)
+        update(
+            Progressing,
+            true,
+            Reason::RollingOut,
+            format!(
+                "{summary}; maxUnavailable {}{blocked_note}",
+                plan.max_unavailable
+            ),
+        )
     };
 
     let describe_failed = || {
@@ -1097,7 +1153,28 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             .collect::<Vec<_>>()
             .join("; ")
     };
-    let degraded = if halted {
+    let halt_note = if halted {
+        format!(
+            "; rollout halted at maxUnavailable {}",
+            plan.max_unavailable
+        )
+    } else {
+        String::new()
+    };
+    // A timed-out drain names its own cause (a PodDisruptionBudget, most
+    // likely) even when it is also what halted the rollout.
+    let degraded = if !plan.drain_timeouts.is_empty() {
+        update(
+            Degraded,
+            true,
+            Reason::DrainTimeout,
+            format!(
+                "drain timed out on {}{halt_note}: {}",
+                name_nodes(&plan.drain_timeouts),
+                describe_failed()
+            ),
+        )
+    } else if halted {
         update(
             Degraded,
             true,
@@ -1115,22 +1192,13 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::Conflict,
             format!(
-                "{} nodes already hold {} pages of older pool {}: {}",
+                "{} nodes selected by this pool belong for {} pages to the older pool {}, \
+                 this pool leaves them alone: {}",
                 conflict_nodes.len(),
                 pool.size_text,
                 conflict_owners.into_iter().collect::<Vec<_>>().join(", "),
                 name_nodes(&conflict_nodes)
             ),
-        )
-    } else if failed
-        .iter()
-        .any(|f| f.reason == Reason::DrainTimeout.as_str())
-    {
-        update(
-            Degraded,
-            true,
-            Reason::DrainTimeout,
-            format!("{} nodes failed: {}", counts.failed, describe_failed()),
         )
     } else if counts.failed > 0 {
         update(

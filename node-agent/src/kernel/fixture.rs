@@ -1,5 +1,5 @@
 //! Fake sysfs/procfs trees with the layouts real machines have, for tests of
-//! [`SysfsKernel`](crate::kernel::SysfsKernel) and of the command line.
+//! [`SysfsKernel`] and of the command line.
 
 use std::fs;
 use std::path::{Path, PathBuf};

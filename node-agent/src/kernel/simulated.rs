@@ -282,6 +282,31 @@ impl SimulatedKernel {
         Ok(())
     }
 
+    /// Drops reservations (the mapping went away before faulting them in);
+    /// reserved surplus pages go back to the system, as the kernel's
+    /// `return_unused_surplus_pages` does.
+    pub fn unreserve_pages(&self, size: PageSize, pages: u64) -> Result<()> {
+        let mut state = lock(&self.state);
+        let index = state.size_index(size)?;
+        let size_state = &mut state.sizes[index];
+        let dropped = pages.min(size_state.reserved);
+        size_state.reserved -= dropped;
+        for _ in 0..dropped {
+            let Some(pool) = size_state
+                .nodes
+                .iter_mut()
+                .flatten()
+                .find(|p| p.surplus > 0 && p.free > 0)
+            else {
+                break;
+            };
+            pool.surplus -= 1;
+            pool.free -= 1;
+            pool.total -= 1;
+        }
+        Ok(())
+    }
+
     /// Reserves free pages (an mmap not yet faulted in).
     pub fn reserve_pages(&self, size: PageSize, pages: u64) -> Result<()> {
         let mut state = lock(&self.state);

@@ -368,6 +368,43 @@ fn spread_targets_numa_nodes_once_the_agent_reported_them() {
 }
 
 #[test]
+fn a_global_target_the_kernel_already_spread_evenly_is_not_rolled_again() {
+    let pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 4)];
+    let nodes = vec![node("w-1", &["dpdk"])];
+    let mut states = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &states, 0), &mut states);
+    assert_eq!(states[0].spec.page_sizes[0].numa, None);
+    converge(&mut states[0]);
+    let numa = |totals: [i64; 2]| {
+        totals
+            .iter()
+            .enumerate()
+            .map(|(id, total)| NumaStatus {
+                id: id as i32,
+                total: *total,
+                ..NumaStatus::default()
+            })
+            .collect::<Vec<_>>()
+    };
+    status_of(&mut states[0]).page_sizes[0].numa = numa([2, 2]);
+    assert_eq!(
+        run_plan(&pools, &nodes, &states, 1).spec_writes().count(),
+        0
+    );
+    // Placed unevenly: the split is written and the node changes again.
+    status_of(&mut states[0]).page_sizes[0].numa = numa([3, 1]);
+    let plan = run_plan(&pools, &nodes, &states, 2);
+    let split = plan.nodes["w-1"].spec.page_sizes[0].numa.clone().unwrap();
+    assert_eq!(
+        split,
+        [
+            NumaTarget { id: 0, pages: 2 },
+            NumaTarget { id: 1, pages: 2 }
+        ]
+    );
+}
+
+#[test]
 fn explicit_numa_node_the_node_lacks_fails_that_node_only() {
     let mut explicit = pool("dpdk", 0, "dpdk", "2Mi", 4);
     explicit.spec.numa = Some(NumaSpec {
@@ -614,9 +651,14 @@ fn blocked_shrink_taints_evicts_and_times_out() {
     let plan = run_plan(&pools, &nodes, &hpns, 71);
     let pool_plan = &plan.pools["dpdk"];
     assert_eq!(pool_plan.status.failed_nodes[0].reason, "DrainTimeout");
+    // The cause is named even though the one failure also halts the rollout.
     assert_eq!(
         condition(&plan, "dpdk", PoolConditionType::Degraded),
-        ("True", "RolloutHalted")
+        ("True", "DrainTimeout")
+    );
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Progressing),
+        ("False", "RolloutHalted")
     );
 }
 
@@ -1010,4 +1052,78 @@ proptest! {
         }
         prop_assert!(stuck_mask == u16::MAX, "rollout did not finish");
     }
+}
+
+#[test]
+fn a_stalled_node_degrades_the_pool_but_is_not_failed() {
+    let pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    let nodes = fleet(1, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    set_condition(
+        &mut status_of(&mut hpns[0]).conditions,
+        ConditionUpdate::new(
+            NodeConditionType::Stalled,
+            true,
+            Reason::SlowKernelWrite,
+            "3.1s",
+        ),
+        &Time(at(0)),
+    );
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert_eq!(plan.pools["dpdk"].status.nodes.failed, 0);
+    assert_eq!(plan.pools["dpdk"].status.nodes.updating, 1);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Degraded),
+        ("True", "NodesStalled")
+    );
+}
+
+#[test]
+fn node_deletion_frees_its_slot_and_a_new_node_joins_the_rollout() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(1),
+    )];
+    let mut nodes = fleet(2, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    // w-00 is changing and goes away (its HugePageNode lingers until GC).
+    nodes.remove(0);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-01"]);
+    assert!(!plan.nodes.contains_key("w-00"));
+    assert_eq!(plan.pools["dpdk"].status.nodes.selected, 1);
+    apply_specs(&plan, &mut hpns);
+    hpns.iter_mut().for_each(converge);
+    nodes.push(node("w-02", &["dpdk"]));
+    let plan = run_plan(&pools, &nodes, &hpns, 2);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-02"]);
+    assert_eq!(plan.pools["dpdk"].status.nodes.ready, "1/2");
+}
+
+#[test]
+fn a_node_whose_kernel_lacks_the_page_size_fails_with_the_agents_reason() {
+    let pools = vec![pool("giant", 0, "x", "1Gi", 2)];
+    let nodes = fleet(1, &["x"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    let generation = hpns[0].metadata.generation;
+    let status = status_of(&mut hpns[0]);
+    status.observed_generation = generation;
+    set_condition(
+        &mut status.conditions,
+        ConditionUpdate::new(
+            NodeConditionType::Converged,
+            false,
+            Reason::UnsupportedPageSize,
+            "the kernel offers 2Mi only",
+        )
+        .generation(generation),
+        &Time(at(0)),
+    );
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    let failed = &plan.pools["giant"].status.failed_nodes;
+    assert_eq!(failed[0].reason, "UnsupportedPageSize");
+    assert_eq!(failed[0].message, "the kernel offers 2Mi only");
 }

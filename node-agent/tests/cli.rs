@@ -1,0 +1,174 @@
+//! The `hugepool-agent resize` command against fake sysfs trees: argument
+//! errors, exit codes and output, with no real kernel involved.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use hugepool_agent::kernel::fixture::FakeSysfs;
+
+const GLOBAL_2MI: &str = "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages";
+
+fn agent(fake: &FakeSysfs, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hugepool-agent"))
+        .arg("--sys-root")
+        .arg(fake.sys_root())
+        .arg("--proc-root")
+        .arg(fake.proc_root())
+        .arg("--kmsg")
+        .arg(Path::new("/nonexistent/kmsg"))
+        .args(args)
+        .output()
+        .expect("run hugepool-agent")
+}
+
+#[test]
+fn bad_arguments_exit_1_with_one_line_and_no_kernel_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeSysfs::two_nodes_1gi_missing_on_node1(dir.path());
+    let before = fake.read(GLOBAL_2MI);
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &["resize", "--page-size", "3Mi", "--pages", "1"],
+            "--page-size",
+        ),
+        (
+            &["resize", "--page-size", "64Ki", "--pages", "1"],
+            "--page-size",
+        ),
+        (
+            &["resize", "--page-size", "2Mi", "--pages", "-4"],
+            "--pages",
+        ),
+        (
+            &[
+                "resize",
+                "--page-size",
+                "2Mi",
+                "--pages",
+                "4",
+                "--step-pause",
+                "soon",
+            ],
+            "--step-pause",
+        ),
+        (
+            &[
+                "resize",
+                "--page-size",
+                "1Gi",
+                "--pages",
+                "1",
+                "--numa-node",
+                "1",
+            ],
+            "--numa-node",
+        ),
+        (
+            &[
+                "resize",
+                "--page-size",
+                "2Mi",
+                "--pages",
+                "4",
+                "--output",
+                "yaml",
+            ],
+            "--output",
+        ),
+        (&["resize", "--pages", "4"], "--page-size"),
+    ];
+    for (args, name) in cases {
+        let output = agent(&fake, args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(name), "{args:?}: {stderr}");
+        assert!(output.stdout.is_empty(), "{args:?}");
+    }
+    assert_eq!(
+        fake.read(GLOBAL_2MI),
+        before,
+        "a bad argument wrote to the kernel"
+    );
+}
+
+#[test]
+fn resize_of_a_fake_tree_exits_0_and_prints_one_json_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeSysfs::single_size_no_numa(dir.path());
+    let output = agent(
+        &fake,
+        &[
+            "resize",
+            "--page-size",
+            "2Mi",
+            "--pages",
+            "40",
+            "--output",
+            "json",
+        ],
+    );
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["outcome"]["kind"], "reached");
+    assert_eq!(
+        (report["from"].as_u64(), report["achieved"].as_u64()),
+        (Some(0), Some(40))
+    );
+    assert!(
+        report["steps"].as_u64().unwrap() >= 2,
+        "16-page probe first"
+    );
+    assert!(report["peakRssBytes"].as_u64().unwrap() > 0);
+    assert_eq!(fake.read(GLOBAL_2MI), "40\n");
+}
+
+#[test]
+fn text_output_has_a_line_per_step_and_a_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeSysfs::single_size_no_numa(dir.path());
+    let output = agent(&fake, &["resize", "--page-size", "2Mi", "--pages", "100"]);
+    assert_eq!(output.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(lines[0].starts_with("step   1 grow"), "{stdout}");
+    assert!(
+        lines
+            .last()
+            .unwrap()
+            .starts_with("target reached: 2Mi global pages 0 -> 100"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn growth_the_memory_guard_forbids_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeSysfs::single_size_no_numa(dir.path());
+    let output = agent(
+        &fake,
+        &[
+            "resize",
+            "--page-size",
+            "2Mi",
+            "--pages",
+            "100",
+            "--min-mem-available",
+            "8Gi",
+            "--output",
+            "json",
+        ],
+    );
+    assert_eq!(output.status.code(), Some(2));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["outcome"]["kind"], "shortfall");
+    assert_eq!(report["outcome"]["reason"], "MemoryGuard");
+    assert_eq!(fake.read(GLOBAL_2MI), "0\n");
+}
