@@ -46,7 +46,9 @@ pub struct SizeLabels {
 
 fn step_histogram() -> Histogram {
     // 1 ms .. ~16 s: covers a 2Mi step under budget and a stalled 1Gi write.
-    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 15))
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        0.001, 2.0, 15,
+    ))
 }
 
 /// Every metric the agent exports, registered once.
@@ -71,17 +73,45 @@ impl Metrics {
             mem_available_bytes: Gauge::default(),
         };
         let prefix = registry.sub_registry_with_prefix("hugepool");
-        prefix.register("pages", "Huge pages of a size as the kernel reports them, and the target", metrics.pages.clone());
-        prefix.register("resize_step_seconds", "Duration of one kernel pool write", metrics.step_seconds.clone());
-        prefix.register("resize_pages", "Pages added (grow) or freed (shrink) by resizes", metrics.pages_moved.clone());
-        prefix.register("stalls", "Stalls seen during resizes, by reason", metrics.stalls.clone());
-        prefix.register("allocation_shortfall_pages", "Pages the last grow came up short", metrics.shortfall_pages.clone());
-        prefix.register("mem_available_bytes", "MemAvailable from /proc/meminfo", metrics.mem_available_bytes.clone());
+        prefix.register(
+            "pages",
+            "Huge pages of a size as the kernel reports them, and the target",
+            metrics.pages.clone(),
+        );
+        prefix.register(
+            "resize_step_seconds",
+            "Duration of one kernel pool write",
+            metrics.step_seconds.clone(),
+        );
+        prefix.register(
+            "resize_pages",
+            "Pages added (grow) or freed (shrink) by resizes",
+            metrics.pages_moved.clone(),
+        );
+        prefix.register(
+            "stalls",
+            "Stalls seen during resizes, by reason",
+            metrics.stalls.clone(),
+        );
+        prefix.register(
+            "allocation_shortfall_pages",
+            "Pages the last grow came up short",
+            metrics.shortfall_pages.clone(),
+        );
+        prefix.register(
+            "mem_available_bytes",
+            "MemAvailable from /proc/meminfo",
+            metrics.mem_available_bytes.clone(),
+        );
         metrics
     }
 
     pub fn set_pages(&self, size: &str, numa: &str, state: PageState, value: u64) {
-        let labels = PagesLabels { size: size.to_string(), numa: numa.to_string(), state };
+        let labels = PagesLabels {
+            size: size.to_string(),
+            numa: numa.to_string(),
+            state,
+        };
         self.pages.get_or_create(&labels).set(value as i64);
     }
 }
@@ -104,9 +134,26 @@ mod tests {
         let metrics = Metrics::register(&mut registry);
         metrics.set_pages("2Mi", "all", PageState::total, 4096);
         metrics.set_pages("2Mi", "0", PageState::free, 100);
-        metrics.step_seconds.get_or_create(&StepLabels { size: "2Mi".into(), direction: "grow".into() }).observe(0.02);
-        metrics.pages_moved.get_or_create(&StepLabels { size: "2Mi".into(), direction: "grow".into() }).inc_by(4096);
-        metrics.stalls.get_or_create(&StallLabels { reason: "SlowKernelWrite".into() }).inc();
+        metrics
+            .step_seconds
+            .get_or_create(&StepLabels {
+                size: "2Mi".into(),
+                direction: "grow".into(),
+            })
+            .observe(0.02);
+        metrics
+            .pages_moved
+            .get_or_create(&StepLabels {
+                size: "2Mi".into(),
+                direction: "grow".into(),
+            })
+            .inc_by(4096);
+        metrics
+            .stalls
+            .get_or_create(&StallLabels {
+                reason: "SlowKernelWrite".into(),
+            })
+            .inc();
         metrics.mem_available_bytes.set(1 << 30);
         let text = encode(&registry);
         for line in [

@@ -21,13 +21,15 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use hugepool_crds::node::{PageSizeTarget, ResizeSummary};
-use hugepool_crds::{AGENT_MANAGER, HugePageNode, HugePageNodeStatus, PageSize, duration, quantity};
+use hugepool_crds::{
+    AGENT_MANAGER, HugePageNode, HugePageNodeStatus, PageSize, duration, quantity,
+};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::watcher::{self, watcher};
-use kube::runtime::WatchStreamExt;
 use kube::{Client, Resource};
 use tokio::sync::{Notify, mpsc, watch};
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -100,7 +102,9 @@ impl Shared {
 
     fn memory(&self) -> MutexGuard<'_, AgentMemory> {
         // A panic elsewhere must not stop reporting: take the data as it is.
-        self.memory.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.memory
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Something the status shows changed; `urgent` skips the rate limit.
@@ -133,14 +137,35 @@ pub async fn run(
     let nodes: Api<Node> = Api::all(client.clone());
     let (spec_tx, mut spec_rx) = watch::channel::<Option<HugePageNode>>(None);
     let (seen_tx, mut seen_rx) = watch::channel(false);
-    tokio::spawn(watch_own_node_spec(hpns.clone(), config.node_name.clone(), spec_tx, seen_tx, Arc::clone(&shared)));
-    tokio::spawn(watch_kubelet_capacity(nodes, config.node_name.clone(), Arc::clone(&shared)));
+    tokio::spawn(watch_own_node_spec(
+        hpns.clone(),
+        config.node_name.clone(),
+        spec_tx,
+        seen_tx,
+        Arc::clone(&shared),
+    ));
+    tokio::spawn(watch_kubelet_capacity(
+        nodes,
+        config.node_name.clone(),
+        Arc::clone(&shared),
+    ));
 
     let (events_tx, events_rx) = mpsc::unbounded_channel::<PendingEvent>();
     let (object_tx, object_rx) = watch::channel::<Option<HugePageNode>>(None);
-    tokio::spawn(publish_events(client.clone(), config.node_name.clone(), events_rx, object_rx));
+    tokio::spawn(publish_events(
+        client.clone(),
+        config.node_name.clone(),
+        events_rx,
+        object_rx,
+    ));
 
-    let writer = tokio::spawn(write_status(hpns, Arc::clone(&kernel), config.clone(), Arc::clone(&shared), shutdown.clone()));
+    let writer = tokio::spawn(write_status(
+        hpns,
+        Arc::clone(&kernel),
+        config.clone(),
+        Arc::clone(&shared),
+        shutdown.clone(),
+    ));
 
     if let Some(path) = config.kmsg_path.clone() {
         watch_kernel_log(path, Arc::clone(&shared), events_tx.clone());
@@ -155,11 +180,18 @@ pub async fn run(
     }
 
     let mut models = CostModels::default();
-    let mut looper = ResizeLoop { kernel, config, shared: Arc::clone(&shared), events: events_tx };
+    let mut looper = ResizeLoop {
+        kernel,
+        config,
+        shared: Arc::clone(&shared),
+        events: events_tx,
+    };
     while !*shutdown.borrow() {
         let object = spec_rx.borrow_and_update().clone();
         let _ = object_tx.send(object.clone());
-        let next_check = looper.converge(object.as_ref(), &mut spec_rx, &mut shutdown, &mut models).await;
+        let next_check = looper
+            .converge(object.as_ref(), &mut spec_rx, &mut shutdown, &mut models)
+            .await;
         if *shutdown.borrow() {
             break;
         }
@@ -187,10 +219,13 @@ struct ResizeLoop {
 pub fn settings_for(entry: &PageSizeTarget) -> Settings {
     let defaults = Settings::default();
     Settings {
-        max_step_duration: duration::parse(&entry.resize.max_step_duration).unwrap_or(defaults.max_step_duration),
+        max_step_duration: duration::parse(&entry.resize.max_step_duration)
+            .unwrap_or(defaults.max_step_duration),
         step_pause: duration::parse(&entry.resize.step_pause).unwrap_or(defaults.step_pause),
-        stall_threshold: duration::parse(&entry.resize.stall_threshold).unwrap_or(defaults.stall_threshold),
-        min_mem_available: quantity::parse_bytes(&entry.allocation.min_mem_available).unwrap_or(defaults.min_mem_available),
+        stall_threshold: duration::parse(&entry.resize.stall_threshold)
+            .unwrap_or(defaults.stall_threshold),
+        min_mem_available: quantity::parse_bytes(&entry.allocation.min_mem_available)
+            .unwrap_or(defaults.min_mem_available),
         retries: entry.allocation.retries.max(0) as u32,
         compact: entry.allocation.compact,
         ..defaults
@@ -203,15 +238,29 @@ pub fn targets_for(entry: &PageSizeTarget, size: PageSize) -> Vec<Target> {
     match &entry.numa {
         Some(numa) => numa
             .iter()
-            .map(|n| Target { size, pages: n.pages.max(0) as u64, scope: PoolScope::Node(n.id.max(0) as u32) })
+            .map(|n| Target {
+                size,
+                pages: n.pages.max(0) as u64,
+                scope: PoolScope::Node(n.id.max(0) as u32),
+            })
             .collect(),
-        None => vec![Target { size, pages: entry.pages.max(0) as u64, scope: PoolScope::Global }],
+        None => vec![Target {
+            size,
+            pages: entry.pages.max(0) as u64,
+            scope: PoolScope::Global,
+        }],
     }
 }
 
 fn find_target(object: Option<&HugePageNode>, size: PageSize, scope: PoolScope) -> Option<Target> {
-    let entry = object?.spec.page_sizes.iter().find(|e| e.size.parse::<PageSize>().ok() == Some(size))?;
-    targets_for(entry, size).into_iter().find(|t| t.scope == scope)
+    let entry = object?
+        .spec
+        .page_sizes
+        .iter()
+        .find(|e| e.size.parse::<PageSize>().ok() == Some(size))?;
+    targets_for(entry, size)
+        .into_iter()
+        .find(|t| t.scope == scope)
 }
 
 impl ResizeLoop {
@@ -223,7 +272,9 @@ impl ResizeLoop {
         shutdown: &mut watch::Receiver<bool>,
         models: &mut CostModels,
     ) -> Duration {
-        let entries = object.map(|o| o.spec.page_sizes.clone()).unwrap_or_default();
+        let entries = object
+            .map(|o| o.spec.page_sizes.clone())
+            .unwrap_or_default();
         {
             let mut memory = self.shared.memory();
             memory.generation = object.and_then(|o| o.metadata.generation);
@@ -239,7 +290,9 @@ impl ResizeLoop {
         };
         let mut next_check = self.config.refresh_interval;
         for entry in &entries {
-            let Ok(size) = entry.size.parse::<PageSize>() else { continue };
+            let Ok(size) = entry.size.parse::<PageSize>() else {
+                continue;
+            };
             if !offered.contains(&size) {
                 continue; // reported as UnsupportedPageSize by the status
             }
@@ -258,10 +311,16 @@ impl ResizeLoop {
                 if observed.persistent() == target.pages && observed.surplus() == 0 {
                     continue;
                 }
-                let last = self.shared.memory().sizes.get(&size).and_then(|r| r.last_outcome.clone());
+                let last = self
+                    .shared
+                    .memory()
+                    .sizes
+                    .get(&size)
+                    .and_then(|r| r.last_outcome.clone());
                 let still_blocked = matches!(&last, Some((t, Outcome::Blocked { .. })) if *t == target.pages)
                     && observed.shrink_floor() >= observed.persistent();
-                let recently_short = matches!(&last, Some((t, Outcome::Shortfall { .. })) if *t == target.pages);
+                let recently_short =
+                    matches!(&last, Some((t, Outcome::Shortfall { .. })) if *t == target.pages);
                 if still_blocked {
                     next_check = next_check.min(self.config.blocked_poll);
                     continue;
@@ -272,8 +331,12 @@ impl ResizeLoop {
                 }
                 let outcome = self.resize(entry, target, spec_rx, shutdown, models).await;
                 match outcome {
-                    Some(Outcome::Blocked { .. }) => next_check = next_check.min(self.config.blocked_poll),
-                    Some(Outcome::Shortfall { .. }) => next_check = next_check.min(self.config.retry_interval),
+                    Some(Outcome::Blocked { .. }) => {
+                        next_check = next_check.min(self.config.blocked_poll)
+                    }
+                    Some(Outcome::Shortfall { .. }) => {
+                        next_check = next_check.min(self.config.retry_interval)
+                    }
                     Some(Outcome::Reached) => {}
                     None => next_check = next_check.min(self.config.blocked_poll),
                 }
@@ -287,7 +350,11 @@ impl ResizeLoop {
 
     fn retry_due(&self, size: PageSize) -> bool {
         let memory = self.shared.memory();
-        let finished = memory.sizes.get(&size).and_then(|r| r.last_resize.as_ref()).and_then(|s| s.finished_at.clone());
+        let finished = memory
+            .sizes
+            .get(&size)
+            .and_then(|r| r.last_resize.as_ref())
+            .and_then(|s| s.finished_at.clone());
         match finished {
             Some(at) => {
                 let age = jiff::Timestamp::now().duration_since(at.0);
@@ -297,7 +364,10 @@ impl ResizeLoop {
         }
     }
 
-    async fn blocking<T: Send + 'static>(&self, read: impl FnOnce(&dyn Kernel) -> crate::Result<T> + Send + 'static) -> crate::Result<T> {
+    async fn blocking<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(&dyn Kernel) -> crate::Result<T> + Send + 'static,
+    ) -> crate::Result<T> {
         let kernel = Arc::clone(&self.kernel);
         tokio::task::spawn_blocking(move || read(kernel.as_ref()))
             .await
@@ -315,16 +385,31 @@ impl ResizeLoop {
     ) -> Option<Outcome> {
         let size = target.size;
         let size_label = size.to_string();
-        let from = resize::executor::observe(&self.kernel, target).await.map(|o| o.persistent()).unwrap_or(0);
-        let direction = if target.pages >= from { Direction::Grow } else { Direction::Shrink };
+        let from = resize::executor::observe(&self.kernel, target)
+            .await
+            .map(|o| o.persistent())
+            .unwrap_or(0);
+        let direction = if target.pages >= from {
+            Direction::Grow
+        } else {
+            Direction::Shrink
+        };
         {
             let mut memory = self.shared.memory();
             let record = memory.sizes.entry(size).or_default();
-            record.running = Some(Running { direction, from, target: target.pages });
+            record.running = Some(Running {
+                direction,
+                from,
+                target: target.pages,
+            });
             record.stall = None;
         }
         self.shared.touch(true);
-        self.event(EventType::Normal, "ResizeStarted", format!("{size} {}: {from} -> {} pages", target.scope, target.pages));
+        self.event(
+            EventType::Normal,
+            "ResizeStarted",
+            format!("{size} {}: {from} -> {} pages", target.scope, target.pages),
+        );
 
         let span = info_span!("resize", node = %self.config.node_name, size = %size_label, scope = %target.scope, from, target = target.pages, direction = direction.as_str());
         let (target_tx, mut target_rx) = watch::channel(target);
@@ -338,9 +423,28 @@ impl ResizeLoop {
             let target_tx = target_tx.clone();
             let stopping = Arc::clone(&stopping);
             let size_label = size_label.clone();
-            move |event: &Event| on_resize_event(event, &shared, &events, &target_tx, &stopping, size, &size_label, stall_threshold)
+            move |event: &Event| {
+                on_resize_event(
+                    event,
+                    &shared,
+                    &events,
+                    &target_tx,
+                    &stopping,
+                    size,
+                    &size_label,
+                    stall_threshold,
+                )
+            }
         };
-        let engine = resize::run(Arc::clone(&self.kernel), &mut target_rx, settings, &options, models, on_event).instrument(span.clone());
+        let engine = resize::run(
+            Arc::clone(&self.kernel),
+            &mut target_rx,
+            settings,
+            &options,
+            models,
+            on_event,
+        )
+        .instrument(span.clone());
         tokio::pin!(engine);
         let result = loop {
             tokio::select! {
@@ -379,7 +483,11 @@ impl ResizeLoop {
             }
             Err(err) => {
                 span.in_scope(|| warn!(error = %err, "resize failed"));
-                self.event(EventType::Warning, "ResizeFailed", format!("{size} {}: {err}", target.scope));
+                self.event(
+                    EventType::Warning,
+                    "ResizeFailed",
+                    format!("{size} {}: {err}", target.scope),
+                );
                 let mut memory = self.shared.memory();
                 if let Some(record) = memory.sizes.get_mut(&size) {
                     record.running = None;
@@ -422,10 +530,26 @@ impl ResizeLoop {
         };
         let note = format!(
             "{} {}: {} -> {} pages (target {}) in {} steps, {:.3}s, max write {:.3}s",
-            summary.page_size, summary.scope, summary.from, summary.achieved, summary.to, summary.steps, summary.duration_seconds, summary.max_write_seconds
+            summary.page_size,
+            summary.scope,
+            summary.from,
+            summary.achieved,
+            summary.to,
+            summary.steps,
+            summary.duration_seconds,
+            summary.max_write_seconds
         );
-        let previous = size.and_then(|s| self.shared.memory().sizes.get(&s).and_then(|r| r.last_outcome.clone()));
-        let repeated = previous.as_ref().is_some_and(|(t, o)| *t == summary.to && std::mem::discriminant(o) == std::mem::discriminant(&summary.outcome));
+        let previous = size.and_then(|s| {
+            self.shared
+                .memory()
+                .sizes
+                .get(&s)
+                .and_then(|r| r.last_outcome.clone())
+        });
+        let repeated = previous.as_ref().is_some_and(|(t, o)| {
+            *t == summary.to
+                && std::mem::discriminant(o) == std::mem::discriminant(&summary.outcome)
+        });
         match &summary.outcome {
             Outcome::Reached => self.event(EventType::Normal, "ResizeFinished", note),
             Outcome::Blocked { in_use, reserved, .. } if !repeated => self.event(
@@ -442,10 +566,20 @@ impl ResizeLoop {
         }
         if let Some(size) = size {
             let shortfall = match &summary.outcome {
-                Outcome::Shortfall { requested, achieved, .. } => requested.saturating_sub(*achieved),
+                Outcome::Shortfall {
+                    requested,
+                    achieved,
+                    ..
+                } => requested.saturating_sub(*achieved),
                 _ => 0,
             };
-            self.shared.metrics.shortfall_pages.get_or_create(&SizeLabels { size: size.to_string() }).set(shortfall as i64);
+            self.shared
+                .metrics
+                .shortfall_pages
+                .get_or_create(&SizeLabels {
+                    size: size.to_string(),
+                })
+                .set(shortfall as i64);
             let mut memory = self.shared.memory();
             let record = memory.sizes.entry(size).or_default();
             record.running = None;
@@ -455,7 +589,11 @@ impl ResizeLoop {
     }
 
     fn event(&self, type_: EventType, reason: &'static str, note: String) {
-        let _ = self.events.send(PendingEvent { type_, reason, note });
+        let _ = self.events.send(PendingEvent {
+            type_,
+            reason,
+            note,
+        });
     }
 
     /// With `kubeletRestart: AfterResize`, restarts kubelet once the node has
@@ -463,20 +601,28 @@ impl ResizeLoop {
     async fn maybe_restart_kubelet(&self, entries: &[PageSizeTarget]) {
         use hugepool_crds::settings::KubeletRestart;
         if self.config.kubelet_restart_command.is_empty()
-            || !entries.iter().any(|e| e.kubelet_restart == KubeletRestart::AfterResize)
+            || !entries
+                .iter()
+                .any(|e| e.kubelet_restart == KubeletRestart::AfterResize)
         {
             return;
         }
-        let snapshot = match KernelSnapshot::read_blocking(&self.kernel, &self.config.kernel_release).await {
-            Ok(snapshot) => snapshot,
-            Err(_) => return,
-        };
+        let snapshot =
+            match KernelSnapshot::read_blocking(&self.kernel, &self.config.kernel_release).await {
+                Ok(snapshot) => snapshot,
+                Err(_) => return,
+            };
         let (pools, due) = {
             let memory = self.shared.memory();
-            let converged = memory.targets.iter().all(|e| status::progress(e, &snapshot) == status::Progress::AtTarget);
+            let converged = memory
+                .targets
+                .iter()
+                .all(|e| status::progress(e, &snapshot) == status::Progress::AtTarget);
             let pools = status::kubelet_pools(&snapshot, &memory);
             let stale = memory.kubelet.capacity.as_ref().is_some_and(|capacity| {
-                pools.iter().any(|(size, pages)| capacity.get(size).copied().unwrap_or(0) != pages * size.bytes())
+                pools.iter().any(|(size, pages)| {
+                    capacity.get(size).copied().unwrap_or(0) != pages * size.bytes()
+                })
             });
             let already = memory.kubelet.restarted_for.as_ref() == Some(&pools);
             (pools, converged && stale && !already)
@@ -485,15 +631,33 @@ impl ResizeLoop {
             return;
         }
         let command = self.config.kubelet_restart_command.clone();
-        info!(?command, "restarting kubelet so it reports the new hugepage capacity");
-        let result = tokio::process::Command::new(&command[0]).args(&command[1..]).status().await;
+        info!(
+            ?command,
+            "restarting kubelet so it reports the new hugepage capacity"
+        );
+        let result = tokio::process::Command::new(&command[0])
+            .args(&command[1..])
+            .status()
+            .await;
         self.shared.memory().kubelet.restarted_for = Some(pools);
         match result {
             Ok(status) if status.success() => {
-                self.event(EventType::Normal, "KubeletRestarted", format!("ran {}", command.join(" ")));
+                self.event(
+                    EventType::Normal,
+                    "KubeletRestarted",
+                    format!("ran {}", command.join(" ")),
+                );
             }
-            Ok(status) => self.event(EventType::Warning, "KubeletRestartFailed", format!("{} exited with {status}", command.join(" "))),
-            Err(err) => self.event(EventType::Warning, "KubeletRestartFailed", format!("{}: {err}", command.join(" "))),
+            Ok(status) => self.event(
+                EventType::Warning,
+                "KubeletRestartFailed",
+                format!("{} exited with {status}", command.join(" ")),
+            ),
+            Err(err) => self.event(
+                EventType::Warning,
+                "KubeletRestartFailed",
+                format!("{}: {err}", command.join(" ")),
+            ),
         }
         self.shared.touch(true);
     }
@@ -512,18 +676,46 @@ fn on_resize_event(
 ) {
     match event {
         Event::Step(step) => {
-            let labels = StepLabels { size: size_label.to_string(), direction: step.direction.as_str().to_string() };
-            shared.metrics.step_seconds.get_or_create(&labels).observe(step.latency.as_secs_f64());
-            shared.metrics.pages_moved.get_or_create(&labels).inc_by(step.after.abs_diff(step.before));
-            debug!(step = step.step, written = step.written, after = step.after, latency_ms = step.latency.as_secs_f64() * 1e3, "step");
+            let labels = StepLabels {
+                size: size_label.to_string(),
+                direction: step.direction.as_str().to_string(),
+            };
+            shared
+                .metrics
+                .step_seconds
+                .get_or_create(&labels)
+                .observe(step.latency.as_secs_f64());
+            shared
+                .metrics
+                .pages_moved
+                .get_or_create(&labels)
+                .inc_by(step.after.abs_diff(step.before));
+            debug!(
+                step = step.step,
+                written = step.written,
+                after = step.after,
+                latency_ms = step.latency.as_secs_f64() * 1e3,
+                "step"
+            );
             if stopping.load(Ordering::Relaxed) {
                 // Make the pool as it is now the target: the engine finishes here.
                 target_tx.send_modify(|t| t.pages = step.after);
             }
             shared.touch(false);
         }
-        Event::Stall { step, direction, pages, elapsed } => {
-            shared.metrics.stalls.get_or_create(&StallLabels { reason: "SlowKernelWrite".into() }).inc();
+        Event::Stall {
+            step,
+            direction,
+            pages,
+            elapsed,
+        } => {
+            shared
+                .metrics
+                .stalls
+                .get_or_create(&StallLabels {
+                    reason: "SlowKernelWrite".into(),
+                })
+                .inc();
             let message = format!(
                 "{size_label} {} write {step} of {pages} pages has taken {:.2}s (stall threshold {})",
                 direction.as_str(),
@@ -531,12 +723,21 @@ fn on_resize_event(
                 duration::format(stall_threshold)
             );
             warn!(%message, "slow kernel write");
-            shared.memory().sizes.entry(size).or_default().stall = Some(StallRecord { reason: Reason::SlowKernelWrite, message: message.clone() });
-            let _ = events.send(PendingEvent { type_: EventType::Warning, reason: "Stalled", note: message });
+            shared.memory().sizes.entry(size).or_default().stall = Some(StallRecord {
+                reason: Reason::SlowKernelWrite,
+                message: message.clone(),
+            });
+            let _ = events.send(PendingEvent {
+                type_: EventType::Warning,
+                reason: "Stalled",
+                note: message,
+            });
             shared.touch(true);
         }
         Event::WriteFailed { step, error } => warn!(step, %error, "kernel write failed"),
-        Event::Compacted { scope, error } => info!(%scope, ?error, "compacted memory before retrying"),
+        Event::Compacted { scope, error } => {
+            info!(%scope, ?error, "compacted memory before retrying")
+        }
         Event::Blocked(outcome) => debug!(?outcome, "waiting for pages in use"),
         Event::Retargeted(target) => info!(pages = target.pages, "retargeted at a step boundary"),
     }
@@ -567,7 +768,9 @@ async fn watch_own_node_spec(
             }
             Ok(watcher::Event::Apply(object)) => publish_spec(&spec_tx, Some(object)),
             Ok(watcher::Event::Delete(_)) => publish_spec(&spec_tx, None),
-            Err(err) => warn!(error = %err, "watch of the HugePageNode failed; retrying with backoff"),
+            Err(err) => {
+                warn!(error = %err, "watch of the HugePageNode failed; retrying with backoff")
+            }
         }
     }
 }
@@ -577,7 +780,11 @@ async fn watch_own_node_spec(
 fn publish_spec(spec_tx: &watch::Sender<Option<HugePageNode>>, object: Option<HugePageNode>) {
     spec_tx.send_if_modified(|current| {
         let same = match (current.as_ref(), object.as_ref()) {
-            (Some(a), Some(b)) => a.spec == b.spec && a.metadata.generation == b.metadata.generation && a.metadata.uid == b.metadata.uid,
+            (Some(a), Some(b)) => {
+                a.spec == b.spec
+                    && a.metadata.generation == b.metadata.generation
+                    && a.metadata.uid == b.metadata.uid
+            }
             (None, None) => true,
             _ => false,
         };
@@ -591,7 +798,10 @@ fn publish_spec(spec_tx: &watch::Sender<Option<HugePageNode>>, object: Option<Hu
 /// Follows this node's `hugepages-<size>` capacity, as kubelet reports it.
 async fn watch_kubelet_capacity(api: Api<Node>, name: String, shared: Arc<Shared>) {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut stream = watcher(api, config).default_backoff().applied_objects().boxed();
+    let mut stream = watcher(api, config)
+        .default_backoff()
+        .applied_objects()
+        .boxed();
     while let Some(event) = stream.next().await {
         match event {
             Ok(node) => {
@@ -629,10 +839,15 @@ async fn publish_events(
     mut events_rx: mpsc::UnboundedReceiver<PendingEvent>,
     object_rx: watch::Receiver<Option<HugePageNode>>,
 ) {
-    let reporter = Reporter { controller: "hugepool-agent".into(), instance: Some(node_name) };
+    let reporter = Reporter {
+        controller: "hugepool-agent".into(),
+        instance: Some(node_name),
+    };
     let recorder = Recorder::new(client, reporter);
     while let Some(pending) = events_rx.recv().await {
-        let Some(object) = object_rx.borrow().clone() else { continue };
+        let Some(object) = object_rx.borrow().clone() else {
+            continue;
+        };
         let reference = object.object_ref(&());
         let event = KubeEvent {
             type_: pending.type_,
@@ -649,32 +864,56 @@ async fn publish_events(
 
 /// Reads `/dev/kmsg` on its own thread; stalls the kernel reports while a
 /// resize runs set Stalled with the kernel's line.
-fn watch_kernel_log(path: PathBuf, shared: Arc<Shared>, events: mpsc::UnboundedSender<PendingEvent>) {
-    let spawned = std::thread::Builder::new().name("kmsg".into()).spawn(move || {
-        let result = crate::kmsg::watch(&path, true, |record: KernelLogEvent| {
-            let reason = Reason::parse(record.kind.as_str()).unwrap_or(Reason::SoftLockup);
-            shared.metrics.stalls.get_or_create(&StallLabels { reason: reason.as_str().into() }).inc();
-            let mut memory = shared.memory();
-            let running: Vec<PageSize> = memory.sizes.iter().filter(|(_, r)| r.running.is_some()).map(|(s, _)| *s).collect();
-            for size in &running {
-                if let Some(record_of_size) = memory.sizes.get_mut(size) {
-                    record_of_size.stall = Some(StallRecord { reason, message: format!("kernel: {}", record.message) });
+fn watch_kernel_log(
+    path: PathBuf,
+    shared: Arc<Shared>,
+    events: mpsc::UnboundedSender<PendingEvent>,
+) {
+    let spawned = std::thread::Builder::new()
+        .name("kmsg".into())
+        .spawn(move || {
+            let result = crate::kmsg::watch(&path, true, |record: KernelLogEvent| {
+                let reason = Reason::parse(record.kind.as_str()).unwrap_or(Reason::SoftLockup);
+                shared
+                    .metrics
+                    .stalls
+                    .get_or_create(&StallLabels {
+                        reason: reason.as_str().into(),
+                    })
+                    .inc();
+                let mut memory = shared.memory();
+                let running: Vec<PageSize> = memory
+                    .sizes
+                    .iter()
+                    .filter(|(_, r)| r.running.is_some())
+                    .map(|(s, _)| *s)
+                    .collect();
+                for size in &running {
+                    if let Some(record_of_size) = memory.sizes.get_mut(size) {
+                        record_of_size.stall = Some(StallRecord {
+                            reason,
+                            message: format!("kernel: {}", record.message),
+                        });
+                    }
                 }
+                drop(memory);
+                if running.is_empty() {
+                    info!(kernel = %record.message, "kernel reported a stall while no resize ran");
+                } else {
+                    warn!(kernel = %record.message, "kernel reported a stall during a resize");
+                    let _ = events.send(PendingEvent {
+                        type_: EventType::Warning,
+                        reason: "KernelStall",
+                        note: record.message.clone(),
+                    });
+                    shared.touch(true);
+                }
+                true
+            });
+            if let Err(err) = result {
+                warn!(error = %err, "kernel log watcher stopped");
             }
-            drop(memory);
-            if running.is_empty() {
-                info!(kernel = %record.message, "kernel reported a stall while no resize ran");
-            } else {
-                warn!(kernel = %record.message, "kernel reported a stall during a resize");
-                let _ = events.send(PendingEvent { type_: EventType::Warning, reason: "KernelStall", note: record.message.clone() });
-                shared.touch(true);
-            }
-            true
         });
-        if let Err(err) = result {
-            warn!(error = %err, "kernel log watcher stopped");
-        }
-    });
     if let Err(err) = spawned {
         warn!(error = %err, "cannot start the kernel log watcher");
     }
@@ -683,7 +922,10 @@ fn watch_kernel_log(path: PathBuf, shared: Arc<Shared>, events: mpsc::UnboundedS
 /// The part of a status whose change is worth a patch: everything but the
 /// ever-moving MemAvailable.
 fn significant(status: &HugePageNodeStatus) -> HugePageNodeStatus {
-    HugePageNodeStatus { memory: None, ..status.clone() }
+    HugePageNodeStatus {
+        memory: None,
+        ..status.clone()
+    }
 }
 
 /// Builds and writes the status whenever something changed (at most once
@@ -737,7 +979,10 @@ async fn write_status(
                 "status": status,
             });
             let params = PatchParams::apply(AGENT_MANAGER).force();
-            match api.patch_status(&config.node_name, &params, &Patch::Apply(&body)).await {
+            match api
+                .patch_status(&config.node_name, &params, &Patch::Apply(&body))
+                .await
+            {
                 Ok(_) => {
                     last_sent = Some(status);
                     last_patch = Instant::now();
@@ -765,7 +1010,9 @@ async fn write_status(
 }
 
 fn update_gauges(metrics: &Metrics, snapshot: &KernelSnapshot, memory: &AgentMemory) {
-    metrics.mem_available_bytes.set(snapshot.memory.available_bytes as i64);
+    metrics
+        .mem_available_bytes
+        .set(snapshot.memory.available_bytes as i64);
     for sizes in &snapshot.sizes {
         let size = sizes.size.to_string();
         let pool = sizes.pool;
@@ -779,10 +1026,19 @@ fn update_gauges(metrics: &Metrics, snapshot: &KernelSnapshot, memory: &AgentMem
             metrics.set_pages(&size, &id, PageState::free, numa.free);
             metrics.set_pages(&size, &id, PageState::surplus, numa.surplus);
         }
-        if let Some(entry) = memory.targets.iter().find(|e| e.size.parse::<PageSize>().ok() == Some(sizes.size)) {
+        if let Some(entry) = memory
+            .targets
+            .iter()
+            .find(|e| e.size.parse::<PageSize>().ok() == Some(sizes.size))
+        {
             metrics.set_pages(&size, "all", PageState::target, entry.pages.max(0) as u64);
             for numa in entry.numa.iter().flatten() {
-                metrics.set_pages(&size, &numa.id.to_string(), PageState::target, numa.pages.max(0) as u64);
+                metrics.set_pages(
+                    &size,
+                    &numa.id.to_string(),
+                    PageState::target,
+                    numa.pages.max(0) as u64,
+                );
             }
         }
     }

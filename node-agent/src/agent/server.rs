@@ -19,7 +19,10 @@ struct ServerState {
 
 async fn metrics(State(state): State<ServerState>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         super::metrics::encode(&state.registry),
     )
 }
@@ -46,7 +49,11 @@ pub fn router(registry: Arc<Registry>, ready: Arc<AtomicBool>) -> Router {
 
 /// Binds `addr` and serves until the process ends; returns the bound address
 /// (useful with port 0).
-pub async fn serve(addr: SocketAddr, registry: Arc<Registry>, ready: Arc<AtomicBool>) -> std::io::Result<SocketAddr> {
+pub async fn serve(
+    addr: SocketAddr,
+    registry: Arc<Registry>,
+    ready: Arc<AtomicBool>,
+) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let app = router(registry, ready);

@@ -29,9 +29,18 @@ impl KernelSnapshot {
     pub fn read(kernel: &dyn Kernel, release: &str) -> Result<Self> {
         let mut sizes = Vec::new();
         for size in kernel.page_sizes()? {
-            sizes.push(SizeSnapshot { size, pool: kernel.pool(size)?, numa: kernel.numa_pools(size)? });
+            sizes.push(SizeSnapshot {
+                size,
+                pool: kernel.pool(size)?,
+                numa: kernel.numa_pools(size)?,
+            });
         }
-        Ok(Self { release: release.to_string(), hvo: kernel.hvo()?, memory: kernel.meminfo()?, sizes })
+        Ok(Self {
+            release: release.to_string(),
+            hvo: kernel.hvo()?,
+            memory: kernel.meminfo()?,
+            sizes,
+        })
     }
 
     /// Reads on a blocking thread (sysfs reads can wait on a pool write).

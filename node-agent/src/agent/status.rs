@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use hugepool_crds::conditions::{ConditionUpdate, NodeConditionType as Type, Reason, set_condition};
+use hugepool_crds::conditions::{
+    ConditionUpdate, NodeConditionType as Type, Reason, set_condition,
+};
 use hugepool_crds::node::{
     KernelInfo, MemoryInfo, NumaStatus, PageSizeStatus, PageSizeTarget, ResizeSummary,
 };
@@ -66,8 +68,18 @@ pub enum Progress {
     /// The size is not offered by this kernel (or the spec's size is invalid).
     Unsupported(String),
     /// Pages in use keep the pool above the target.
-    Blocked { target: u64, persistent: u64, in_use: u64, reserved: u64, surplus: u64 },
-    Away { target: u64, persistent: u64, surplus: u64 },
+    Blocked {
+        target: u64,
+        persistent: u64,
+        in_use: u64,
+        reserved: u64,
+        surplus: u64,
+    },
+    Away {
+        target: u64,
+        persistent: u64,
+        surplus: u64,
+    },
 }
 
 /// Compares one target entry with the kernel.
@@ -77,14 +89,21 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
     };
     let Some(sizes) = snapshot.size(size) else {
         let offered: Vec<String> = snapshot.sizes.iter().map(|s| s.size.to_string()).collect();
-        return Progress::Unsupported(format!("the kernel does not offer {size} pages (offered: {})", offered.join(", ")));
+        return Progress::Unsupported(format!(
+            "the kernel does not offer {size} pages (offered: {})",
+            offered.join(", ")
+        ));
     };
     let target = entry.pages.max(0) as u64;
     let pool = sizes.pool;
     let numa_at_target = match &entry.numa {
         None => true,
         Some(targets) => targets.iter().all(|t| {
-            sizes.numa.iter().any(|n| i64::from(n.node) == i64::from(t.id) && n.persistent() == t.pages.max(0) as u64 && n.surplus == 0)
+            sizes.numa.iter().any(|n| {
+                i64::from(n.node) == i64::from(t.id)
+                    && n.persistent() == t.pages.max(0) as u64
+                    && n.surplus == 0
+            })
         }),
     };
     if pool.persistent() == target && pool.surplus == 0 && numa_at_target {
@@ -100,10 +119,18 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
             surplus: pool.surplus,
         };
     }
-    Progress::Away { target, persistent: pool.persistent(), surplus: pool.surplus }
+    Progress::Away {
+        target,
+        persistent: pool.persistent(),
+        surplus: pool.surplus,
+    }
 }
 
-fn size_status(sizes: &SizeSnapshot, entry: Option<&PageSizeTarget>, record: Option<&SizeRecord>) -> PageSizeStatus {
+fn size_status(
+    sizes: &SizeSnapshot,
+    entry: Option<&PageSizeTarget>,
+    record: Option<&SizeRecord>,
+) -> PageSizeStatus {
     let pool = sizes.pool;
     PageSizeStatus {
         size: sizes.size.to_string(),
@@ -116,7 +143,12 @@ fn size_status(sizes: &SizeSnapshot, entry: Option<&PageSizeTarget>, record: Opt
         numa: sizes
             .numa
             .iter()
-            .map(|n| NumaStatus { id: n.node as i32, total: n.total as i64, free: n.free as i64, surplus: n.surplus as i64 })
+            .map(|n| NumaStatus {
+                id: n.node as i32,
+                total: n.total as i64,
+                free: n.free as i64,
+                surplus: n.surplus as i64,
+            })
             .collect(),
         last_resize: record.and_then(|r| r.last_resize.clone()),
     }
@@ -161,16 +193,34 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         }
         let Some(record) = record else { continue };
         if let Some(run) = &record.running {
-            running.push((run.direction, format!("{}: {} -> {}", entry.size, run.from, run.target)));
+            running.push((
+                run.direction,
+                format!("{}: {} -> {}", entry.size, run.from, run.target),
+            ));
         }
-        if let Some((target, Outcome::Shortfall { requested, achieved, reason, detail })) = &record.last_outcome
+        if let Some((
+            target,
+            Outcome::Shortfall {
+                requested,
+                achieved,
+                reason,
+                detail,
+            },
+        )) = &record.last_outcome
             && *target == entry.pages.max(0) as u64
             && record.running.is_none()
         {
-            let detail = detail.as_deref().map(|d| format!(": {d}")).unwrap_or_default();
+            let detail = detail
+                .as_deref()
+                .map(|d| format!(": {d}"))
+                .unwrap_or_default();
             shortfalls.push((
                 shortfall_reason(*reason),
-                format!("{}: requested {requested}, achieved {achieved}, short {} ({reason:?}{detail})", entry.size, requested.saturating_sub(*achieved)),
+                format!(
+                    "{}: requested {requested}, achieved {achieved}, short {} ({reason:?}{detail})",
+                    entry.size,
+                    requested.saturating_sub(*achieved)
+                ),
             ));
         }
         if let Some(stall) = &record.stall {
@@ -181,7 +231,11 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
     let mut updates = Vec::new();
     let all_converged = away.is_empty() && blocked.is_empty() && unsupported.is_empty();
     let converged = if all_converged {
-        let message = if converged_parts.is_empty() { "no page size targets".to_string() } else { converged_parts.join("; ") };
+        let message = if converged_parts.is_empty() {
+            "no page size targets".to_string()
+        } else {
+            converged_parts.join("; ")
+        };
         ConditionUpdate::new(Type::Converged, true, Reason::AtTarget, message)
     } else {
         let reason = if !unsupported.is_empty() {
@@ -195,14 +249,23 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         } else {
             Reason::Resizing
         };
-        let parts: Vec<String> = unsupported.iter().chain(&blocked).chain(&away).cloned().collect();
+        let parts: Vec<String> = unsupported
+            .iter()
+            .chain(&blocked)
+            .chain(&away)
+            .cloned()
+            .collect();
         ConditionUpdate::new(Type::Converged, false, reason, parts.join("; "))
     };
     updates.push(converged);
 
     updates.push(match running.first() {
         Some((direction, _)) => {
-            let reason = if *direction == Direction::Grow { Reason::Growing } else { Reason::Shrinking };
+            let reason = if *direction == Direction::Grow {
+                Reason::Growing
+            } else {
+                Reason::Shrinking
+            };
             let parts: Vec<String> = running.iter().map(|(_, p)| p.clone()).collect();
             ConditionUpdate::new(Type::Resizing, true, reason, parts.join("; "))
         }
@@ -214,7 +277,12 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
             let parts: Vec<String> = stalls.iter().map(|s| s.message.clone()).collect();
             ConditionUpdate::new(Type::Stalled, true, first.reason, parts.join("; "))
         }
-        None => ConditionUpdate::new(Type::Stalled, false, Reason::WritesWithinBudget, "every write finished within the stall threshold"),
+        None => ConditionUpdate::new(
+            Type::Stalled,
+            false,
+            Reason::WritesWithinBudget,
+            "every write finished within the stall threshold",
+        ),
     });
 
     updates.push(match shortfalls.first() {
@@ -222,19 +290,37 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
             let parts: Vec<String> = shortfalls.iter().map(|(_, p)| p.clone()).collect();
             ConditionUpdate::new(Type::AllocationFailed, true, *reason, parts.join("; "))
         }
-        None => ConditionUpdate::new(Type::AllocationFailed, false, Reason::AllocationComplete, "no allocation shortfall"),
+        None => ConditionUpdate::new(
+            Type::AllocationFailed,
+            false,
+            Reason::AllocationComplete,
+            "no allocation shortfall",
+        ),
     });
 
     updates.push(if blocked.is_empty() {
-        ConditionUpdate::new(Type::ShrinkBlocked, false, Reason::NotBlocked, "no shrink is blocked")
+        ConditionUpdate::new(
+            Type::ShrinkBlocked,
+            false,
+            Reason::NotBlocked,
+            "no shrink is blocked",
+        )
     } else {
-        ConditionUpdate::new(Type::ShrinkBlocked, true, Reason::PagesInUse, blocked.join("; "))
+        ConditionUpdate::new(
+            Type::ShrinkBlocked,
+            true,
+            Reason::PagesInUse,
+            blocked.join("; "),
+        )
     });
 
     if let Some(update) = kubelet_condition(snapshot, memory) {
         updates.push(update);
     }
-    updates.into_iter().map(|u| u.generation(generation)).collect()
+    updates
+        .into_iter()
+        .map(|u| u.generation(generation))
+        .collect()
 }
 
 /// The pools kubelet should report: persistent pages of every targeted size.
@@ -263,17 +349,40 @@ fn kubelet_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Option<
         }
     }
     Some(if stale.is_empty() {
-        ConditionUpdate::new(Type::KubeletCapacityStale, false, Reason::CapacityMatches, "kubelet capacity matches the pools")
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            false,
+            Reason::CapacityMatches,
+            "kubelet capacity matches the pools",
+        )
     } else if memory.kubelet.restarted_for.as_ref() == Some(&kubelet_pools(snapshot, memory)) {
-        ConditionUpdate::new(Type::KubeletCapacityStale, true, Reason::KubeletRestarted, format!("kubelet restarted; waiting for it to report: {}", stale.join("; ")))
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            true,
+            Reason::KubeletRestarted,
+            format!(
+                "kubelet restarted; waiting for it to report: {}",
+                stale.join("; ")
+            ),
+        )
     } else {
-        ConditionUpdate::new(Type::KubeletCapacityStale, true, Reason::KubeletRestartRequired, stale.join("; "))
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            true,
+            Reason::KubeletRestartRequired,
+            stale.join("; "),
+        )
     })
 }
 
 /// Builds the whole status. `conditions` is the agent's own condition list,
 /// updated in place so that `lastTransitionTime` only moves on a change.
-pub fn build(snapshot: &KernelSnapshot, memory: &AgentMemory, conditions_list: &mut Vec<Condition>, now: &Time) -> HugePageNodeStatus {
+pub fn build(
+    snapshot: &KernelSnapshot,
+    memory: &AgentMemory,
+    conditions_list: &mut Vec<Condition>,
+    now: &Time,
+) -> HugePageNodeStatus {
     for update in conditions(snapshot, memory) {
         set_condition(conditions_list, update, now);
     }
@@ -281,14 +390,23 @@ pub fn build(snapshot: &KernelSnapshot, memory: &AgentMemory, conditions_list: &
         .sizes
         .iter()
         .map(|sizes| {
-            let entry = memory.targets.iter().find(|t| t.size.parse::<PageSize>().ok() == Some(sizes.size));
+            let entry = memory
+                .targets
+                .iter()
+                .find(|t| t.size.parse::<PageSize>().ok() == Some(sizes.size));
             size_status(sizes, entry, memory.sizes.get(&sizes.size))
         })
         .collect();
     HugePageNodeStatus {
         observed_generation: memory.generation,
-        kernel: Some(KernelInfo { release: snapshot.release.clone(), hvo: snapshot.hvo.unwrap_or(false) }),
-        memory: Some(MemoryInfo { total_bytes: snapshot.memory.total_bytes as i64, available_bytes: snapshot.memory.available_bytes as i64 }),
+        kernel: Some(KernelInfo {
+            release: snapshot.release.clone(),
+            hvo: snapshot.hvo.unwrap_or(false),
+        }),
+        memory: Some(MemoryInfo {
+            total_bytes: snapshot.memory.total_bytes as i64,
+            available_bytes: snapshot.memory.available_bytes as i64,
+        }),
         page_sizes,
         conditions: conditions_list.clone(),
     }
@@ -304,14 +422,31 @@ mod tests {
         KernelSnapshot {
             release: "6.18.44".into(),
             hvo: Some(true),
-            memory: MemInfo { total_bytes: 24 << 30, available_bytes: 20 << 30 },
+            memory: MemInfo {
+                total_bytes: 24 << 30,
+                available_bytes: 20 << 30,
+            },
             sizes: vec![
                 SizeSnapshot {
                     size: PageSize::SIZE_2MI,
-                    pool: PoolCounts { total, free, reserved, surplus },
-                    numa: vec![NumaCounts { node: 0, total, free, surplus }],
+                    pool: PoolCounts {
+                        total,
+                        free,
+                        reserved,
+                        surplus,
+                    },
+                    numa: vec![NumaCounts {
+                        node: 0,
+                        total,
+                        free,
+                        surplus,
+                    }],
                 },
-                SizeSnapshot { size: PageSize::SIZE_1GI, pool: PoolCounts::default(), numa: vec![] },
+                SizeSnapshot {
+                    size: PageSize::SIZE_1GI,
+                    pool: PoolCounts::default(),
+                    numa: vec![],
+                },
             ],
         }
     }
@@ -330,7 +465,11 @@ mod tests {
     }
 
     fn memory(targets: Vec<PageSizeTarget>) -> AgentMemory {
-        AgentMemory { generation: Some(3), targets, ..Default::default() }
+        AgentMemory {
+            generation: Some(3),
+            targets,
+            ..Default::default()
+        }
     }
 
     fn built(snapshot: &KernelSnapshot, memory: &AgentMemory) -> HugePageNodeStatus {
@@ -344,18 +483,40 @@ mod tests {
 
     #[test]
     fn at_target_is_converged_with_counts_from_the_kernel() {
-        let status = built(&snapshot(4096, 1000, 10, 0), &memory(vec![target("2Mi", 4096)]));
+        let status = built(
+            &snapshot(4096, 1000, 10, 0),
+            &memory(vec![target("2Mi", 4096)]),
+        );
         assert_eq!(status.observed_generation, Some(3));
         let two_mi = &status.page_sizes[0];
-        assert_eq!((two_mi.size.as_str(), two_mi.target, two_mi.total, two_mi.free, two_mi.reserved, two_mi.in_use), ("2Mi", Some(4096), 4096, 1000, 10, 3096));
+        assert_eq!(
+            (
+                two_mi.size.as_str(),
+                two_mi.target,
+                two_mi.total,
+                two_mi.free,
+                two_mi.reserved,
+                two_mi.in_use
+            ),
+            ("2Mi", Some(4096), 4096, 1000, 10, 3096)
+        );
         assert_eq!(two_mi.numa[0].total, 4096);
         assert_eq!(status.page_sizes[1].target, None, "1Gi has no target");
         let converged = cond(&status, NodeConditionType::Converged);
-        assert_eq!((converged.status.as_str(), converged.reason.as_str()), ("True", "AtTarget"));
+        assert_eq!(
+            (converged.status.as_str(), converged.reason.as_str()),
+            ("True", "AtTarget")
+        );
         assert_eq!(converged.observed_generation, Some(3));
-        assert_eq!(cond(&status, NodeConditionType::ShrinkBlocked).status, "False");
+        assert_eq!(
+            cond(&status, NodeConditionType::ShrinkBlocked).status,
+            "False"
+        );
         assert_eq!(cond(&status, NodeConditionType::Resizing).reason, "Idle");
-        assert!(find_condition(&status.conditions, NodeConditionType::KubeletCapacityStale).is_none(), "no Node read yet");
+        assert!(
+            find_condition(&status.conditions, NodeConditionType::KubeletCapacityStale).is_none(),
+            "no Node read yet"
+        );
     }
 
     #[test]
@@ -363,17 +524,30 @@ mod tests {
         // 60 pages in use, target 10: the engine stopped at the floor of 60.
         let status = built(&snapshot(60, 0, 0, 0), &memory(vec![target("2Mi", 10)]));
         let blocked = cond(&status, NodeConditionType::ShrinkBlocked);
-        assert_eq!((blocked.status.as_str(), blocked.reason.as_str()), ("True", "PagesInUse"));
-        assert!(blocked.message.contains("target 10") && blocked.message.contains("60 pages in use"), "{}", blocked.message);
+        assert_eq!(
+            (blocked.status.as_str(), blocked.reason.as_str()),
+            ("True", "PagesInUse")
+        );
+        assert!(
+            blocked.message.contains("target 10") && blocked.message.contains("60 pages in use"),
+            "{}",
+            blocked.message
+        );
         let converged = cond(&status, NodeConditionType::Converged);
-        assert_eq!((converged.status.as_str(), converged.reason.as_str()), ("False", "PagesInUse"));
+        assert_eq!(
+            (converged.status.as_str(), converged.reason.as_str()),
+            ("False", "PagesInUse")
+        );
     }
 
     #[test]
     fn surplus_is_not_converged_even_at_the_count() {
         let status = built(&snapshot(100, 0, 0, 50), &memory(vec![target("2Mi", 50)]));
         assert_eq!(cond(&status, NodeConditionType::Converged).status, "False");
-        assert_eq!(cond(&status, NodeConditionType::ShrinkBlocked).status, "True");
+        assert_eq!(
+            cond(&status, NodeConditionType::ShrinkBlocked).status,
+            "True"
+        );
     }
 
     #[test]
@@ -382,15 +556,35 @@ mod tests {
         memory.sizes.insert(
             PageSize::SIZE_2MI,
             SizeRecord {
-                last_outcome: Some((6000, Outcome::Shortfall { requested: 6000, achieved: 4057, reason: ShortfallReason::MemoryGuard, detail: None })),
+                last_outcome: Some((
+                    6000,
+                    Outcome::Shortfall {
+                        requested: 6000,
+                        achieved: 4057,
+                        reason: ShortfallReason::MemoryGuard,
+                        detail: None,
+                    },
+                )),
                 ..Default::default()
             },
         );
         let status = built(&snapshot(4057, 4057, 0, 0), &memory);
         let failed = cond(&status, NodeConditionType::AllocationFailed);
-        assert_eq!((failed.status.as_str(), failed.reason.as_str()), ("True", "MemoryGuard"));
-        assert!(failed.message.contains("requested 6000, achieved 4057, short 1943"), "{}", failed.message);
-        assert_eq!(cond(&status, NodeConditionType::Converged).reason, "AllocationShortfall");
+        assert_eq!(
+            (failed.status.as_str(), failed.reason.as_str()),
+            ("True", "MemoryGuard")
+        );
+        assert!(
+            failed
+                .message
+                .contains("requested 6000, achieved 4057, short 1943"),
+            "{}",
+            failed.message
+        );
+        assert_eq!(
+            cond(&status, NodeConditionType::Converged).reason,
+            "AllocationShortfall"
+        );
     }
 
     #[test]
@@ -399,17 +593,30 @@ mod tests {
         memory.sizes.insert(
             PageSize::SIZE_2MI,
             SizeRecord {
-                running: Some(Running { direction: Direction::Shrink, from: 8192, target: 4096 }),
-                stall: Some(StallRecord { reason: Reason::SoftLockup, message: "kernel: watchdog: BUG: soft lockup".into() }),
+                running: Some(Running {
+                    direction: Direction::Shrink,
+                    from: 8192,
+                    target: 4096,
+                }),
+                stall: Some(StallRecord {
+                    reason: Reason::SoftLockup,
+                    message: "kernel: watchdog: BUG: soft lockup".into(),
+                }),
                 ..Default::default()
             },
         );
         let status = built(&snapshot(6000, 6000, 0, 0), &memory);
         let resizing = cond(&status, NodeConditionType::Resizing);
-        assert_eq!((resizing.status.as_str(), resizing.reason.as_str()), ("True", "Shrinking"));
+        assert_eq!(
+            (resizing.status.as_str(), resizing.reason.as_str()),
+            ("True", "Shrinking")
+        );
         assert!(resizing.message.contains("8192 -> 4096"));
         let stalled = cond(&status, NodeConditionType::Stalled);
-        assert_eq!((stalled.status.as_str(), stalled.reason.as_str()), ("True", "SoftLockup"));
+        assert_eq!(
+            (stalled.status.as_str(), stalled.reason.as_str()),
+            ("True", "SoftLockup")
+        );
         assert!(stalled.message.contains("soft lockup"));
     }
 
@@ -417,8 +624,15 @@ mod tests {
     fn unsupported_size_is_reported_not_attempted() {
         let status = built(&snapshot(0, 0, 0, 0), &memory(vec![target("16Gi", 2)]));
         let converged = cond(&status, NodeConditionType::Converged);
-        assert_eq!((converged.status.as_str(), converged.reason.as_str()), ("False", "UnsupportedPageSize"));
-        assert!(converged.message.contains("offered: 2Mi, 1Gi"), "{}", converged.message);
+        assert_eq!(
+            (converged.status.as_str(), converged.reason.as_str()),
+            ("False", "UnsupportedPageSize")
+        );
+        assert!(
+            converged.message.contains("offered: 2Mi, 1Gi"),
+            "{}",
+            converged.message
+        );
     }
 
     #[test]
@@ -427,18 +641,37 @@ mod tests {
         memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 0)]));
         let status = built(&snapshot(512, 512, 0, 0), &memory);
         let stale = cond(&status, NodeConditionType::KubeletCapacityStale);
-        assert_eq!((stale.status.as_str(), stale.reason.as_str()), ("True", "KubeletRestartRequired"));
+        assert_eq!(
+            (stale.status.as_str(), stale.reason.as_str()),
+            ("True", "KubeletRestartRequired")
+        );
         memory.kubelet.restarted_for = Some(BTreeMap::from([(PageSize::SIZE_2MI, 512)]));
-        assert_eq!(cond(&built(&snapshot(512, 512, 0, 0), &memory), NodeConditionType::KubeletCapacityStale).reason, "KubeletRestarted");
-        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 512 * 2 * 1024 * 1024)]));
+        assert_eq!(
+            cond(
+                &built(&snapshot(512, 512, 0, 0), &memory),
+                NodeConditionType::KubeletCapacityStale
+            )
+            .reason,
+            "KubeletRestarted"
+        );
+        memory.kubelet.capacity = Some(BTreeMap::from([(
+            PageSize::SIZE_2MI,
+            512 * 2 * 1024 * 1024,
+        )]));
         let matches = built(&snapshot(512, 512, 0, 0), &memory);
-        assert_eq!(cond(&matches, NodeConditionType::KubeletCapacityStale).status, "False");
+        assert_eq!(
+            cond(&matches, NodeConditionType::KubeletCapacityStale).status,
+            "False"
+        );
     }
 
     #[test]
     fn numa_targets_must_each_match() {
         let mut entry = target("2Mi", 4096);
-        entry.numa = Some(vec![hugepool_crds::settings::NumaTarget { id: 0, pages: 4000 }]);
+        entry.numa = Some(vec![hugepool_crds::settings::NumaTarget {
+            id: 0,
+            pages: 4000,
+        }]);
         let status = built(&snapshot(4096, 4096, 0, 0), &memory(vec![entry]));
         assert_eq!(cond(&status, NodeConditionType::Converged).status, "False");
     }
