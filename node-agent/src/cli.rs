@@ -517,6 +517,7 @@ mod tests {
         all.extend_from_slice(args);
         match parse(&all).unwrap().command {
             Command::Resize(args) => args,
+            Command::Run(_) => unreachable!("parsed a resize command line"),
         }
     }
 
