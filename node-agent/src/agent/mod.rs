@@ -159,12 +159,15 @@ pub async fn run(
         object_rx,
     ));
 
+    // The writer stops only after the resize loop, so the last status shows
+    // where the pool stopped.
+    let (done_tx, done_rx) = watch::channel(false);
     let writer = tokio::spawn(write_status(
         hpns,
         Arc::clone(&kernel),
         config.clone(),
         Arc::clone(&shared),
-        shutdown.clone(),
+        done_rx,
     ));
 
     if let Some(path) = config.kmsg_path.clone() {
@@ -203,6 +206,7 @@ pub async fn run(
     }
     info!("shutting down: writing a last status");
     shared.touch(true);
+    let _ = done_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
     Ok(())
 }
@@ -937,7 +941,7 @@ async fn write_status(
     kernel: Arc<dyn Kernel>,
     config: AgentConfig,
     shared: Arc<Shared>,
-    mut shutdown: watch::Receiver<bool>,
+    mut done: watch::Receiver<bool>,
 ) {
     let mut conditions: Vec<Condition> = Vec::new();
     let mut last_sent: Option<HugePageNodeStatus> = None;
@@ -945,15 +949,15 @@ async fn write_status(
     let mut backoff = Duration::from_millis(250);
     let mut retry = false;
     loop {
-        let stopping = *shutdown.borrow();
+        let stopping = *done.borrow();
         if !stopping && !retry {
             tokio::select! {
                 _ = shared.changed.notified() => {}
                 _ = tokio::time::sleep(config.refresh_interval) => {}
-                _ = shutdown.changed() => {}
+                _ = done.changed() => {}
             }
         }
-        let urgent = shared.urgent.swap(false, Ordering::Relaxed) || *shutdown.borrow();
+        let urgent = shared.urgent.swap(false, Ordering::Relaxed) || *done.borrow();
         let since = last_patch.elapsed();
         if !urgent && since < config.min_patch_interval {
             tokio::time::sleep(config.min_patch_interval - since).await;
@@ -996,14 +1000,14 @@ async fn write_status(
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(10));
                     retry = true;
-                    if *shutdown.borrow() && backoff >= Duration::from_secs(2) {
+                    if *done.borrow() && backoff >= Duration::from_secs(2) {
                         return;
                     }
                     continue;
                 }
             }
         }
-        if *shutdown.borrow() {
+        if *done.borrow() {
             return;
         }
     }

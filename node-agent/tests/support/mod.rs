@@ -32,9 +32,14 @@ pub struct RealKernel {
 /// commands at once: a file lock keeps their kernel tests apart too.
 fn lock_machine() -> std::fs::File {
     use std::os::fd::AsRawFd;
-    let file = std::fs::File::create(std::env::temp_dir().join("hugepool-real-kernel.lock")).expect("lock file");
+    let file = std::fs::File::create(std::env::temp_dir().join("hugepool-real-kernel.lock"))
+        .expect("lock file");
     // SAFETY: flock on a descriptor we own; blocks until the lock is ours.
-    assert_eq!(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) }, 0, "flock");
+    assert_eq!(
+        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) },
+        0,
+        "flock"
+    );
     file
 }
 
@@ -152,7 +157,6 @@ impl Drop for RealKernel {
     }
 }
 
-
 /// A forked process that holds memory until dropped (SIGKILL).
 pub struct Helper {
     pid: libc::pid_t,
@@ -265,4 +269,3 @@ impl<T: Send + 'static> Sampler<T> {
             .unwrap_or_default()
     }
 }
-
