@@ -33,7 +33,10 @@ pub enum E2eError {
     #[error("control plane process failed: {0}")]
     Process(#[from] std::io::Error),
     #[error("kubeconfig {path}: {source}")]
-    Kubeconfig { path: PathBuf, source: kube::config::KubeconfigError },
+    Kubeconfig {
+        path: PathBuf,
+        source: kube::config::KubeconfigError,
+    },
     #[error("kube client: {0}")]
     Kube(#[from] kube::Error),
     #[error("waiting for CRD {name} to be Established: {message}")]
@@ -48,7 +51,9 @@ pub struct ControlPlane {
 
 /// Where `make controlplane` puts its binaries.
 pub fn controlplane_bin_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("controlplane").join("bin")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("controlplane")
+        .join("bin")
 }
 
 /// The real kubectl built with the control plane.
@@ -61,73 +66,126 @@ fn in_ci() -> bool {
 }
 
 impl ControlPlane {
-    /// Starts `controlplane up` in a fresh directory and waits for its ready
-    /// file. The child dies with this process (the control plane watches its
-    /// parent), and it is spawned from a thread that lives as long as the
-    /// process, because a parent-death signal follows the spawning thread.
+    /// Starts `controlplane up` in `data_dir` and waits for its ready file.
+    /// The control plane stops by itself when this process exits (it watches
+    /// its parent), so a crashed test run leaks nothing.
     pub fn start(data_dir: &Path, timeout: Duration) -> Result<ControlPlane, E2eError> {
-        let binary = controlplane_bin_dir().join("controlplane");
-        if !binary.exists() {
-            return Err(E2eError::MissingBinary(binary));
-        }
-        std::fs::create_dir_all(data_dir)?;
-        let ready = data_dir.join("ready");
-        let _ = std::fs::remove_file(&ready);
-        let log_path = data_dir.join("up.log");
-        let log = std::fs::File::create(&log_path)?;
-        let data_dir_arg = data_dir.to_path_buf();
-        let (spawned_tx, spawned_rx) = std::sync::mpsc::channel();
-        std::thread::Builder::new().name("controlplane".into()).spawn(move || {
-            let child = Command::new(&binary)
-                .arg("up")
-                .arg("--data-dir")
-                .arg(&data_dir_arg)
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().expect("log file handle"))
-                .stderr(log)
-                .spawn();
-            match child {
-                Ok(mut child) => {
-                    let _ = spawned_tx.send(Ok(()));
-                    let _ = child.wait();
-                }
-                Err(err) => {
-                    let _ = spawned_tx.send(Err(err));
-                }
-            }
-            // Keep the spawning thread alive for the life of the process.
-            loop {
-                std::thread::park();
-            }
-        })?;
-        spawned_rx.recv().map_err(|_| std::io::Error::other("controlplane thread died"))??;
-        let deadline = Instant::now() + timeout;
-        while !ready.exists() {
-            if Instant::now() > deadline {
-                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(20).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
-                return Err(E2eError::NotReady { timeout, log: tail.join("\n") });
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Ok(ControlPlane { kubeconfig: data_dir.join("kubeconfig") })
+        let child = spawn_up(data_dir)?;
+        wait_ready(data_dir, timeout)?;
+        // Lives as long as this process; see above.
+        std::mem::forget(child);
+        Ok(ControlPlane {
+            kubeconfig: data_dir.join("kubeconfig"),
+        })
     }
 
     /// A client for this control plane, bound to the caller's runtime.
     pub async fn client(&self) -> Result<Client, E2eError> {
-        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig)
-            .map_err(|source| E2eError::Kubeconfig { path: self.kubeconfig.clone(), source })?;
+        let kubeconfig =
+            Kubeconfig::read_from(&self.kubeconfig).map_err(|source| E2eError::Kubeconfig {
+                path: self.kubeconfig.clone(),
+                source,
+            })?;
         let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await
-            .map_err(|source| E2eError::Kubeconfig { path: self.kubeconfig.clone(), source })?;
+            .map_err(|source| E2eError::Kubeconfig {
+                path: self.kubeconfig.clone(),
+                source,
+            })?;
         Ok(Client::try_from(config)?)
     }
 
     /// Runs the real kubectl against this control plane.
     pub fn kubectl(&self, args: &[&str]) -> std::io::Result<Output> {
-        Command::new(kubectl_path()).arg("--kubeconfig").arg(&self.kubeconfig).args(args).output()
+        Command::new(kubectl_path())
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(args)
+            .output()
     }
+}
+
+fn spawn_up(data_dir: &Path) -> Result<std::process::Child, E2eError> {
+    let binary = controlplane_bin_dir().join("controlplane");
+    if !binary.exists() {
+        return Err(E2eError::MissingBinary(binary));
+    }
+    std::fs::create_dir_all(data_dir)?;
+    let _ = std::fs::remove_file(data_dir.join("ready"));
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(data_dir.join("up.log"))?;
+    Ok(Command::new(&binary)
+        .arg("up")
+        .arg("--data-dir")
+        .arg(data_dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?)
+}
+
+fn wait_ready(data_dir: &Path, timeout: Duration) -> Result<(), E2eError> {
+    let deadline = Instant::now() + timeout;
+    while !data_dir.join("ready").exists() {
+        if Instant::now() > deadline {
+            let log = std::fs::read_to_string(data_dir.join("up.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+            return Err(E2eError::NotReady { timeout, log: tail });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// A control plane of one test's own, which the test may stop and start
+/// again (same port, certificates and data) to simulate an API outage.
+pub struct OwnedControlPlane {
+    pub dir: PathBuf,
+    pub control_plane: ControlPlane,
+    child: Option<std::process::Child>,
+}
+
+impl OwnedControlPlane {
+    pub fn start(dir: &Path) -> Result<Self, E2eError> {
+        let child = spawn_up(dir)?;
+        wait_ready(dir, Duration::from_secs(180))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            control_plane: ControlPlane {
+                kubeconfig: dir.join("kubeconfig"),
+            },
+            child: Some(child),
+        })
+    }
+
+    /// SIGTERM and wait until every component has exited.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+            let _ = child.wait();
+        }
+    }
+
+    pub fn restart(&mut self) -> Result<(), E2eError> {
+        self.stop();
+        self.child = Some(spawn_up(&self.dir)?);
+        wait_ready(&self.dir, Duration::from_secs(180))
+    }
+}
+
+impl Drop for OwnedControlPlane {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Whether tests must fail rather than skip when something is missing.
+pub fn in_ci_mode() -> bool {
+    in_ci()
 }
 
 fn shared_control_plane() -> Result<&'static ControlPlane, String> {
@@ -135,7 +193,9 @@ fn shared_control_plane() -> Result<&'static ControlPlane, String> {
     SHARED
         .get_or_init(|| {
             if let Ok(path) = std::env::var(KUBECONFIG_ENV) {
-                return Ok(ControlPlane { kubeconfig: PathBuf::from(path) });
+                return Ok(ControlPlane {
+                    kubeconfig: PathBuf::from(path),
+                });
             }
             let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("..")
@@ -165,26 +225,41 @@ pub async fn setup() -> Option<TestEnv> {
         }
         Err(why) => panic!("CI=true and no control plane: {why}"),
     };
-    let client = control_plane.client().await.expect("client for the control plane");
+    let client = control_plane
+        .client()
+        .await
+        .expect("client for the control plane");
     static CRDS: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
     CRDS.get_or_try_init(|| install_crds(client.clone()))
         .await
         .expect("CRDs installed and Established");
-    Some(TestEnv { control_plane, client })
+    Some(TestEnv {
+        control_plane,
+        client,
+    })
 }
 
 /// Applies both CRDs (server-side, forced) and waits until each is Established.
 pub async fn install_crds(client: Client) -> Result<(), E2eError> {
     let crds: Api<CustomResourceDefinition> = Api::all(client);
     let params = PatchParams::apply("hugepool-e2e").force();
-    for crd in [hugepool_crds::HugePagePool::crd(), hugepool_crds::HugePageNode::crd()] {
+    for crd in [
+        hugepool_crds::HugePagePool::crd(),
+        hugepool_crds::HugePageNode::crd(),
+    ] {
         let name = crd.metadata.name.clone().unwrap_or_default();
         crds.patch(&name, &params, &Patch::Apply(&crd)).await?;
         let established = await_condition(crds.clone(), &name, conditions::is_crd_established());
         tokio::time::timeout(Duration::from_secs(30), established)
             .await
-            .map_err(|_| E2eError::CrdNotEstablished { name: name.clone(), message: "timed out after 30s".into() })?
-            .map_err(|e| E2eError::CrdNotEstablished { name: name.clone(), message: e.to_string() })?;
+            .map_err(|_| E2eError::CrdNotEstablished {
+                name: name.clone(),
+                message: "timed out after 30s".into(),
+            })?
+            .map_err(|e| E2eError::CrdNotEstablished {
+                name: name.clone(),
+                message: e.to_string(),
+            })?;
     }
     Ok(())
 }

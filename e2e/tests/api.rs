@@ -16,7 +16,10 @@ use serde_json::{Value, json};
 
 fn pools_dynamic(client: &Client) -> Api<DynamicObject> {
     let gvk = GroupVersionKind::gvk(hugepool_crds::GROUP, hugepool_crds::VERSION, "HugePagePool");
-    Api::all_with(client.clone(), &ApiResource::from_gvk_with_plural(&gvk, &HugePagePool::plural(&())))
+    Api::all_with(
+        client.clone(),
+        &ApiResource::from_gvk_with_plural(&gvk, &HugePagePool::plural(&())),
+    )
 }
 
 /// Applies a pool the way `kubectl apply --server-side` does: strict field validation.
@@ -28,12 +31,19 @@ async fn apply_pool(client: &Client, name: &str, spec: Value) -> Result<HugePage
         "spec": spec,
     });
     let params = PatchParams::apply("hugepool-e2e").validation_strict();
-    let applied = pools_dynamic(client).patch(name, &params, &Patch::Apply(&body)).await?;
-    Ok(serde_json::from_value(serde_json::to_value(applied).expect("object to json")).expect("pool from json"))
+    let applied = pools_dynamic(client)
+        .patch(name, &params, &Patch::Apply(&body))
+        .await?;
+    Ok(
+        serde_json::from_value(serde_json::to_value(applied).expect("object to json"))
+            .expect("pool from json"),
+    )
 }
 
 async fn delete_pool(client: &Client, name: &str) {
-    let _ = Api::<HugePagePool>::all(client.clone()).delete(name, &DeleteParams::default()).await;
+    let _ = Api::<HugePagePool>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await;
 }
 
 fn api_message(err: kube::Error) -> String {
@@ -47,8 +57,14 @@ fn api_message(err: kube::Error) -> String {
 async fn both_crds_are_established_and_served() {
     let Some(env) = setup().await else { return };
     // setup() waited for Established; listing proves the resources are served.
-    let pools = Api::<HugePagePool>::all(env.client.clone()).list(&Default::default()).await.unwrap();
-    let nodes = Api::<HugePageNode>::all(env.client.clone()).list(&Default::default()).await.unwrap();
+    let pools = Api::<HugePagePool>::all(env.client.clone())
+        .list(&Default::default())
+        .await
+        .unwrap();
+    let nodes = Api::<HugePageNode>::all(env.client.clone())
+        .list(&Default::default())
+        .await
+        .unwrap();
     assert!(pools.metadata.resource_version.is_some());
     assert!(nodes.metadata.resource_version.is_some());
 }
@@ -57,7 +73,9 @@ async fn both_crds_are_established_and_served() {
 async fn minimal_pool_gets_every_default_from_the_server() {
     let Some(env) = setup().await else { return };
     let name = unique_name("minimal");
-    let pool = apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 16})).await.unwrap();
+    let pool = apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 16}))
+        .await
+        .unwrap();
     let spec = &pool.spec;
     assert_eq!(spec.page_size, "2Mi");
     assert_eq!(spec.pages, Some(16));
@@ -68,7 +86,10 @@ async fn minimal_pool_gets_every_default_from_the_server() {
     assert_eq!(spec.allocation.retries, 3);
     assert!(spec.allocation.compact);
     assert_eq!(spec.allocation.min_mem_available, "1Gi");
-    assert_eq!(spec.rollout.max_unavailable, IntOrString::String("25%".into()));
+    assert_eq!(
+        spec.rollout.max_unavailable,
+        IntOrString::String("25%".into())
+    );
     assert!(!spec.rollout.paused);
     assert_eq!(spec.drain.policy, DrainPolicy::IfNeeded);
     assert_eq!(spec.drain.timeout, "10m");
@@ -98,7 +119,15 @@ async fn full_pool_is_stored_as_written() {
     let pool = apply_pool(&env.client, &name, spec).await.unwrap();
     let numa = pool.spec.numa.as_ref().unwrap();
     assert_eq!(numa.policy, NumaPolicy::Explicit);
-    assert_eq!(numa.nodes.as_ref().unwrap().iter().map(|n| (n.id, n.pages)).collect::<Vec<_>>(), vec![(0, 3072), (1, 1024)]);
+    assert_eq!(
+        numa.nodes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|n| (n.id, n.pages))
+            .collect::<Vec<_>>(),
+        vec![(0, 3072), (1, 1024)]
+    );
     assert_eq!(pool.spec.resize.stall_threshold, "1m30s");
     assert_eq!(pool.spec.allocation.retries, 5);
     assert!(!pool.spec.allocation.compact);
@@ -107,7 +136,10 @@ async fn full_pool_is_stored_as_written() {
     assert_eq!(pool.spec.drain.policy, DrainPolicy::Never);
     assert_eq!(pool.spec.kubelet.restart, KubeletRestart::AfterResize);
     assert_eq!(pool.spec.deletion_policy, DeletionPolicy::Release);
-    assert_eq!(pool.spec.node_selector.match_labels.as_ref().unwrap()["pool.example/dpdk"], "true");
+    assert_eq!(
+        pool.spec.node_selector.match_labels.as_ref().unwrap()["pool.example/dpdk"],
+        "true"
+    );
     delete_pool(&env.client, &name).await;
 }
 
@@ -122,8 +154,16 @@ async fn memory_pools_and_percent_rollouts_are_accepted() {
     ];
     for spec in cases {
         let name = unique_name("valid");
-        let pool = apply_pool(&env.client, &name, spec.clone()).await.unwrap_or_else(|e| panic!("{spec} rejected: {e}"));
-        assert_eq!(serde_json::to_value(&pool.spec.rollout.max_unavailable).unwrap(), spec["rollout"].get("maxUnavailable").cloned().unwrap_or(json!("25%")));
+        let pool = apply_pool(&env.client, &name, spec.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{spec} rejected: {e}"));
+        assert_eq!(
+            serde_json::to_value(&pool.spec.rollout.max_unavailable).unwrap(),
+            spec["rollout"]
+                .get("maxUnavailable")
+                .cloned()
+                .unwrap_or(json!("25%"))
+        );
         delete_pool(&env.client, &name).await;
     }
 }
@@ -143,38 +183,162 @@ fn invalid_pools() -> Vec<(&'static str, Value, &'static str)> {
     };
     let explicit = |nodes: Value| base(json!({"numa": {"policy": "Explicit", "nodes": nodes}}));
     vec![
-        ("neither pages nor memory", base(json!({"pages": null})), "exactly one of spec.pages and spec.memory"),
-        ("both pages and memory", base(json!({"memory": "32Mi"})), "exactly one of spec.pages and spec.memory"),
+        (
+            "neither pages nor memory",
+            base(json!({"pages": null})),
+            "exactly one of spec.pages and spec.memory",
+        ),
+        (
+            "both pages and memory",
+            base(json!({"memory": "32Mi"})),
+            "exactly one of spec.pages and spec.memory",
+        ),
         ("negative pages", base(json!({"pages": -1})), "spec.pages"),
-        ("page size not a power of two", base(json!({"pageSize": "3Mi"})), "spec.pageSize"),
-        ("page size in decimal units", base(json!({"pageSize": "2MB"})), "spec.pageSize"),
-        ("page size not canonical", base(json!({"pageSize": "1000Ki"})), "spec.pageSize"),
-        ("negative memory", base(json!({"pages": null, "memory": "-1Gi"})), "spec.memory"),
-        ("memory not a quantity", base(json!({"pages": null, "memory": "lots"})), "spec.memory"),
-        ("memory not a multiple of the page size", base(json!({"pages": null, "memory": "3Mi"})), "spec.memory"),
-        ("unknown NUMA policy", base(json!({"numa": {"policy": "Random"}})), "spec.numa.policy"),
-        ("Explicit without nodes", base(json!({"numa": {"policy": "Explicit"}})), "spec.numa.nodes"),
-        ("duplicate NUMA ids", explicit(json!([{"id": 0, "pages": 8}, {"id": 0, "pages": 8}])), "spec.numa.nodes"),
-        ("negative NUMA id", explicit(json!([{"id": -1, "pages": 16}])), "spec.numa.nodes[0].id"),
-        ("negative NUMA pages", explicit(json!([{"id": 0, "pages": -16}])), "spec.numa.nodes[0].pages"),
-        ("NUMA pages not adding up", explicit(json!([{"id": 0, "pages": 8}, {"id": 1, "pages": 4}])), "spec.numa.nodes"),
-        ("nodes with Spread", base(json!({"numa": {"policy": "Spread", "nodes": [{"id": 0, "pages": 16}]}})), "spec.numa.nodes"),
-        ("unparsable step duration", base(json!({"resize": {"maxStepDuration": "fast"}})), "spec.resize.maxStepDuration"),
-        ("zero step duration", base(json!({"resize": {"maxStepDuration": "0s"}})), "spec.resize.maxStepDuration"),
-        ("negative step pause", base(json!({"resize": {"stepPause": "-5ms"}})), "spec.resize.stepPause"),
-        ("stall threshold below the step budget", base(json!({"resize": {"stallThreshold": "10ms"}})), "spec.resize.stallThreshold"),
-        ("drain timeout in words", base(json!({"drain": {"timeout": "10 minutes"}})), "spec.drain.timeout"),
-        ("maxUnavailable zero", base(json!({"rollout": {"maxUnavailable": 0}})), "spec.rollout.maxUnavailable"),
-        ("maxUnavailable 0%", base(json!({"rollout": {"maxUnavailable": "0%"}})), "spec.rollout.maxUnavailable"),
-        ("maxUnavailable over 100%", base(json!({"rollout": {"maxUnavailable": "101%"}})), "spec.rollout.maxUnavailable"),
-        ("maxUnavailable a word", base(json!({"rollout": {"maxUnavailable": "some"}})), "spec.rollout.maxUnavailable"),
-        ("unknown drain policy", base(json!({"drain": {"policy": "Always"}})), "spec.drain.policy"),
-        ("unknown kubelet restart", base(json!({"kubelet": {"restart": "Always"}})), "spec.kubelet.restart"),
-        ("unknown deletion policy", base(json!({"deletionPolicy": "Delete"})), "spec.deletionPolicy"),
-        ("negative retries", base(json!({"allocation": {"retries": -1}})), "spec.allocation.retries"),
-        ("guard in decimal bytes word", base(json!({"allocation": {"minMemAvailable": "1GB"}})), "spec.allocation.minMemAvailable"),
-        ("unknown top-level field", base(json!({"pagez": 3})), "spec.pagez"),
-        ("unknown nested field", base(json!({"resize": {"budget": "1s"}})), "spec.resize.budget"),
+        (
+            "page size not a power of two",
+            base(json!({"pageSize": "3Mi"})),
+            "spec.pageSize",
+        ),
+        (
+            "page size in decimal units",
+            base(json!({"pageSize": "2MB"})),
+            "spec.pageSize",
+        ),
+        (
+            "page size not canonical",
+            base(json!({"pageSize": "1000Ki"})),
+            "spec.pageSize",
+        ),
+        (
+            "negative memory",
+            base(json!({"pages": null, "memory": "-1Gi"})),
+            "spec.memory",
+        ),
+        (
+            "memory not a quantity",
+            base(json!({"pages": null, "memory": "lots"})),
+            "spec.memory",
+        ),
+        (
+            "memory not a multiple of the page size",
+            base(json!({"pages": null, "memory": "3Mi"})),
+            "spec.memory",
+        ),
+        (
+            "unknown NUMA policy",
+            base(json!({"numa": {"policy": "Random"}})),
+            "spec.numa.policy",
+        ),
+        (
+            "Explicit without nodes",
+            base(json!({"numa": {"policy": "Explicit"}})),
+            "spec.numa.nodes",
+        ),
+        (
+            "duplicate NUMA ids",
+            explicit(json!([{"id": 0, "pages": 8}, {"id": 0, "pages": 8}])),
+            "spec.numa.nodes",
+        ),
+        (
+            "negative NUMA id",
+            explicit(json!([{"id": -1, "pages": 16}])),
+            "spec.numa.nodes[0].id",
+        ),
+        (
+            "negative NUMA pages",
+            explicit(json!([{"id": 0, "pages": -16}])),
+            "spec.numa.nodes[0].pages",
+        ),
+        (
+            "NUMA pages not adding up",
+            explicit(json!([{"id": 0, "pages": 8}, {"id": 1, "pages": 4}])),
+            "spec.numa.nodes",
+        ),
+        (
+            "nodes with Spread",
+            base(json!({"numa": {"policy": "Spread", "nodes": [{"id": 0, "pages": 16}]}})),
+            "spec.numa.nodes",
+        ),
+        (
+            "unparsable step duration",
+            base(json!({"resize": {"maxStepDuration": "fast"}})),
+            "spec.resize.maxStepDuration",
+        ),
+        (
+            "zero step duration",
+            base(json!({"resize": {"maxStepDuration": "0s"}})),
+            "spec.resize.maxStepDuration",
+        ),
+        (
+            "negative step pause",
+            base(json!({"resize": {"stepPause": "-5ms"}})),
+            "spec.resize.stepPause",
+        ),
+        (
+            "stall threshold below the step budget",
+            base(json!({"resize": {"stallThreshold": "10ms"}})),
+            "spec.resize.stallThreshold",
+        ),
+        (
+            "drain timeout in words",
+            base(json!({"drain": {"timeout": "10 minutes"}})),
+            "spec.drain.timeout",
+        ),
+        (
+            "maxUnavailable zero",
+            base(json!({"rollout": {"maxUnavailable": 0}})),
+            "spec.rollout.maxUnavailable",
+        ),
+        (
+            "maxUnavailable 0%",
+            base(json!({"rollout": {"maxUnavailable": "0%"}})),
+            "spec.rollout.maxUnavailable",
+        ),
+        (
+            "maxUnavailable over 100%",
+            base(json!({"rollout": {"maxUnavailable": "101%"}})),
+            "spec.rollout.maxUnavailable",
+        ),
+        (
+            "maxUnavailable a word",
+            base(json!({"rollout": {"maxUnavailable": "some"}})),
+            "spec.rollout.maxUnavailable",
+        ),
+        (
+            "unknown drain policy",
+            base(json!({"drain": {"policy": "Always"}})),
+            "spec.drain.policy",
+        ),
+        (
+            "unknown kubelet restart",
+            base(json!({"kubelet": {"restart": "Always"}})),
+            "spec.kubelet.restart",
+        ),
+        (
+            "unknown deletion policy",
+            base(json!({"deletionPolicy": "Delete"})),
+            "spec.deletionPolicy",
+        ),
+        (
+            "negative retries",
+            base(json!({"allocation": {"retries": -1}})),
+            "spec.allocation.retries",
+        ),
+        (
+            "guard in decimal bytes word",
+            base(json!({"allocation": {"minMemAvailable": "1GB"}})),
+            "spec.allocation.minMemAvailable",
+        ),
+        (
+            "unknown top-level field",
+            base(json!({"pagez": 3})),
+            "spec.pagez",
+        ),
+        (
+            "unknown nested field",
+            base(json!({"resize": {"budget": "1s"}})),
+            "spec.resize.budget",
+        ),
     ]
 }
 
@@ -194,23 +358,41 @@ async fn invalid_pools_are_rejected_naming_the_field() {
             Err(err) => {
                 let message = api_message(err);
                 if !message.contains(field) {
-                    failures.push(format!("{what}: message does not name {field:?}: {message}"));
+                    failures.push(format!(
+                        "{what}: message does not name {field:?}: {message}"
+                    ));
                 }
             }
         }
     }
-    assert!(failures.is_empty(), "{} case(s) wrong:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} case(s) wrong:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[tokio::test]
 async fn page_size_cannot_change_after_creation() {
     let Some(env) = setup().await else { return };
     let name = unique_name("immutable");
-    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 4})).await.unwrap();
-    let message = api_message(apply_pool(&env.client, &name, json!({"pageSize": "1Gi", "pages": 4})).await.unwrap_err());
-    assert!(message.contains("spec.pageSize") && message.contains("immutable"), "{message}");
+    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 4}))
+        .await
+        .unwrap();
+    let message = api_message(
+        apply_pool(&env.client, &name, json!({"pageSize": "1Gi", "pages": 4}))
+            .await
+            .unwrap_err(),
+    );
+    assert!(
+        message.contains("spec.pageSize") && message.contains("immutable"),
+        "{message}"
+    );
     // Other fields still change.
-    let pool = apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 8})).await.unwrap();
+    let pool = apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 8}))
+        .await
+        .unwrap();
     assert_eq!(pool.spec.pages, Some(8));
     delete_pool(&env.client, &name).await;
 }
@@ -231,26 +413,49 @@ async fn status_is_written_only_through_the_status_subresource() {
     let Some(env) = setup().await else { return };
     let name = unique_name("status");
     let pools = Api::<HugePagePool>::all(env.client.clone());
-    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 4})).await.unwrap();
+    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 4}))
+        .await
+        .unwrap();
 
     let status = HugePagePoolStatus {
         observed_generation: Some(1),
-        nodes: PoolNodeCounts { selected: 4, converged: 3, updating: 1, ready: "3/4".into(), ..Default::default() },
+        nodes: PoolNodeCounts {
+            selected: 4,
+            converged: 3,
+            updating: 1,
+            ready: "3/4".into(),
+            ..Default::default()
+        },
         conditions: vec![condition("Available", "False", "NodesNotConverged")],
         ..Default::default()
     };
-    let patch = json!({"apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePagePool", "status": status});
+    let patch =
+        json!({"apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePagePool", "status": status});
     let params = PatchParams::apply("hugepool-operator").force();
-    let after_status = pools.patch_status(&name, &params, &Patch::Apply(&patch)).await.unwrap();
+    let after_status = pools
+        .patch_status(&name, &params, &Patch::Apply(&patch))
+        .await
+        .unwrap();
     assert_eq!(after_status.status.as_ref().unwrap().nodes.converged, 3);
-    assert_eq!(after_status.spec.pages, Some(4), "a status write must not touch spec");
-    assert_eq!(after_status.metadata.generation, Some(1), "a status write must not bump generation");
+    assert_eq!(
+        after_status.spec.pages,
+        Some(4),
+        "a status write must not touch spec"
+    );
+    assert_eq!(
+        after_status.metadata.generation,
+        Some(1),
+        "a status write must not bump generation"
+    );
 
     // A status sent to the main endpoint is ignored, and spec changes bump generation.
     let mut pool = pools.get(&name).await.unwrap();
     pool.spec.pages = Some(6);
     pool.status.as_mut().unwrap().nodes.converged = 0;
-    let replaced = pools.replace(&name, &PostParams::default(), &pool).await.unwrap();
+    let replaced = pools
+        .replace(&name, &PostParams::default(), &pool)
+        .await
+        .unwrap();
     assert_eq!(replaced.spec.pages, Some(6));
     assert_eq!(replaced.status.unwrap().nodes.converged, 3);
     assert_eq!(replaced.metadata.generation, Some(2));
@@ -259,8 +464,16 @@ async fn status_is_written_only_through_the_status_subresource() {
 
 fn table_row<'a>(output: &'a str, name: &str) -> (Vec<&'a str>, Vec<&'a str>) {
     let mut lines = output.lines();
-    let header = lines.next().unwrap_or_default().split_whitespace().collect();
-    let row = lines.find(|l| l.starts_with(name)).unwrap_or_default().split_whitespace().collect();
+    let header = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    let row = lines
+        .find(|l| l.starts_with(name))
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
     (header, row)
 }
 
@@ -268,44 +481,134 @@ fn table_row<'a>(output: &'a str, name: &str) -> (Vec<&'a str>, Vec<&'a str>) {
 async fn kubectl_get_prints_the_printer_columns() {
     let Some(env) = setup().await else { return };
     let name = unique_name("columns");
-    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 64})).await.unwrap();
+    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 64}))
+        .await
+        .unwrap();
     let pools = Api::<HugePagePool>::all(env.client.clone());
     let status = HugePagePoolStatus {
-        nodes: PoolNodeCounts { selected: 4, converged: 3, ready: "3/4".into(), ..Default::default() },
-        conditions: vec![condition("Available", "False", "NodesNotConverged"), condition("Degraded", "True", "NodesStalled")],
+        nodes: PoolNodeCounts {
+            selected: 4,
+            converged: 3,
+            ready: "3/4".into(),
+            ..Default::default()
+        },
+        conditions: vec![
+            condition("Available", "False", "NodesNotConverged"),
+            condition("Degraded", "True", "NodesStalled"),
+        ],
         ..Default::default()
     };
-    let patch = json!({"apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePagePool", "status": status});
-    pools.patch_status(&name, &PatchParams::apply("hugepool-operator").force(), &Patch::Apply(&patch)).await.unwrap();
+    let patch =
+        json!({"apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePagePool", "status": status});
+    pools
+        .patch_status(
+            &name,
+            &PatchParams::apply("hugepool-operator").force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .unwrap();
 
     let output = env.control_plane.kubectl(&["get", "hpp", &name]).unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "kubectl failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "kubectl failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let (header, row) = table_row(&stdout, &name);
-    assert_eq!(header, ["NAME", "SIZE", "PAGES", "CONVERGED", "AVAILABLE", "DEGRADED", "AGE"], "{stdout}");
-    assert_eq!(&row[..6], [name.as_str(), "2Mi", "64", "3/4", "False", "True"], "{stdout}");
+    assert_eq!(
+        header,
+        [
+            "NAME",
+            "SIZE",
+            "PAGES",
+            "CONVERGED",
+            "AVAILABLE",
+            "DEGRADED",
+            "AGE"
+        ],
+        "{stdout}"
+    );
+    assert_eq!(
+        &row[..6],
+        [name.as_str(), "2Mi", "64", "3/4", "False", "True"],
+        "{stdout}"
+    );
 
     let nodes = Api::<HugePageNode>::all(env.client.clone());
     let node_name = unique_name("columns-node");
     let mut hpn = HugePageNode::new(
         &node_name,
-        HugePageNodeSpec { page_sizes: vec![PageSizeTarget { size: "2Mi".into(), pages: 64, numa: None, pool: name.clone(), pool_generation: 1, resize: Default::default(), allocation: Default::default(), kubelet_restart: KubeletRestart::Never }] },
+        HugePageNodeSpec {
+            page_sizes: vec![PageSizeTarget {
+                size: "2Mi".into(),
+                pages: 64,
+                numa: None,
+                pool: name.clone(),
+                pool_generation: 1,
+                resize: Default::default(),
+                allocation: Default::default(),
+                kubelet_restart: KubeletRestart::Never,
+            }],
+        },
     );
     hpn.metadata.managed_fields = None;
     nodes.create(&PostParams::default(), &hpn).await.unwrap();
     let node_status = HugePageNodeStatus {
-        page_sizes: vec![PageSizeStatus { size: "2Mi".into(), target: Some(64), total: 64, free: 60, in_use: 4, ..Default::default() }],
-        conditions: vec![condition("Converged", "True", "AtTarget"), condition("Stalled", "False", "WritesWithinBudget")],
+        page_sizes: vec![PageSizeStatus {
+            size: "2Mi".into(),
+            target: Some(64),
+            total: 64,
+            free: 60,
+            in_use: 4,
+            ..Default::default()
+        }],
+        conditions: vec![
+            condition("Converged", "True", "AtTarget"),
+            condition("Stalled", "False", "WritesWithinBudget"),
+        ],
         ..Default::default()
     };
     let patch = json!({"apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePageNode", "status": node_status});
-    nodes.patch_status(&node_name, &PatchParams::apply("hugepool-agent").force(), &Patch::Apply(&patch)).await.unwrap();
-    let output = env.control_plane.kubectl(&["get", "hpn", &node_name]).unwrap();
+    nodes
+        .patch_status(
+            &node_name,
+            &PatchParams::apply("hugepool-agent").force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .unwrap();
+    let output = env
+        .control_plane
+        .kubectl(&["get", "hpn", &node_name])
+        .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "kubectl failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "kubectl failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let (header, row) = table_row(&stdout, &node_name);
-    assert_eq!(header, ["NAME", "SIZE", "TARGET", "TOTAL", "FREE", "CONVERGED", "STALLED", "AGE"], "{stdout}");
-    assert_eq!(&row[..7], [node_name.as_str(), "2Mi", "64", "64", "60", "True", "False"], "{stdout}");
+    assert_eq!(
+        header,
+        [
+            "NAME",
+            "SIZE",
+            "TARGET",
+            "TOTAL",
+            "FREE",
+            "CONVERGED",
+            "STALLED",
+            "AGE"
+        ],
+        "{stdout}"
+    );
+    assert_eq!(
+        &row[..7],
+        [node_name.as_str(), "2Mi", "64", "64", "60", "True", "False"],
+        "{stdout}"
+    );
     let _ = nodes.delete(&node_name, &DeleteParams::default()).await;
     delete_pool(&env.client, &name).await;
 }

@@ -1,6 +1,6 @@
 //! The `hugepool-agent` command line. `resize` moves one pool to a target
-//! without a cluster, for operators and benchmarks; the cluster agent's
-//! `run` comes with issue 4.
+//! without a cluster, for operators and benchmarks; `run` is the cluster
+//! agent of the DaemonSet.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -67,6 +67,62 @@ impl KernelArgs {
 pub enum Command {
     /// Move one size's pool to a number of pages in budgeted writes.
     Resize(ResizeArgs),
+    /// Run as the node agent: converge this node's HugePageNode and report.
+    Run(RunArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// This node's name (from the downward API in the DaemonSet).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:9478", env = "HUGEPOOL_METRICS_ADDR")]
+    pub metrics_addr: std::net::SocketAddr,
+    /// Command that restarts kubelet (`kubeletRestart: AfterResize`); split on spaces.
+    #[arg(
+        long,
+        default_value = "nsenter --target 1 --mount --uts --ipc --net --pid -- systemctl restart kubelet",
+        env = "HUGEPOOL_KUBELET_RESTART_COMMAND"
+    )]
+    pub kubelet_restart_command: String,
+    /// Do not watch the kernel log for lockups.
+    #[arg(long)]
+    pub no_kmsg: bool,
+    /// How often a blocked shrink is re-checked.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub blocked_poll: Duration,
+    /// How long after a shortfall growth is tried again.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub retry_interval: Duration,
+    /// How often the kernel is re-read for status when nothing happens.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    pub refresh_interval: Duration,
+    #[arg(long, value_enum, default_value = "text", env = "HUGEPOOL_LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+impl RunArgs {
+    pub fn config(&self, kernel: &KernelArgs) -> crate::agent::AgentConfig {
+        let mut config = crate::agent::AgentConfig::new(&self.node_name);
+        config.kernel_release = crate::agent::snapshot::kernel_release(&kernel.proc_root);
+        config.blocked_poll = self.blocked_poll;
+        config.retry_interval = self.retry_interval;
+        config.refresh_interval = self.refresh_interval;
+        config.kubelet_restart_command = self
+            .kubelet_restart_command
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
+        config
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -461,6 +517,7 @@ mod tests {
         all.extend_from_slice(args);
         match parse(&all).unwrap().command {
             Command::Resize(args) => args,
+            Command::Run(_) => unreachable!("parsed a resize command line"),
         }
     }
 

@@ -8,6 +8,7 @@
 //!   kernel log.
 //! - [`cli`]: the command line of the `hugepool-agent` binary.
 
+pub mod agent;
 pub mod cli;
 pub mod error;
 pub mod kernel;

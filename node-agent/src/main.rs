@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use clap::Parser;
 use clap::error::ErrorKind;
-use hugepool_agent::cli::{self, Cli, Command, Exit};
+use hugepool_agent::agent::{self, Shared};
+use hugepool_agent::cli::{self, Cli, Command, Exit, KernelArgs, LogFormat, RunArgs};
+use prometheus_client::registry::Registry;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -24,13 +26,7 @@ fn main() -> ExitCode {
             return ExitCode::from(Exit::Error as u8);
         }
     };
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
+    init_logging(&cli.command);
     match run(cli) {
         Ok(exit) => ExitCode::from(exit as u8),
         Err(err) => {
@@ -40,13 +36,44 @@ fn main() -> ExitCode {
     }
 }
 
+fn init_logging(command: &Command) {
+    // `resize` prints its own progress; `run` logs at info by default.
+    let (default_level, json) = match command {
+        Command::Resize(_) => ("warn", false),
+        Command::Run(args) => ("info", args.log_format == LogFormat::Json),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter);
+    if json {
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .init();
+    } else {
+        builder.init();
+    }
+}
+
 fn run(cli: Cli) -> anyhow::Result<Exit> {
-    // One thread for the engine; kernel writes go to tokio's blocking pool.
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     match &cli.command {
+        Command::Run(args) => {
+            // The cluster agent serves HTTP and watches while kernel writes run.
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            runtime.block_on(run_agent(&cli.kernel, args))?;
+            Ok(Exit::Reached)
+        }
         Command::Resize(args) => {
+            // One thread for the engine; kernel writes go to tokio's blocking pool.
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             let kernel = Arc::new(cli.kernel.sysfs());
             let mut stdout = std::io::stdout();
             Ok(runtime.block_on(cli::resize(
@@ -57,4 +84,39 @@ fn run(cli: Cli) -> anyhow::Result<Exit> {
             ))?)
         }
     }
+}
+
+/// `hugepool-agent run`: until SIGTERM or SIGINT, then a last status, exit 0.
+async fn run_agent(kernel_args: &KernelArgs, args: &RunArgs) -> anyhow::Result<()> {
+    let config = args.config(kernel_args);
+    let kernel: Arc<dyn hugepool_agent::kernel::Kernel> = Arc::new(kernel_args.sysfs());
+    let mut registry = Registry::default();
+    let shared = Shared::new(agent::metrics::Metrics::register(&mut registry));
+    let bound = agent::server::serve(
+        args.metrics_addr,
+        Arc::new(registry),
+        Arc::clone(&shared.ready),
+    )
+    .await?;
+    tracing::info!(node = %config.node_name, metrics = %bound, "hugepool agent starting");
+    let client = kube::Client::try_default().await?;
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(err) => {
+                    tracing::error!(error = %err, "cannot listen for SIGTERM");
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("signal received; finishing the write in flight");
+        let _ = shutdown_tx.send(true);
+    });
+    agent::run(client, kernel, config, shared, shutdown_rx).await?;
+    Ok(())
 }

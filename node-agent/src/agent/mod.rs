@@ -1,0 +1,1049 @@
+//! The cluster agent (`hugepool-agent run`): converges this node's
+//! HugePageNode `.spec` with the resize engine and reports `.status`,
+//! Events and metrics. Deciding lives in [`status`] (pure); this module
+//! wires the engine, the kernel and the API server together.
+//!
+//! Three loops run side by side, so that an unreachable API server never
+//! stops the kernel work: the resize loop (this module), the status writer
+//! (reads the kernel, builds the status, patches it with backoff), and the
+//! watchers of the node's own HugePageNode and Node.
+
+pub mod metrics;
+pub mod server;
+pub mod snapshot;
+pub mod status;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use hugepool_crds::node::{PageSizeTarget, ResizeSummary};
+use hugepool_crds::{
+    AGENT_MANAGER, HugePageNode, HugePageNodeStatus, PageSize, duration, quantity,
+};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::watcher::{self, watcher};
+use kube::{Client, Resource};
+use tokio::sync::{Notify, mpsc, watch};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use self::metrics::{Metrics, PageState, SizeLabels, StallLabels, StepLabels};
+use self::snapshot::KernelSnapshot;
+use self::status::{AgentMemory, Running, StallRecord};
+use crate::kernel::{Kernel, PoolScope};
+use crate::kmsg::KernelLogEvent;
+use crate::resize::{self, CostModels, Direction, Event, Outcome, Settings, Summary, Target};
+use hugepool_crds::conditions::Reason;
+
+/// How the agent runs; the CLI fills it from flags.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub node_name: String,
+    pub kernel_release: String,
+    /// At most one status patch per this interval while resizing.
+    pub min_patch_interval: Duration,
+    /// How often the kernel is re-read when nothing happens.
+    pub refresh_interval: Duration,
+    /// How often a blocked shrink is re-checked.
+    pub blocked_poll: Duration,
+    /// How long after a shortfall growth is tried again.
+    pub retry_interval: Duration,
+    /// Command that restarts kubelet; empty disables restarts.
+    pub kubelet_restart_command: Vec<String>,
+    /// `/dev/kmsg`, or `None` to not watch the kernel log.
+    pub kmsg_path: Option<PathBuf>,
+}
+
+impl AgentConfig {
+    pub fn new(node_name: impl Into<String>) -> Self {
+        Self {
+            node_name: node_name.into(),
+            kernel_release: "unknown".into(),
+            min_patch_interval: Duration::from_secs(1),
+            refresh_interval: Duration::from_secs(15),
+            blocked_poll: Duration::from_secs(2),
+            retry_interval: Duration::from_secs(300),
+            kubelet_restart_command: Vec::new(),
+            kmsg_path: None,
+        }
+    }
+}
+
+/// State the loops share.
+pub struct Shared {
+    memory: Mutex<AgentMemory>,
+    changed: Notify,
+    urgent: AtomicBool,
+    /// Ready once the first status is written (or there is no HugePageNode).
+    pub ready: Arc<AtomicBool>,
+    pub metrics: Metrics,
+    /// Status patches sent, for tests and logs.
+    pub patches: AtomicU64,
+}
+
+impl Shared {
+    pub fn new(metrics: Metrics) -> Arc<Self> {
+        Arc::new(Self {
+            memory: Mutex::new(AgentMemory::default()),
+            changed: Notify::new(),
+            urgent: AtomicBool::new(false),
+            ready: Arc::new(AtomicBool::new(false)),
+            metrics,
+            patches: AtomicU64::new(0),
+        })
+    }
+
+    fn memory(&self) -> MutexGuard<'_, AgentMemory> {
+        // A panic elsewhere must not stop reporting: take the data as it is.
+        self.memory
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Something the status shows changed; `urgent` skips the rate limit.
+    fn touch(&self, urgent: bool) {
+        if urgent {
+            self.urgent.store(true, Ordering::Relaxed);
+        }
+        self.changed.notify_one();
+    }
+}
+
+/// An Event the resize loop wants published (publishing is async and must
+/// never hold up a kernel write).
+struct PendingEvent {
+    type_: EventType,
+    reason: &'static str,
+    note: String,
+}
+
+/// Runs the agent until `shutdown` turns true; then finishes the write in
+/// flight, writes a last status and returns.
+pub async fn run(
+    client: Client,
+    kernel: Arc<dyn Kernel>,
+    config: AgentConfig,
+    shared: Arc<Shared>,
+    mut shutdown: watch::Receiver<bool>,
+) -> crate::Result<()> {
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    let nodes: Api<Node> = Api::all(client.clone());
+    let (spec_tx, mut spec_rx) = watch::channel::<Option<HugePageNode>>(None);
+    let (seen_tx, mut seen_rx) = watch::channel(false);
+    tokio::spawn(watch_own_node_spec(
+        hpns.clone(),
+        config.node_name.clone(),
+        spec_tx,
+        seen_tx,
+        Arc::clone(&shared),
+    ));
+    tokio::spawn(watch_kubelet_capacity(
+        nodes,
+        config.node_name.clone(),
+        Arc::clone(&shared),
+    ));
+
+    let (events_tx, events_rx) = mpsc::unbounded_channel::<PendingEvent>();
+    let (object_tx, object_rx) = watch::channel::<Option<HugePageNode>>(None);
+    tokio::spawn(publish_events(
+        client.clone(),
+        config.node_name.clone(),
+        events_rx,
+        object_rx,
+    ));
+
+    // The writer stops only after the resize loop, so the last status shows
+    // where the pool stopped.
+    let (done_tx, done_rx) = watch::channel(false);
+    let writer = tokio::spawn(write_status(
+        hpns,
+        Arc::clone(&kernel),
+        config.clone(),
+        Arc::clone(&shared),
+        done_rx,
+    ));
+
+    if let Some(path) = config.kmsg_path.clone() {
+        watch_kernel_log(path, Arc::clone(&shared), events_tx.clone());
+    }
+
+    // Wait for the first list of our HugePageNode so we never act on "none" by mistake.
+    while !*seen_rx.borrow_and_update() {
+        tokio::select! {
+            _ = seen_rx.changed() => {}
+            _ = shutdown.changed() => break,
+        }
+    }
+
+    let mut models = CostModels::default();
+    let mut looper = ResizeLoop {
+        kernel,
+        config,
+        shared: Arc::clone(&shared),
+        events: events_tx,
+    };
+    while !*shutdown.borrow() {
+        let object = spec_rx.borrow_and_update().clone();
+        let _ = object_tx.send(object.clone());
+        let next_check = looper
+            .converge(object.as_ref(), &mut spec_rx, &mut shutdown, &mut models)
+            .await;
+        if *shutdown.borrow() {
+            break;
+        }
+        tokio::select! {
+            _ = spec_rx.changed() => {}
+            _ = shutdown.changed() => {}
+            _ = tokio::time::sleep(next_check) => {}
+        }
+    }
+    info!("shutting down: writing a last status");
+    shared.touch(true);
+    let _ = done_tx.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    Ok(())
+}
+
+struct ResizeLoop {
+    kernel: Arc<dyn Kernel>,
+    config: AgentConfig,
+    shared: Arc<Shared>,
+    events: mpsc::UnboundedSender<PendingEvent>,
+}
+
+/// The engine's settings from one target entry; bad values (which the
+/// schema should have stopped) fall back to the defaults.
+pub fn settings_for(entry: &PageSizeTarget) -> Settings {
+    let defaults = Settings::default();
+    Settings {
+        max_step_duration: duration::parse(&entry.resize.max_step_duration)
+            .unwrap_or(defaults.max_step_duration),
+        step_pause: duration::parse(&entry.resize.step_pause).unwrap_or(defaults.step_pause),
+        stall_threshold: duration::parse(&entry.resize.stall_threshold)
+            .unwrap_or(defaults.stall_threshold),
+        min_mem_available: quantity::parse_bytes(&entry.allocation.min_mem_available)
+            .unwrap_or(defaults.min_mem_available),
+        retries: entry.allocation.retries.max(0) as u32,
+        compact: entry.allocation.compact,
+        ..defaults
+    }
+}
+
+/// The engine targets of one entry: one per NUMA node when the entry lists
+/// them, otherwise one write of the size's global file.
+pub fn targets_for(entry: &PageSizeTarget, size: PageSize) -> Vec<Target> {
+    match &entry.numa {
+        Some(numa) => numa
+            .iter()
+            .map(|n| Target {
+                size,
+                pages: n.pages.max(0) as u64,
+                scope: PoolScope::Node(n.id.max(0) as u32),
+            })
+            .collect(),
+        None => vec![Target {
+            size,
+            pages: entry.pages.max(0) as u64,
+            scope: PoolScope::Global,
+        }],
+    }
+}
+
+fn find_target(object: Option<&HugePageNode>, size: PageSize, scope: PoolScope) -> Option<Target> {
+    let entry = object?
+        .spec
+        .page_sizes
+        .iter()
+        .find(|e| e.size.parse::<PageSize>().ok() == Some(size))?;
+    targets_for(entry, size)
+        .into_iter()
+        .find(|t| t.scope == scope)
+}
+
+impl ResizeLoop {
+    /// One pass over every target; returns when to look again.
+    async fn converge(
+        &mut self,
+        object: Option<&HugePageNode>,
+        spec_rx: &mut watch::Receiver<Option<HugePageNode>>,
+        shutdown: &mut watch::Receiver<bool>,
+        models: &mut CostModels,
+    ) -> Duration {
+        let entries = object
+            .map(|o| o.spec.page_sizes.clone())
+            .unwrap_or_default();
+        {
+            let mut memory = self.shared.memory();
+            memory.generation = object.and_then(|o| o.metadata.generation);
+            memory.targets = entries.clone();
+        }
+        self.shared.touch(true);
+        let offered = match self.blocking(|k| k.page_sizes()).await {
+            Ok(sizes) => sizes,
+            Err(err) => {
+                warn!(error = %err, "cannot read the kernel's page sizes");
+                return self.config.blocked_poll;
+            }
+        };
+        let mut next_check = self.config.refresh_interval;
+        for entry in &entries {
+            let Ok(size) = entry.size.parse::<PageSize>() else {
+                continue;
+            };
+            if !offered.contains(&size) {
+                continue; // reported as UnsupportedPageSize by the status
+            }
+            for target in targets_for(entry, size) {
+                if *shutdown.borrow() || spec_rx.has_changed().unwrap_or(false) {
+                    return Duration::ZERO;
+                }
+                let observed = match resize::executor::observe(&self.kernel, target).await {
+                    Ok(observed) => observed,
+                    Err(err) => {
+                        warn!(error = %err, %size, scope = %target.scope, "cannot read the pool");
+                        next_check = next_check.min(self.config.blocked_poll);
+                        continue;
+                    }
+                };
+                if observed.persistent() == target.pages && observed.surplus() == 0 {
+                    continue;
+                }
+                let last = self
+                    .shared
+                    .memory()
+                    .sizes
+                    .get(&size)
+                    .and_then(|r| r.last_outcome.clone());
+                let still_blocked = matches!(&last, Some((t, Outcome::Blocked { .. })) if *t == target.pages)
+                    && observed.shrink_floor() >= observed.persistent();
+                let recently_short =
+                    matches!(&last, Some((t, Outcome::Shortfall { .. })) if *t == target.pages);
+                if still_blocked {
+                    next_check = next_check.min(self.config.blocked_poll);
+                    continue;
+                }
+                if recently_short && !self.retry_due(size) {
+                    next_check = next_check.min(self.config.retry_interval);
+                    continue;
+                }
+                let outcome = self.resize(entry, target, spec_rx, shutdown, models).await;
+                match outcome {
+                    Some(Outcome::Blocked { .. }) => {
+                        next_check = next_check.min(self.config.blocked_poll)
+                    }
+                    Some(Outcome::Shortfall { .. }) => {
+                        next_check = next_check.min(self.config.retry_interval)
+                    }
+                    Some(Outcome::Reached) => {}
+                    None => next_check = next_check.min(self.config.blocked_poll),
+                }
+            }
+        }
+        if !*shutdown.borrow() {
+            self.maybe_restart_kubelet(&entries).await;
+        }
+        next_check
+    }
+
+    fn retry_due(&self, size: PageSize) -> bool {
+        let memory = self.shared.memory();
+        let finished = memory
+            .sizes
+            .get(&size)
+            .and_then(|r| r.last_resize.as_ref())
+            .and_then(|s| s.finished_at.clone());
+        match finished {
+            Some(at) => {
+                let age = jiff::Timestamp::now().duration_since(at.0);
+                age.as_secs_f64() >= self.config.retry_interval.as_secs_f64()
+            }
+            None => true,
+        }
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(&dyn Kernel) -> crate::Result<T> + Send + 'static,
+    ) -> crate::Result<T> {
+        let kernel = Arc::clone(&self.kernel);
+        tokio::task::spawn_blocking(move || read(kernel.as_ref()))
+            .await
+            .map_err(|err| crate::Error::WriteThread(err.to_string()))?
+    }
+
+    /// Runs one resize to `target`, following spec changes at step boundaries.
+    async fn resize(
+        &mut self,
+        entry: &PageSizeTarget,
+        target: Target,
+        spec_rx: &mut watch::Receiver<Option<HugePageNode>>,
+        shutdown: &mut watch::Receiver<bool>,
+        models: &mut CostModels,
+    ) -> Option<Outcome> {
+        let size = target.size;
+        let size_label = size.to_string();
+        let from = resize::executor::observe(&self.kernel, target)
+            .await
+            .map(|o| o.persistent())
+            .unwrap_or(0);
+        let direction = if target.pages >= from {
+            Direction::Grow
+        } else {
+            Direction::Shrink
+        };
+        {
+            let mut memory = self.shared.memory();
+            let record = memory.sizes.entry(size).or_default();
+            record.running = Some(Running {
+                direction,
+                from,
+                target: target.pages,
+            });
+            record.stall = None;
+        }
+        self.shared.touch(true);
+        self.event(
+            EventType::Normal,
+            "ResizeStarted",
+            format!("{size} {}: {from} -> {} pages", target.scope, target.pages),
+        );
+
+        let span = info_span!("resize", node = %self.config.node_name, size = %size_label, scope = %target.scope, from, target = target.pages, direction = direction.as_str());
+        let (target_tx, mut target_rx) = watch::channel(target);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let options = resize::Options::default();
+        let settings = settings_for(entry);
+        let stall_threshold = settings.stall_threshold;
+        let on_event = {
+            let shared = Arc::clone(&self.shared);
+            let events = self.events.clone();
+            let target_tx = target_tx.clone();
+            let stopping = Arc::clone(&stopping);
+            let size_label = size_label.clone();
+            move |event: &Event| {
+                on_resize_event(
+                    event,
+                    &shared,
+                    &events,
+                    &target_tx,
+                    &stopping,
+                    size,
+                    &size_label,
+                    stall_threshold,
+                )
+            }
+        };
+        let engine = resize::run(
+            Arc::clone(&self.kernel),
+            &mut target_rx,
+            settings,
+            &options,
+            models,
+            on_event,
+        )
+        .instrument(span.clone());
+        tokio::pin!(engine);
+        let result = loop {
+            tokio::select! {
+                result = &mut engine => break result,
+                changed = spec_rx.changed(), if !stopping.load(Ordering::Relaxed) => {
+                    let object = if changed.is_ok() { spec_rx.borrow().clone() } else { None };
+                    match find_target(object.as_ref(), size, target.scope) {
+                        Some(new_target) => {
+                            let mut memory = self.shared.memory();
+                            memory.generation = object.as_ref().and_then(|o| o.metadata.generation);
+                            memory.targets = object.as_ref().map(|o| o.spec.page_sizes.clone()).unwrap_or_default();
+                            if let Some(running) = memory.sizes.get_mut(&size).and_then(|r| r.running.as_mut()) {
+                                running.target = new_target.pages;
+                            }
+                            drop(memory);
+                            span.in_scope(|| info!(new_target = new_target.pages, "target changed mid-resize"));
+                            let _ = target_tx.send(new_target);
+                        }
+                        None => {
+                            // The entry is gone: stop after the write in flight.
+                            span.in_scope(|| info!("target removed mid-resize; stopping at the next step boundary"));
+                            stopping.store(true, Ordering::Relaxed);
+                        }
+                    }
+                }
+                _ = shutdown.changed(), if !stopping.load(Ordering::Relaxed) => {
+                    span.in_scope(|| info!("shutdown requested; stopping at the next step boundary"));
+                    stopping.store(true, Ordering::Relaxed);
+                }
+            }
+        };
+        let outcome = match result {
+            Ok(summary) => {
+                self.record_summary(&summary, &span);
+                Some(summary.outcome)
+            }
+            Err(err) => {
+                span.in_scope(|| warn!(error = %err, "resize failed"));
+                self.event(
+                    EventType::Warning,
+                    "ResizeFailed",
+                    format!("{size} {}: {err}", target.scope),
+                );
+                let mut memory = self.shared.memory();
+                if let Some(record) = memory.sizes.get_mut(&size) {
+                    record.running = None;
+                }
+                None
+            }
+        };
+        self.shared.touch(true);
+        outcome
+    }
+
+    fn record_summary(&self, summary: &Summary, span: &tracing::Span) {
+        let size: Option<PageSize> = summary.page_size.parse().ok();
+        let outcome_name = match &summary.outcome {
+            Outcome::Reached => "Reached",
+            Outcome::Blocked { .. } => "Blocked",
+            Outcome::Shortfall { .. } => "Short",
+        };
+        span.in_scope(|| {
+            info!(
+                achieved = summary.achieved,
+                to = summary.to,
+                steps = summary.steps,
+                max_write_seconds = summary.max_write_seconds,
+                duration_seconds = summary.duration_seconds,
+                outcome = outcome_name,
+                "resize finished"
+            )
+        });
+        let api_summary = ResizeSummary {
+            from: summary.from as i64,
+            to: summary.to as i64,
+            achieved: summary.achieved as i64,
+            steps: i64::from(summary.steps),
+            max_step_seconds: summary.max_write_seconds,
+            duration_seconds: summary.duration_seconds,
+            pages_per_second: summary.pages_per_second,
+            outcome: outcome_name.to_string(),
+            finished_at: Some(Time(jiff::Timestamp::now())),
+        };
+        let note = format!(
+            "{} {}: {} -> {} pages (target {}) in {} steps, {:.3}s, max write {:.3}s",
+            summary.page_size,
+            summary.scope,
+            summary.from,
+            summary.achieved,
+            summary.to,
+            summary.steps,
+            summary.duration_seconds,
+            summary.max_write_seconds
+        );
+        let previous = size.and_then(|s| {
+            self.shared
+                .memory()
+                .sizes
+                .get(&s)
+                .and_then(|r| r.last_outcome.clone())
+        });
+        let repeated = previous.as_ref().is_some_and(|(t, o)| {
+            *t == summary.to
+                && std::mem::discriminant(o) == std::mem::discriminant(&summary.outcome)
+        });
+        match &summary.outcome {
+            Outcome::Reached => self.event(EventType::Normal, "ResizeFinished", note),
+            Outcome::Blocked { in_use, reserved, .. } if !repeated => self.event(
+                EventType::Warning,
+                "ShrinkBlocked",
+                format!("{note}; {in_use} pages in use and {reserved} reserved keep the pool above target"),
+            ),
+            Outcome::Shortfall { requested, achieved, reason, .. } if !repeated => self.event(
+                EventType::Warning,
+                "AllocationShort",
+                format!("{note}; requested {requested}, achieved {achieved} ({reason:?})"),
+            ),
+            _ => {}
+        }
+        if let Some(size) = size {
+            let shortfall = match &summary.outcome {
+                Outcome::Shortfall {
+                    requested,
+                    achieved,
+                    ..
+                } => requested.saturating_sub(*achieved),
+                _ => 0,
+            };
+            self.shared
+                .metrics
+                .shortfall_pages
+                .get_or_create(&SizeLabels {
+                    size: size.to_string(),
+                })
+                .set(shortfall as i64);
+            let mut memory = self.shared.memory();
+            let record = memory.sizes.entry(size).or_default();
+            record.running = None;
+            record.last_outcome = Some((summary.to, summary.outcome.clone()));
+            record.last_resize = Some(api_summary);
+        }
+    }
+
+    fn event(&self, type_: EventType, reason: &'static str, note: String) {
+        let _ = self.events.send(PendingEvent {
+            type_,
+            reason,
+            note,
+        });
+    }
+
+    /// With `kubeletRestart: AfterResize`, restarts kubelet once the node has
+    /// converged and kubelet's capacity is stale, at most once per change.
+    async fn maybe_restart_kubelet(&self, entries: &[PageSizeTarget]) {
+        use hugepool_crds::settings::KubeletRestart;
+        if self.config.kubelet_restart_command.is_empty()
+            || !entries
+                .iter()
+                .any(|e| e.kubelet_restart == KubeletRestart::AfterResize)
+        {
+            return;
+        }
+        let snapshot =
+            match KernelSnapshot::read_blocking(&self.kernel, &self.config.kernel_release).await {
+                Ok(snapshot) => snapshot,
+                Err(_) => return,
+            };
+        let (pools, due) = {
+            let memory = self.shared.memory();
+            let converged = memory
+                .targets
+                .iter()
+                .all(|e| status::progress(e, &snapshot) == status::Progress::AtTarget);
+            let pools = status::kubelet_pools(&snapshot, &memory);
+            let stale = memory.kubelet.capacity.as_ref().is_some_and(|capacity| {
+                pools.iter().any(|(size, pages)| {
+                    capacity.get(size).copied().unwrap_or(0) != pages * size.bytes()
+                })
+            });
+            let already = memory.kubelet.restarted_for.as_ref() == Some(&pools);
+            (pools, converged && stale && !already)
+        };
+        if !due {
+            return;
+        }
+        let command = self.config.kubelet_restart_command.clone();
+        info!(
+            ?command,
+            "restarting kubelet so it reports the new hugepage capacity"
+        );
+        let result = tokio::process::Command::new(&command[0])
+            .args(&command[1..])
+            .status()
+            .await;
+        self.shared.memory().kubelet.restarted_for = Some(pools);
+        match result {
+            Ok(status) if status.success() => {
+                self.event(
+                    EventType::Normal,
+                    "KubeletRestarted",
+                    format!("ran {}", command.join(" ")),
+                );
+            }
+            Ok(status) => self.event(
+                EventType::Warning,
+                "KubeletRestartFailed",
+                format!("{} exited with {status}", command.join(" ")),
+            ),
+            Err(err) => self.event(
+                EventType::Warning,
+                "KubeletRestartFailed",
+                format!("{}: {err}", command.join(" ")),
+            ),
+        }
+        self.shared.touch(true);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn on_resize_event(
+    event: &Event,
+    shared: &Shared,
+    events: &mpsc::UnboundedSender<PendingEvent>,
+    target_tx: &watch::Sender<Target>,
+    stopping: &AtomicBool,
+    size: PageSize,
+    size_label: &str,
+    stall_threshold: Duration,
+) {
+    match event {
+        Event::Step(step) => {
+            let labels = StepLabels {
+                size: size_label.to_string(),
+                direction: step.direction.as_str().to_string(),
+            };
+            shared
+                .metrics
+                .step_seconds
+                .get_or_create(&labels)
+                .observe(step.latency.as_secs_f64());
+            shared
+                .metrics
+                .pages_moved
+                .get_or_create(&labels)
+                .inc_by(step.after.abs_diff(step.before));
+            debug!(
+                step = step.step,
+                written = step.written,
+                after = step.after,
+                latency_ms = step.latency.as_secs_f64() * 1e3,
+                "step"
+            );
+            if stopping.load(Ordering::Relaxed) {
+                // Make the pool as it is now the target: the engine finishes here.
+                target_tx.send_modify(|t| t.pages = step.after);
+            }
+            shared.touch(false);
+        }
+        Event::Stall {
+            step,
+            direction,
+            pages,
+            elapsed,
+        } => {
+            shared
+                .metrics
+                .stalls
+                .get_or_create(&StallLabels {
+                    reason: "SlowKernelWrite".into(),
+                })
+                .inc();
+            let message = format!(
+                "{size_label} {} write {step} of {pages} pages has taken {:.2}s (stall threshold {})",
+                direction.as_str(),
+                elapsed.as_secs_f64(),
+                duration::format(stall_threshold)
+            );
+            warn!(%message, "slow kernel write");
+            shared.memory().sizes.entry(size).or_default().stall = Some(StallRecord {
+                reason: Reason::SlowKernelWrite,
+                message: message.clone(),
+            });
+            let _ = events.send(PendingEvent {
+                type_: EventType::Warning,
+                reason: "Stalled",
+                note: message,
+            });
+            shared.touch(true);
+        }
+        Event::WriteFailed { step, error } => warn!(step, %error, "kernel write failed"),
+        Event::Compacted { scope, error } => {
+            info!(%scope, ?error, "compacted memory before retrying")
+        }
+        Event::Blocked(outcome) => debug!(?outcome, "waiting for pages in use"),
+        Event::Retargeted(target) => info!(pages = target.pages, "retargeted at a step boundary"),
+    }
+}
+
+/// Follows this node's HugePageNode; `None` when it does not exist.
+async fn watch_own_node_spec(
+    api: Api<HugePageNode>,
+    name: String,
+    spec_tx: watch::Sender<Option<HugePageNode>>,
+    seen_tx: watch::Sender<bool>,
+    shared: Arc<Shared>,
+) {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut listed: Option<HugePageNode> = None;
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Init) => listed = None,
+            Ok(watcher::Event::InitApply(object)) => listed = Some(object),
+            Ok(watcher::Event::InitDone) => {
+                if listed.is_none() {
+                    // Nothing to converge or report: ready as it is.
+                    shared.ready.store(true, Ordering::Relaxed);
+                }
+                publish_spec(&spec_tx, listed.take());
+                let _ = seen_tx.send(true);
+            }
+            Ok(watcher::Event::Apply(object)) => publish_spec(&spec_tx, Some(object)),
+            Ok(watcher::Event::Delete(_)) => publish_spec(&spec_tx, None),
+            Err(err) => {
+                warn!(error = %err, "watch of the HugePageNode failed; retrying with backoff")
+            }
+        }
+    }
+}
+
+/// Sends only when the spec (or existence) changed, so status-only updates
+/// do not wake the resize loop.
+fn publish_spec(spec_tx: &watch::Sender<Option<HugePageNode>>, object: Option<HugePageNode>) {
+    spec_tx.send_if_modified(|current| {
+        let same = match (current.as_ref(), object.as_ref()) {
+            (Some(a), Some(b)) => {
+                a.spec == b.spec
+                    && a.metadata.generation == b.metadata.generation
+                    && a.metadata.uid == b.metadata.uid
+            }
+            (None, None) => true,
+            _ => false,
+        };
+        if !same {
+            *current = object;
+        }
+        !same
+    });
+}
+
+/// Follows this node's `hugepages-<size>` capacity, as kubelet reports it.
+async fn watch_kubelet_capacity(api: Api<Node>, name: String, shared: Arc<Shared>) {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut stream = watcher(api, config)
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(node) => {
+                let capacity = node_capacity(&node);
+                let mut memory = shared.memory();
+                if memory.kubelet.capacity.as_ref() != Some(&capacity) {
+                    memory.kubelet.capacity = Some(capacity);
+                    drop(memory);
+                    shared.touch(true);
+                }
+            }
+            Err(err) => warn!(error = %err, "watch of the Node failed; retrying with backoff"),
+        }
+    }
+}
+
+/// `hugepages-<size>` capacities of a Node, in bytes.
+pub fn node_capacity(node: &Node) -> BTreeMap<PageSize, u64> {
+    let Some(capacity) = node.status.as_ref().and_then(|s| s.capacity.as_ref()) else {
+        return BTreeMap::new();
+    };
+    capacity
+        .iter()
+        .filter_map(|(name, quantity)| {
+            let size: PageSize = name.strip_prefix("hugepages-")?.parse().ok()?;
+            Some((size, quantity::parse_bytes(&quantity.0).ok()?))
+        })
+        .collect()
+}
+
+/// Publishes Events on the HugePageNode, once it is known.
+async fn publish_events(
+    client: Client,
+    node_name: String,
+    mut events_rx: mpsc::UnboundedReceiver<PendingEvent>,
+    object_rx: watch::Receiver<Option<HugePageNode>>,
+) {
+    let reporter = Reporter {
+        controller: "hugepool-agent".into(),
+        instance: Some(node_name),
+    };
+    let recorder = Recorder::new(client, reporter);
+    while let Some(pending) = events_rx.recv().await {
+        let Some(object) = object_rx.borrow().clone() else {
+            continue;
+        };
+        let reference = object.object_ref(&());
+        let event = KubeEvent {
+            type_: pending.type_,
+            reason: pending.reason.into(),
+            note: Some(pending.note),
+            action: "Resize".into(),
+            secondary: None,
+        };
+        if let Err(err) = recorder.publish(&event, &reference).await {
+            debug!(error = %err, "could not publish an event");
+        }
+    }
+}
+
+/// Reads `/dev/kmsg` on its own thread; stalls the kernel reports while a
+/// resize runs set Stalled with the kernel's line.
+fn watch_kernel_log(
+    path: PathBuf,
+    shared: Arc<Shared>,
+    events: mpsc::UnboundedSender<PendingEvent>,
+) {
+    let spawned = std::thread::Builder::new()
+        .name("kmsg".into())
+        .spawn(move || {
+            let result = crate::kmsg::watch(&path, true, |record: KernelLogEvent| {
+                let reason = Reason::parse(record.kind.as_str()).unwrap_or(Reason::SoftLockup);
+                shared
+                    .metrics
+                    .stalls
+                    .get_or_create(&StallLabels {
+                        reason: reason.as_str().into(),
+                    })
+                    .inc();
+                let mut memory = shared.memory();
+                let running: Vec<PageSize> = memory
+                    .sizes
+                    .iter()
+                    .filter(|(_, r)| r.running.is_some())
+                    .map(|(s, _)| *s)
+                    .collect();
+                for size in &running {
+                    if let Some(record_of_size) = memory.sizes.get_mut(size) {
+                        record_of_size.stall = Some(StallRecord {
+                            reason,
+                            message: format!("kernel: {}", record.message),
+                        });
+                    }
+                }
+                drop(memory);
+                if running.is_empty() {
+                    info!(kernel = %record.message, "kernel reported a stall while no resize ran");
+                } else {
+                    warn!(kernel = %record.message, "kernel reported a stall during a resize");
+                    let _ = events.send(PendingEvent {
+                        type_: EventType::Warning,
+                        reason: "KernelStall",
+                        note: record.message.clone(),
+                    });
+                    shared.touch(true);
+                }
+                true
+            });
+            if let Err(err) = result {
+                warn!(error = %err, "kernel log watcher stopped");
+            }
+        });
+    if let Err(err) = spawned {
+        warn!(error = %err, "cannot start the kernel log watcher");
+    }
+}
+
+/// The part of a status whose change is worth a patch: everything but the
+/// ever-moving MemAvailable.
+fn significant(status: &HugePageNodeStatus) -> HugePageNodeStatus {
+    HugePageNodeStatus {
+        memory: None,
+        ..status.clone()
+    }
+}
+
+/// Builds and writes the status whenever something changed (at most once
+/// per `min_patch_interval` unless urgent), and re-reads the kernel every
+/// `refresh_interval`. Failed writes are retried with backoff; meanwhile
+/// the resize loop goes on.
+async fn write_status(
+    api: Api<HugePageNode>,
+    kernel: Arc<dyn Kernel>,
+    config: AgentConfig,
+    shared: Arc<Shared>,
+    mut done: watch::Receiver<bool>,
+) {
+    let mut conditions: Vec<Condition> = Vec::new();
+    let mut last_sent: Option<HugePageNodeStatus> = None;
+    let mut last_patch = Instant::now() - config.min_patch_interval;
+    let mut backoff = Duration::from_millis(250);
+    let mut retry = false;
+    loop {
+        let stopping = *done.borrow();
+        if !stopping && !retry {
+            tokio::select! {
+                _ = shared.changed.notified() => {}
+                _ = tokio::time::sleep(config.refresh_interval) => {}
+                _ = done.changed() => {}
+            }
+        }
+        let urgent = shared.urgent.swap(false, Ordering::Relaxed) || *done.borrow();
+        let since = last_patch.elapsed();
+        if !urgent && since < config.min_patch_interval {
+            tokio::time::sleep(config.min_patch_interval - since).await;
+        }
+        let snapshot = match KernelSnapshot::read_blocking(&kernel, &config.kernel_release).await {
+            Ok(snapshot) => snapshot,
+            Err(err) => {
+                warn!(error = %err, "cannot read the kernel for status");
+                tokio::time::sleep(backoff).await;
+                continue;
+            }
+        };
+        let memory = shared.memory().clone();
+        update_gauges(&shared.metrics, &snapshot, &memory);
+        let now = Time(jiff::Timestamp::now());
+        let status = status::build(&snapshot, &memory, &mut conditions, &now);
+        let has_object = memory.generation.is_some();
+        let changed = last_sent.as_ref().map(significant) != Some(significant(&status));
+        if has_object && changed {
+            let body = serde_json::json!({
+                "apiVersion": "hugepool.dev/v1alpha1",
+                "kind": "HugePageNode",
+                "status": status,
+            });
+            let params = PatchParams::apply(AGENT_MANAGER).force();
+            match api
+                .patch_status(&config.node_name, &params, &Patch::Apply(&body))
+                .await
+            {
+                Ok(_) => {
+                    last_sent = Some(status);
+                    last_patch = Instant::now();
+                    backoff = Duration::from_millis(250);
+                    retry = false;
+                    shared.patches.fetch_add(1, Ordering::Relaxed);
+                    shared.ready.store(true, Ordering::Relaxed);
+                }
+                Err(err) => {
+                    warn!(error = %err, retry_in_ms = backoff.as_millis() as u64, "status write failed");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                    retry = true;
+                    if *done.borrow() && backoff >= Duration::from_secs(2) {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        }
+        if *done.borrow() {
+            return;
+        }
+    }
+}
+
+fn update_gauges(metrics: &Metrics, snapshot: &KernelSnapshot, memory: &AgentMemory) {
+    metrics
+        .mem_available_bytes
+        .set(snapshot.memory.available_bytes as i64);
+    for sizes in &snapshot.sizes {
+        let size = sizes.size.to_string();
+        let pool = sizes.pool;
+        metrics.set_pages(&size, "all", PageState::total, pool.total);
+        metrics.set_pages(&size, "all", PageState::free, pool.free);
+        metrics.set_pages(&size, "all", PageState::reserved, pool.reserved);
+        metrics.set_pages(&size, "all", PageState::surplus, pool.surplus);
+        for numa in &sizes.numa {
+            let id = numa.node.to_string();
+            metrics.set_pages(&size, &id, PageState::total, numa.total);
+            metrics.set_pages(&size, &id, PageState::free, numa.free);
+            metrics.set_pages(&size, &id, PageState::surplus, numa.surplus);
+        }
+        if let Some(entry) = memory
+            .targets
+            .iter()
+            .find(|e| e.size.parse::<PageSize>().ok() == Some(sizes.size))
+        {
+            metrics.set_pages(&size, "all", PageState::target, entry.pages.max(0) as u64);
+            for numa in entry.numa.iter().flatten() {
+                metrics.set_pages(
+                    &size,
+                    &numa.id.to_string(),
+                    PageState::target,
+                    numa.pages.max(0) as u64,
+                );
+            }
+        }
+    }
+}

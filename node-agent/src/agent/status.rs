@@ -1,0 +1,678 @@
+//! What the agent writes to its HugePageNode's `.status`: a pure function of
+//! what the kernel reports now, the targets, and what the agent remembers of
+//! its resizes. The conditions and reasons are those of docs/design.md.
+
+use std::collections::BTreeMap;
+
+use hugepool_crds::conditions::{
+    ConditionUpdate, NodeConditionType as Type, Reason, set_condition,
+};
+use hugepool_crds::node::{
+    KernelInfo, MemoryInfo, NumaStatus, PageSizeStatus, PageSizeTarget, ResizeSummary,
+};
+use hugepool_crds::{HugePageNodeStatus, PageSize};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+use super::snapshot::{KernelSnapshot, SizeSnapshot};
+use crate::resize::{Direction, Outcome, ShortfallReason};
+
+/// A stall seen during a resize: a slow write, no progress, or a kernel report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StallRecord {
+    pub reason: Reason,
+    pub message: String,
+}
+
+/// A resize in progress.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Running {
+    pub direction: Direction,
+    pub from: u64,
+    pub target: u64,
+}
+
+/// What the agent remembers about one page size.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SizeRecord {
+    pub running: Option<Running>,
+    /// How the last finished resize ended, and for which target.
+    pub last_outcome: Option<(u64, Outcome)>,
+    pub last_resize: Option<ResizeSummary>,
+    /// Stall of the running or last resize (cleared when a resize starts).
+    pub stall: Option<StallRecord>,
+}
+
+/// Kubelet's view of the node, from the Node object.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KubeletView {
+    /// `hugepages-<size>` capacity in bytes, by page size; `None` before the
+    /// Node has been read.
+    pub capacity: Option<BTreeMap<PageSize, u64>>,
+    /// The pools (size -> pages) kubelet was last restarted for.
+    pub restarted_for: Option<BTreeMap<PageSize, u64>>,
+}
+
+/// Everything besides the kernel that the status is built from.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AgentMemory {
+    pub generation: Option<i64>,
+    pub targets: Vec<PageSizeTarget>,
+    pub sizes: BTreeMap<PageSize, SizeRecord>,
+    pub kubelet: KubeletView,
+}
+
+/// How far one target is from the kernel's state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Progress {
+    AtTarget,
+    /// The size is not offered by this kernel (or the spec's size is invalid).
+    Unsupported(String),
+    /// Pages in use keep the pool above the target.
+    Blocked {
+        target: u64,
+        persistent: u64,
+        in_use: u64,
+        reserved: u64,
+        surplus: u64,
+    },
+    Away {
+        target: u64,
+        persistent: u64,
+        surplus: u64,
+    },
+}
+
+/// Compares one target entry with the kernel.
+pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
+    let Ok(size) = entry.size.parse::<PageSize>() else {
+        return Progress::Unsupported(format!("{} is not a valid page size", entry.size));
+    };
+    let Some(sizes) = snapshot.size(size) else {
+        let offered: Vec<String> = snapshot.sizes.iter().map(|s| s.size.to_string()).collect();
+        return Progress::Unsupported(format!(
+            "the kernel does not offer {size} pages (offered: {})",
+            offered.join(", ")
+        ));
+    };
+    let target = entry.pages.max(0) as u64;
+    let pool = sizes.pool;
+    let numa_at_target = match &entry.numa {
+        None => true,
+        Some(targets) => targets.iter().all(|t| {
+            sizes.numa.iter().any(|n| {
+                i64::from(n.node) == i64::from(t.id)
+                    && n.persistent() == t.pages.max(0) as u64
+                    && n.surplus == 0
+            })
+        }),
+    };
+    if pool.persistent() == target && pool.surplus == 0 && numa_at_target {
+        return Progress::AtTarget;
+    }
+    let floor = pool.in_use() + pool.reserved;
+    if target < floor && (pool.persistent() > target || pool.surplus > 0) {
+        return Progress::Blocked {
+            target,
+            persistent: pool.persistent(),
+            in_use: pool.in_use(),
+            reserved: pool.reserved,
+            surplus: pool.surplus,
+        };
+    }
+    Progress::Away {
+        target,
+        persistent: pool.persistent(),
+        surplus: pool.surplus,
+    }
+}
+
+fn size_status(
+    sizes: &SizeSnapshot,
+    entry: Option<&PageSizeTarget>,
+    record: Option<&SizeRecord>,
+) -> PageSizeStatus {
+    let pool = sizes.pool;
+    PageSizeStatus {
+        size: sizes.size.to_string(),
+        target: entry.map(|e| e.pages),
+        total: pool.total as i64,
+        free: pool.free as i64,
+        reserved: pool.reserved as i64,
+        surplus: pool.surplus as i64,
+        in_use: pool.in_use() as i64,
+        numa: sizes
+            .numa
+            .iter()
+            .map(|n| NumaStatus {
+                id: n.node as i32,
+                total: n.total as i64,
+                free: n.free as i64,
+                surplus: n.surplus as i64,
+            })
+            .collect(),
+        last_resize: record.and_then(|r| r.last_resize.clone()),
+    }
+}
+
+fn shortfall_reason(reason: ShortfallReason) -> Reason {
+    match reason {
+        ShortfallReason::Fragmented | ShortfallReason::NoProgress => Reason::Fragmented,
+        ShortfallReason::MemoryGuard => Reason::MemoryGuard,
+        ShortfallReason::InsufficientMemory => Reason::InsufficientMemory,
+        ShortfallReason::WriteError => Reason::WriteError,
+    }
+}
+
+/// The conditions the agent owns, in a stable order, for `memory` and `snapshot`.
+pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<ConditionUpdate> {
+    let generation = memory.generation;
+    let mut converged_parts = Vec::new();
+    let mut away = Vec::new();
+    let mut blocked = Vec::new();
+    let mut unsupported = Vec::new();
+    let mut shortfalls = Vec::new();
+    let mut running = Vec::new();
+    let mut stalls = Vec::new();
+    for entry in &memory.targets {
+        let size = entry.size.parse::<PageSize>().ok();
+        let record = size.and_then(|s| memory.sizes.get(&s));
+        match progress(entry, snapshot) {
+            Progress::AtTarget => converged_parts.push(format!("{}: {}/{} pages", entry.size, entry.pages, entry.pages)),
+            Progress::Unsupported(why) => unsupported.push(why),
+            Progress::Blocked { target, persistent, in_use, reserved, surplus } => blocked.push(format!(
+                "{}: target {target} is below {in_use} pages in use + {reserved} reserved; pool is {persistent} with {surplus} surplus",
+                entry.size
+            )),
+            Progress::Away { target, persistent, surplus } => {
+                let mut part = format!("{}: {persistent}/{target} pages", entry.size);
+                if surplus > 0 {
+                    part.push_str(&format!(", {surplus} surplus"));
+                }
+                away.push(part);
+            }
+        }
+        let Some(record) = record else { continue };
+        if let Some(run) = &record.running {
+            running.push((
+                run.direction,
+                format!("{}: {} -> {}", entry.size, run.from, run.target),
+            ));
+        }
+        if let Some((
+            target,
+            Outcome::Shortfall {
+                requested,
+                achieved,
+                reason,
+                detail,
+            },
+        )) = &record.last_outcome
+            && *target == entry.pages.max(0) as u64
+            && record.running.is_none()
+        {
+            let detail = detail
+                .as_deref()
+                .map(|d| format!(": {d}"))
+                .unwrap_or_default();
+            shortfalls.push((
+                shortfall_reason(*reason),
+                format!(
+                    "{}: requested {requested}, achieved {achieved}, short {} ({reason:?}{detail})",
+                    entry.size,
+                    requested.saturating_sub(*achieved)
+                ),
+            ));
+        }
+        if let Some(stall) = &record.stall {
+            stalls.push(stall.clone());
+        }
+    }
+
+    let mut updates = Vec::new();
+    let all_converged = away.is_empty() && blocked.is_empty() && unsupported.is_empty();
+    let converged = if all_converged {
+        let message = if converged_parts.is_empty() {
+            "no page size targets".to_string()
+        } else {
+            converged_parts.join("; ")
+        };
+        ConditionUpdate::new(Type::Converged, true, Reason::AtTarget, message)
+    } else {
+        let reason = if !unsupported.is_empty() {
+            Reason::UnsupportedPageSize
+        } else if !stalls.is_empty() {
+            Reason::Stalled
+        } else if !blocked.is_empty() {
+            Reason::PagesInUse
+        } else if !shortfalls.is_empty() {
+            Reason::AllocationShortfall
+        } else {
+            Reason::Resizing
+        };
+        let parts: Vec<String> = unsupported
+            .iter()
+            .chain(&blocked)
+            .chain(&away)
+            .cloned()
+            .collect();
+        ConditionUpdate::new(Type::Converged, false, reason, parts.join("; "))
+    };
+    updates.push(converged);
+
+    updates.push(match running.first() {
+        Some((direction, _)) => {
+            let reason = if *direction == Direction::Grow {
+                Reason::Growing
+            } else {
+                Reason::Shrinking
+            };
+            let parts: Vec<String> = running.iter().map(|(_, p)| p.clone()).collect();
+            ConditionUpdate::new(Type::Resizing, true, reason, parts.join("; "))
+        }
+        None => ConditionUpdate::new(Type::Resizing, false, Reason::Idle, "no resize running"),
+    });
+
+    updates.push(match stalls.first() {
+        Some(first) => {
+            let parts: Vec<String> = stalls.iter().map(|s| s.message.clone()).collect();
+            ConditionUpdate::new(Type::Stalled, true, first.reason, parts.join("; "))
+        }
+        None => ConditionUpdate::new(
+            Type::Stalled,
+            false,
+            Reason::WritesWithinBudget,
+            "every write finished within the stall threshold",
+        ),
+    });
+
+    updates.push(match shortfalls.first() {
+        Some((reason, _)) => {
+            let parts: Vec<String> = shortfalls.iter().map(|(_, p)| p.clone()).collect();
+            ConditionUpdate::new(Type::AllocationFailed, true, *reason, parts.join("; "))
+        }
+        None => ConditionUpdate::new(
+            Type::AllocationFailed,
+            false,
+            Reason::AllocationComplete,
+            "no allocation shortfall",
+        ),
+    });
+
+    updates.push(if blocked.is_empty() {
+        ConditionUpdate::new(
+            Type::ShrinkBlocked,
+            false,
+            Reason::NotBlocked,
+            "no shrink is blocked",
+        )
+    } else {
+        ConditionUpdate::new(
+            Type::ShrinkBlocked,
+            true,
+            Reason::PagesInUse,
+            blocked.join("; "),
+        )
+    });
+
+    if let Some(update) = kubelet_condition(snapshot, memory) {
+        updates.push(update);
+    }
+    updates
+        .into_iter()
+        .map(|u| u.generation(generation))
+        .collect()
+}
+
+/// The pools kubelet should report: persistent pages of every targeted size.
+pub fn kubelet_pools(snapshot: &KernelSnapshot, memory: &AgentMemory) -> BTreeMap<PageSize, u64> {
+    memory
+        .targets
+        .iter()
+        .filter_map(|entry| entry.size.parse::<PageSize>().ok())
+        .filter_map(|size| snapshot.size(size).map(|s| (size, s.pool.persistent())))
+        .collect()
+}
+
+fn kubelet_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Option<ConditionUpdate> {
+    let capacity = memory.kubelet.capacity.as_ref()?;
+    let mut stale = Vec::new();
+    for (size, pages) in kubelet_pools(snapshot, memory) {
+        let pool_bytes = pages * size.bytes();
+        let kubelet_bytes = capacity.get(&size).copied().unwrap_or(0);
+        if pool_bytes != kubelet_bytes {
+            stale.push(format!(
+                "{}: kubelet reports {} bytes ({} pages), the pool is {pages} pages",
+                size.resource_name(),
+                kubelet_bytes,
+                kubelet_bytes / size.bytes()
+            ));
+        }
+    }
+    Some(if stale.is_empty() {
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            false,
+            Reason::CapacityMatches,
+            "kubelet capacity matches the pools",
+        )
+    } else if memory.kubelet.restarted_for.as_ref() == Some(&kubelet_pools(snapshot, memory)) {
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            true,
+            Reason::KubeletRestarted,
+            format!(
+                "kubelet restarted; waiting for it to report: {}",
+                stale.join("; ")
+            ),
+        )
+    } else {
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            true,
+            Reason::KubeletRestartRequired,
+            stale.join("; "),
+        )
+    })
+}
+
+/// Builds the whole status. `conditions` is the agent's own condition list,
+/// updated in place so that `lastTransitionTime` only moves on a change.
+pub fn build(
+    snapshot: &KernelSnapshot,
+    memory: &AgentMemory,
+    conditions_list: &mut Vec<Condition>,
+    now: &Time,
+) -> HugePageNodeStatus {
+    for update in conditions(snapshot, memory) {
+        set_condition(conditions_list, update, now);
+    }
+    let page_sizes = snapshot
+        .sizes
+        .iter()
+        .map(|sizes| {
+            let entry = memory
+                .targets
+                .iter()
+                .find(|t| t.size.parse::<PageSize>().ok() == Some(sizes.size));
+            size_status(sizes, entry, memory.sizes.get(&sizes.size))
+        })
+        .collect();
+    HugePageNodeStatus {
+        observed_generation: memory.generation,
+        kernel: Some(KernelInfo {
+            release: snapshot.release.clone(),
+            hvo: snapshot.hvo.unwrap_or(false),
+        }),
+        memory: Some(MemoryInfo {
+            total_bytes: snapshot.memory.total_bytes as i64,
+            available_bytes: snapshot.memory.available_bytes as i64,
+        }),
+        page_sizes,
+        conditions: conditions_list.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::{MemInfo, NumaCounts, PoolCounts};
+    use hugepool_crds::conditions::{NodeConditionType, find_condition};
+
+    fn snapshot(total: u64, free: u64, reserved: u64, surplus: u64) -> KernelSnapshot {
+        KernelSnapshot {
+            release: "6.18.44".into(),
+            hvo: Some(true),
+            memory: MemInfo {
+                total_bytes: 24 << 30,
+                available_bytes: 20 << 30,
+            },
+            sizes: vec![
+                SizeSnapshot {
+                    size: PageSize::SIZE_2MI,
+                    pool: PoolCounts {
+                        total,
+                        free,
+                        reserved,
+                        surplus,
+                    },
+                    numa: vec![NumaCounts {
+                        node: 0,
+                        total,
+                        free,
+                        surplus,
+                    }],
+                },
+                SizeSnapshot {
+                    size: PageSize::SIZE_1GI,
+                    pool: PoolCounts::default(),
+                    numa: vec![],
+                },
+            ],
+        }
+    }
+
+    fn target(size: &str, pages: i64) -> PageSizeTarget {
+        PageSizeTarget {
+            size: size.into(),
+            pages,
+            numa: None,
+            pool: "p".into(),
+            pool_generation: 1,
+            resize: Default::default(),
+            allocation: Default::default(),
+            kubelet_restart: Default::default(),
+        }
+    }
+
+    fn memory(targets: Vec<PageSizeTarget>) -> AgentMemory {
+        AgentMemory {
+            generation: Some(3),
+            targets,
+            ..Default::default()
+        }
+    }
+
+    fn built(snapshot: &KernelSnapshot, memory: &AgentMemory) -> HugePageNodeStatus {
+        let now = Time(jiff::Timestamp::from_second(1_700_000_000).unwrap());
+        build(snapshot, memory, &mut Vec::new(), &now)
+    }
+
+    fn cond<'a>(status: &'a HugePageNodeStatus, t: NodeConditionType) -> &'a Condition {
+        find_condition(&status.conditions, t).unwrap_or_else(|| panic!("no {t} condition"))
+    }
+
+    #[test]
+    fn at_target_is_converged_with_counts_from_the_kernel() {
+        let status = built(
+            &snapshot(4096, 1000, 10, 0),
+            &memory(vec![target("2Mi", 4096)]),
+        );
+        assert_eq!(status.observed_generation, Some(3));
+        let two_mi = &status.page_sizes[0];
+        assert_eq!(
+            (
+                two_mi.size.as_str(),
+                two_mi.target,
+                two_mi.total,
+                two_mi.free,
+                two_mi.reserved,
+                two_mi.in_use
+            ),
+            ("2Mi", Some(4096), 4096, 1000, 10, 3096)
+        );
+        assert_eq!(two_mi.numa[0].total, 4096);
+        assert_eq!(status.page_sizes[1].target, None, "1Gi has no target");
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!(
+            (converged.status.as_str(), converged.reason.as_str()),
+            ("True", "AtTarget")
+        );
+        assert_eq!(converged.observed_generation, Some(3));
+        assert_eq!(
+            cond(&status, NodeConditionType::ShrinkBlocked).status,
+            "False"
+        );
+        assert_eq!(cond(&status, NodeConditionType::Resizing).reason, "Idle");
+        assert!(
+            find_condition(&status.conditions, NodeConditionType::KubeletCapacityStale).is_none(),
+            "no Node read yet"
+        );
+    }
+
+    #[test]
+    fn pages_in_use_above_target_block_the_shrink_with_counts() {
+        // 60 pages in use, target 10: the engine stopped at the floor of 60.
+        let status = built(&snapshot(60, 0, 0, 0), &memory(vec![target("2Mi", 10)]));
+        let blocked = cond(&status, NodeConditionType::ShrinkBlocked);
+        assert_eq!(
+            (blocked.status.as_str(), blocked.reason.as_str()),
+            ("True", "PagesInUse")
+        );
+        assert!(
+            blocked.message.contains("target 10") && blocked.message.contains("60 pages in use"),
+            "{}",
+            blocked.message
+        );
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!(
+            (converged.status.as_str(), converged.reason.as_str()),
+            ("False", "PagesInUse")
+        );
+    }
+
+    #[test]
+    fn surplus_is_not_converged_even_at_the_count() {
+        let status = built(&snapshot(100, 0, 0, 50), &memory(vec![target("2Mi", 50)]));
+        assert_eq!(cond(&status, NodeConditionType::Converged).status, "False");
+        assert_eq!(
+            cond(&status, NodeConditionType::ShrinkBlocked).status,
+            "True"
+        );
+    }
+
+    #[test]
+    fn shortfall_sets_allocation_failed_with_the_reason_and_numbers() {
+        let mut memory = memory(vec![target("2Mi", 6000)]);
+        memory.sizes.insert(
+            PageSize::SIZE_2MI,
+            SizeRecord {
+                last_outcome: Some((
+                    6000,
+                    Outcome::Shortfall {
+                        requested: 6000,
+                        achieved: 4057,
+                        reason: ShortfallReason::MemoryGuard,
+                        detail: None,
+                    },
+                )),
+                ..Default::default()
+            },
+        );
+        let status = built(&snapshot(4057, 4057, 0, 0), &memory);
+        let failed = cond(&status, NodeConditionType::AllocationFailed);
+        assert_eq!(
+            (failed.status.as_str(), failed.reason.as_str()),
+            ("True", "MemoryGuard")
+        );
+        assert!(
+            failed
+                .message
+                .contains("requested 6000, achieved 4057, short 1943"),
+            "{}",
+            failed.message
+        );
+        assert_eq!(
+            cond(&status, NodeConditionType::Converged).reason,
+            "AllocationShortfall"
+        );
+    }
+
+    #[test]
+    fn a_running_resize_and_a_stall_show() {
+        let mut memory = memory(vec![target("2Mi", 4096)]);
+        memory.sizes.insert(
+            PageSize::SIZE_2MI,
+            SizeRecord {
+                running: Some(Running {
+                    direction: Direction::Shrink,
+                    from: 8192,
+                    target: 4096,
+                }),
+                stall: Some(StallRecord {
+                    reason: Reason::SoftLockup,
+                    message: "kernel: watchdog: BUG: soft lockup".into(),
+                }),
+                ..Default::default()
+            },
+        );
+        let status = built(&snapshot(6000, 6000, 0, 0), &memory);
+        let resizing = cond(&status, NodeConditionType::Resizing);
+        assert_eq!(
+            (resizing.status.as_str(), resizing.reason.as_str()),
+            ("True", "Shrinking")
+        );
+        assert!(resizing.message.contains("8192 -> 4096"));
+        let stalled = cond(&status, NodeConditionType::Stalled);
+        assert_eq!(
+            (stalled.status.as_str(), stalled.reason.as_str()),
+            ("True", "SoftLockup")
+        );
+        assert!(stalled.message.contains("soft lockup"));
+    }
+
+    #[test]
+    fn unsupported_size_is_reported_not_attempted() {
+        let status = built(&snapshot(0, 0, 0, 0), &memory(vec![target("16Gi", 2)]));
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!(
+            (converged.status.as_str(), converged.reason.as_str()),
+            ("False", "UnsupportedPageSize")
+        );
+        assert!(
+            converged.message.contains("offered: 2Mi, 1Gi"),
+            "{}",
+            converged.message
+        );
+    }
+
+    #[test]
+    fn kubelet_capacity_compared_in_bytes() {
+        let mut memory = memory(vec![target("2Mi", 512)]);
+        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 0)]));
+        let status = built(&snapshot(512, 512, 0, 0), &memory);
+        let stale = cond(&status, NodeConditionType::KubeletCapacityStale);
+        assert_eq!(
+            (stale.status.as_str(), stale.reason.as_str()),
+            ("True", "KubeletRestartRequired")
+        );
+        memory.kubelet.restarted_for = Some(BTreeMap::from([(PageSize::SIZE_2MI, 512)]));
+        assert_eq!(
+            cond(
+                &built(&snapshot(512, 512, 0, 0), &memory),
+                NodeConditionType::KubeletCapacityStale
+            )
+            .reason,
+            "KubeletRestarted"
+        );
+        memory.kubelet.capacity = Some(BTreeMap::from([(
+            PageSize::SIZE_2MI,
+            512 * 2 * 1024 * 1024,
+        )]));
+        let matches = built(&snapshot(512, 512, 0, 0), &memory);
+        assert_eq!(
+            cond(&matches, NodeConditionType::KubeletCapacityStale).status,
+            "False"
+        );
+    }
+
+    #[test]
+    fn numa_targets_must_each_match() {
+        let mut entry = target("2Mi", 4096);
+        entry.numa = Some(vec![hugepool_crds::settings::NumaTarget {
+            id: 0,
+            pages: 4000,
+        }]);
+        let status = built(&snapshot(4096, 4096, 0, 0), &memory(vec![entry]));
+        assert_eq!(cond(&status, NodeConditionType::Converged).status, "False");
+    }
+}

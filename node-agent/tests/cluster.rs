@@ -1,0 +1,877 @@
+//! `hugepool-agent run` as a process against the real control plane and this
+//! machine's real kernel: the HugePageNode spec drives the pool, and status,
+//! conditions and `/metrics` match `/sys`. Tests take the kernel one at a
+//! time (support::RealKernel) and restore its settings.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hugepool_agent::kernel::Kernel;
+use hugepool_crds::conditions::{NodeConditionType, find_condition};
+use hugepool_crds::node::PageSizeTarget;
+use hugepool_crds::settings::{AllocationSettings, KubeletRestart, ResizeSettings};
+use hugepool_crds::{HugePageNode, OPERATOR_MANAGER};
+use hugepool_e2e::{OwnedControlPlane, install_crds, setup, unique_name};
+use k8s_openapi::api::core::v1::Node;
+use kube::Client;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use support::{GIB, Helper, Hold, MI2, RealKernel, Sampler};
+
+/// The agent binary, run as the DaemonSet would run it.
+struct AgentProcess {
+    child: Child,
+    metrics_port: u16,
+    log: PathBuf,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+impl AgentProcess {
+    fn start(kubeconfig: &Path, node: &str, extra: &[&str]) -> AgentProcess {
+        let metrics_port = free_port();
+        let log = std::env::temp_dir().join(format!("{node}.agent.log"));
+        let log_file = std::fs::File::create(&log).expect("agent log");
+        let child = Command::new(env!("CARGO_BIN_EXE_hugepool-agent"))
+            .arg("run")
+            .args([
+                "--node-name",
+                node,
+                "--metrics-addr",
+                &format!("127.0.0.1:{metrics_port}"),
+            ])
+            .args([
+                "--blocked-poll",
+                "300ms",
+                "--refresh-interval",
+                "1s",
+                "--retry-interval",
+                "1h",
+            ])
+            .args(extra)
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "info,hugepool_agent=debug")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().expect("log handle"))
+            .stderr(log_file)
+            .spawn()
+            .expect("start hugepool-agent run");
+        AgentProcess {
+            child,
+            metrics_port,
+            log,
+        }
+    }
+
+    fn metrics(&self) -> String {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port))
+            .expect("connect to /metrics");
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+            .expect("request /metrics");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("read /metrics");
+        response
+    }
+
+    fn metric(&self, line_prefix: &str) -> Option<f64> {
+        self.metrics()
+            .lines()
+            .find(|l| l.starts_with(line_prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// SIGTERM, then the exit status (SIGKILL after `patience`).
+    fn terminate(&mut self, patience: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + patience;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        None
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn entry(pages: i64) -> PageSizeTarget {
+    PageSizeTarget {
+        size: "2Mi".into(),
+        pages,
+        numa: None,
+        pool: "e2e".into(),
+        pool_generation: 1,
+        resize: ResizeSettings {
+            step_pause: "1ms".into(),
+            ..Default::default()
+        },
+        allocation: AllocationSettings::default(),
+        kubelet_restart: KubeletRestart::Never,
+    }
+}
+
+/// Creates the Node (with kubelet's `hugepages-2Mi` capacity) and its
+/// HugePageNode with `entries` as the operator would write them.
+async fn create_node(
+    client: &Client,
+    name: &str,
+    capacity_2mi: &str,
+    entries: Vec<PageSizeTarget>,
+) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}),
+    )
+    .unwrap();
+    nodes
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("create Node");
+    set_capacity(client, name, capacity_2mi).await;
+    apply_spec(client, name, entries).await;
+}
+
+async fn set_capacity(client: &Client, name: &str, capacity_2mi: &str) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let status =
+        json!({"status": {"capacity": {"hugepages-2Mi": capacity_2mi, "hugepages-1Gi": "0"}}});
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("set Node capacity");
+}
+
+async fn apply_spec(client: &Client, name: &str, entries: Vec<PageSizeTarget>) -> i64 {
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    let body = json!({
+        "apiVersion": "hugepool.dev/v1alpha1",
+        "kind": "HugePageNode",
+        "metadata": {"name": name},
+        "spec": {"pageSizes": entries},
+    });
+    let applied = hpns
+        .patch(
+            name,
+            &PatchParams::apply(OPERATOR_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .expect("apply HugePageNode spec");
+    applied.metadata.generation.unwrap_or_default()
+}
+
+async fn cleanup(client: &Client, name: &str) {
+    let _ = Api::<HugePageNode>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await;
+    let _ = Api::<Node>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await;
+}
+
+/// Polls the HugePageNode until `done` holds (the agent writes at most about
+/// once a second, so polling every 100 ms is plenty).
+async fn wait_for(
+    client: &Client,
+    name: &str,
+    agent: &AgentProcess,
+    timeout: Duration,
+    what: &str,
+    done: impl Fn(&HugePageNode) -> bool,
+) -> HugePageNode {
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(object) = hpns.get(name).await
+            && done(&object)
+        {
+            return object;
+        }
+        if Instant::now() > deadline {
+            let status = hpns
+                .get(name)
+                .await
+                .map(|o| serde_json::to_string_pretty(&o.status).unwrap_or_default())
+                .unwrap_or_default();
+            panic!(
+                "timed out after {timeout:?} waiting for {what}\nstatus: {status}\nagent log:\n{}",
+                agent.log_tail()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn condition_is(
+    object: &HugePageNode,
+    type_: NodeConditionType,
+    status: &str,
+    reason: &str,
+) -> bool {
+    object
+        .status
+        .as_ref()
+        .and_then(|s| find_condition(&s.conditions, type_))
+        .is_some_and(|c| {
+            c.status == status
+                && c.reason == reason
+                && c.observed_generation == object.metadata.generation
+        })
+}
+
+fn converged_at(object: &HugePageNode, pages: i64) -> bool {
+    let Some(status) = object.status.as_ref() else {
+        return false;
+    };
+    status.observed_generation == object.metadata.generation
+        && status.page_sizes.iter().any(|s| {
+            s.size == "2Mi" && s.target == Some(pages) && s.total == pages && s.surplus == 0
+        })
+        && condition_is(object, NodeConditionType::Converged, "True", "AtTarget")
+}
+
+fn sysfs(file: &str) -> i64 {
+    let path = Path::new("/sys/kernel/mm/hugepages/hugepages-2048kB").join(file);
+    std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("read {}", path.display()))
+}
+
+fn assert_status_matches_sysfs(object: &HugePageNode, agent: &AgentProcess) {
+    let status = object.status.as_ref().expect("status");
+    let two_mi = status
+        .page_sizes
+        .iter()
+        .find(|s| s.size == "2Mi")
+        .expect("2Mi status");
+    assert_eq!(two_mi.total, sysfs("nr_hugepages"));
+    assert_eq!(two_mi.free, sysfs("free_hugepages"));
+    assert_eq!(two_mi.reserved, sysfs("resv_hugepages"));
+    assert_eq!(two_mi.surplus, sysfs("surplus_hugepages"));
+    assert_eq!(
+        two_mi.in_use,
+        sysfs("nr_hugepages") - sysfs("free_hugepages")
+    );
+    let numa0 = two_mi
+        .numa
+        .iter()
+        .find(|n| n.id == 0)
+        .expect("NUMA node 0 status");
+    let node0 = std::fs::read_to_string(
+        "/sys/devices/system/node/node0/hugepages/hugepages-2048kB/nr_hugepages",
+    )
+    .unwrap();
+    assert_eq!(numa0.total.to_string(), node0.trim());
+    // Metrics are refreshed with the status; both come from one kernel read.
+    assert_eq!(
+        agent.metric(r#"hugepool_pages{size="2Mi",numa="all",state="total"}"#),
+        Some(two_mi.total as f64),
+        "{}",
+        agent.metrics()
+    );
+    assert_eq!(
+        agent.metric(r#"hugepool_pages{size="2Mi",numa="all",state="free"}"#),
+        Some(two_mi.free as f64)
+    );
+    assert_eq!(
+        agent.metric(r#"hugepool_pages{size="2Mi",numa="all",state="target"}"#),
+        two_mi.target.map(|t| t as f64)
+    );
+}
+
+#[tokio::test]
+async fn agent_grows_then_shrinks_the_real_pool_and_reports_it() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let name = unique_name("agent-grow");
+    create_node(&env.client, &name, "0", vec![entry(768)]).await;
+    let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "convergence at 768",
+        |o| converged_at(o, 768),
+    )
+    .await;
+    assert_eq!(sysfs("nr_hugepages"), 768);
+    assert_status_matches_sysfs(&object, &agent);
+    let status = object.status.as_ref().unwrap();
+    let last = status.page_sizes[0]
+        .last_resize
+        .clone()
+        .expect("lastResize");
+    assert_eq!(
+        (last.from, last.to, last.achieved, last.outcome.as_str()),
+        (0, 768, 768, "Reached")
+    );
+    assert!(
+        last.steps > 1,
+        "one write is what the engine avoids: {last:?}"
+    );
+    assert!(last.max_step_seconds > 0.0 && last.max_step_seconds <= last.duration_seconds);
+    assert_eq!(
+        status.kernel.as_ref().unwrap().release,
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap()
+            .trim()
+    );
+    assert!(condition_is(
+        &object,
+        NodeConditionType::Resizing,
+        "False",
+        "Idle"
+    ));
+    assert!(condition_is(
+        &object,
+        NodeConditionType::ShrinkBlocked,
+        "False",
+        "NotBlocked"
+    ));
+    assert!(condition_is(
+        &object,
+        NodeConditionType::AllocationFailed,
+        "False",
+        "AllocationComplete"
+    ));
+    let grown = agent.metric(r#"hugepool_resize_pages_total{size="2Mi",direction="grow"}"#);
+    assert_eq!(grown, Some(768.0));
+    assert!(
+        agent
+            .metric(r#"hugepool_resize_step_seconds_count{size="2Mi",direction="grow"}"#)
+            .unwrap_or(0.0)
+            >= 2.0
+    );
+
+    apply_spec(&env.client, &name, vec![entry(0)]).await;
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "convergence at 0",
+        |o| converged_at(o, 0),
+    )
+    .await;
+    assert_eq!(sysfs("nr_hugepages"), 0);
+    assert_status_matches_sysfs(&object, &agent);
+    let last = object.status.as_ref().unwrap().page_sizes[0]
+        .last_resize
+        .clone()
+        .unwrap();
+    assert_eq!((last.from, last.to, last.achieved), (768, 0, 0));
+    assert_eq!(
+        agent.metric(r#"hugepool_resize_pages_total{size="2Mi",direction="shrink"}"#),
+        Some(768.0)
+    );
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+#[tokio::test]
+async fn pages_in_use_block_the_shrink_until_the_holder_exits() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 100);
+    let holder = Helper::start(Hold::HugePages {
+        pages: 60,
+        touched: 60,
+    });
+    let name = unique_name("agent-blocked");
+    create_node(&env.client, &name, "0", vec![entry(10)]).await;
+    let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+    let surplus_sampler = Sampler::start(|| Some(sysfs("surplus_hugepages")));
+
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "ShrinkBlocked",
+        |o| condition_is(o, NodeConditionType::ShrinkBlocked, "True", "PagesInUse"),
+    )
+    .await;
+    let blocked = find_condition(
+        &object.status.as_ref().unwrap().conditions,
+        NodeConditionType::ShrinkBlocked,
+    )
+    .unwrap();
+    assert!(
+        blocked
+            .message
+            .contains("target 10 is below 60 pages in use"),
+        "{}",
+        blocked.message
+    );
+    assert!(condition_is(
+        &object,
+        NodeConditionType::Converged,
+        "False",
+        "PagesInUse"
+    ));
+    assert_eq!(
+        sysfs("nr_hugepages"),
+        60,
+        "the pool stops at the pages in use"
+    );
+
+    drop(holder);
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(30),
+        "convergence after release",
+        |o| converged_at(o, 10),
+    )
+    .await;
+    assert!(condition_is(
+        &object,
+        NodeConditionType::ShrinkBlocked,
+        "False",
+        "NotBlocked"
+    ));
+    assert_eq!(sysfs("nr_hugepages"), 10);
+    let surplus = surplus_sampler.finish();
+    assert!(
+        !surplus.is_empty() && surplus.iter().all(|s| *s == 0),
+        "the agent never made surplus pages"
+    );
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+#[tokio::test]
+async fn memory_guard_stops_growth_and_reports_allocation_failed() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let available = real.kernel.meminfo().expect("meminfo").available_bytes;
+    // Leave about 1.5 GiB above the guard (the engine keeps a headroom of
+    // guard/32 on top), and ask for 2 GiB.
+    let guard = available - (1536 << 20);
+    let mut wanted = entry(1024);
+    wanted.allocation.min_mem_available = guard.to_string();
+    wanted.allocation.retries = 1;
+    let name = unique_name("agent-guard");
+    create_node(&env.client, &name, "0", vec![wanted]).await;
+    let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "AllocationFailed",
+        |o| {
+            condition_is(
+                o,
+                NodeConditionType::AllocationFailed,
+                "True",
+                "MemoryGuard",
+            )
+        },
+    )
+    .await;
+    let failed = find_condition(
+        &object.status.as_ref().unwrap().conditions,
+        NodeConditionType::AllocationFailed,
+    )
+    .unwrap();
+    let achieved = sysfs("nr_hugepages");
+    assert!(achieved > 0 && achieved < 1024, "grew {achieved} pages");
+    assert!(
+        failed
+            .message
+            .contains(&format!("requested 1024, achieved {achieved}")),
+        "{}",
+        failed.message
+    );
+    assert!(condition_is(
+        &object,
+        NodeConditionType::Converged,
+        "False",
+        "AllocationShortfall"
+    ));
+    assert_eq!(
+        agent.metric(r#"hugepool_allocation_shortfall_pages{size="2Mi"}"#),
+        Some((1024 - achieved) as f64)
+    );
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+/// A script that records each call, standing in for `systemctl restart kubelet`.
+fn recording_script(dir: &Path) -> (PathBuf, PathBuf) {
+    let calls = dir.join("kubelet-restarts");
+    let script = dir.join("restart-kubelet.sh");
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\necho restarted >> {}\n", calls.display()),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (script, calls)
+}
+
+fn calls(path: &Path) -> usize {
+    std::fs::read_to_string(path)
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn kubelet_capacity_stale_and_one_restart_per_converged_change() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let dir = std::env::temp_dir().join(unique_name("kubelet"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (script, calls_file) = recording_script(&dir);
+    let name = unique_name("agent-kubelet");
+
+    // Never: the capacity is reported stale, and nothing is restarted.
+    create_node(&env.client, &name, "0", vec![entry(64)]).await;
+    let agent = AgentProcess::start(
+        &env.control_plane.kubeconfig,
+        &name,
+        &["--kubelet-restart-command", script.to_str().unwrap()],
+    );
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "KubeletCapacityStale",
+        |o| {
+            converged_at(o, 64)
+                && condition_is(
+                    o,
+                    NodeConditionType::KubeletCapacityStale,
+                    "True",
+                    "KubeletRestartRequired",
+                )
+        },
+    )
+    .await;
+    let stale = find_condition(
+        &object.status.as_ref().unwrap().conditions,
+        NodeConditionType::KubeletCapacityStale,
+    )
+    .unwrap();
+    assert!(
+        stale
+            .message
+            .contains("hugepages-2Mi: kubelet reports 0 bytes (0 pages), the pool is 64 pages"),
+        "{}",
+        stale.message
+    );
+    assert_eq!(calls(&calls_file), 0);
+
+    // AfterResize: one restart once converged; kubelet then reports the pool.
+    let mut restart = entry(64);
+    restart.kubelet_restart = KubeletRestart::AfterResize;
+    apply_spec(&env.client, &name, vec![restart.clone()]).await;
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(30),
+        "KubeletRestarted",
+        |o| {
+            condition_is(
+                o,
+                NodeConditionType::KubeletCapacityStale,
+                "True",
+                "KubeletRestarted",
+            )
+        },
+    )
+    .await;
+    assert_eq!(calls(&calls_file), 1);
+    set_capacity(&env.client, &name, "128Mi").await;
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(30),
+        "capacity matching",
+        |o| {
+            condition_is(
+                o,
+                NodeConditionType::KubeletCapacityStale,
+                "False",
+                "CapacityMatches",
+            )
+        },
+    )
+    .await;
+
+    // A new size: exactly one more restart.
+    restart.pages = 32;
+    apply_spec(&env.client, &name, vec![restart]).await;
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "second KubeletRestarted",
+        |o| {
+            converged_at(o, 32)
+                && condition_is(
+                    o,
+                    NodeConditionType::KubeletCapacityStale,
+                    "True",
+                    "KubeletRestarted",
+                )
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await; // a few more agent passes
+    assert_eq!(calls(&calls_file), 2, "one restart per converged change");
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+#[tokio::test]
+async fn spec_changed_mid_resize_ends_at_the_new_target_without_overshoot() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(4 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let mut slow = entry(1600);
+    // Small steps with long pauses make the resize last a few seconds.
+    slow.resize = ResizeSettings {
+        max_step_duration: "2ms".into(),
+        step_pause: "150ms".into(),
+        stall_threshold: "2s".into(),
+    };
+    let name = unique_name("agent-retarget");
+    create_node(&env.client, &name, "0", vec![slow.clone()]).await;
+    let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+    let sampler = Sampler::start(|| Some(sysfs("nr_hugepages")));
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "a resize under way",
+        |o| {
+            condition_is(o, NodeConditionType::Resizing, "True", "Growing")
+                && o.status
+                    .as_ref()
+                    .is_some_and(|s| s.page_sizes[0].total >= 64)
+        },
+    )
+    .await;
+    let at_change = object.status.as_ref().unwrap().page_sizes[0].total;
+    let new_target = 40;
+    slow.pages = new_target;
+    apply_spec(&env.client, &name, vec![slow]).await;
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "convergence at the new target",
+        |o| converged_at(o, new_target),
+    )
+    .await;
+    let samples = sampler.finish();
+    let peak = *samples.iter().max().unwrap();
+    let largest_step = samples
+        .windows(2)
+        .map(|w| (w[1] - w[0]).abs())
+        .max()
+        .unwrap_or(0);
+    let seen_at_change = sysfs_history_after(&samples, at_change);
+    assert!(peak < 1600, "never went on to the old target (peak {peak})");
+    assert!(
+        peak <= seen_at_change + largest_step,
+        "overshoot beyond one step: peak {peak}, {seen_at_change} when the status showed the change, largest step {largest_step}"
+    );
+    assert_eq!(sysfs("nr_hugepages"), new_target);
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+/// The pool value the sampler saw when the status showed `at_change`, or the
+/// largest after it: the status lags the kernel by up to a second.
+fn sysfs_history_after(samples: &[i64], at_change: i64) -> i64 {
+    let first = samples.iter().position(|s| *s >= at_change).unwrap_or(0);
+    samples[first]
+}
+
+#[tokio::test]
+async fn sigterm_mid_resize_finishes_the_step_reports_and_exits_0() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(4 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let mut slow = entry(1600);
+    slow.resize = ResizeSettings {
+        max_step_duration: "2ms".into(),
+        step_pause: "150ms".into(),
+        stall_threshold: "2s".into(),
+    };
+    let name = unique_name("agent-sigterm");
+    create_node(&env.client, &name, "0", vec![slow]).await;
+    let mut agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "a resize under way",
+        |o| condition_is(o, NodeConditionType::Resizing, "True", "Growing"),
+    )
+    .await;
+    let started = Instant::now();
+    let status = agent.terminate(Duration::from_secs(10));
+    let took = started.elapsed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit status {status:?}\n{}",
+        agent.log_tail()
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?} to stop");
+    let pool = sysfs("nr_hugepages");
+    assert!(pool > 0 && pool < 1600);
+    // The last status shows where the pool stopped, and that nothing runs.
+    let object = Api::<HugePageNode>::all(env.client.clone())
+        .get(&name)
+        .await
+        .unwrap();
+    let status = object.status.unwrap();
+    assert_eq!(
+        status.page_sizes[0].total, pool,
+        "last status written on the way out"
+    );
+    assert_eq!(
+        find_condition(&status.conditions, NodeConditionType::Resizing)
+            .unwrap()
+            .status,
+        "False"
+    );
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+#[tokio::test]
+async fn api_server_down_mid_resize_the_kernel_still_reaches_the_target() {
+    // Needs the control plane binary (for a private instance) and the kernel.
+    let Some(_shared) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(4 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let dir = std::env::temp_dir().join(unique_name("outage"));
+    let mut own = OwnedControlPlane::start(&dir).expect("a private control plane");
+    let client = own.control_plane.client().await.expect("client");
+    install_crds(client.clone()).await.expect("CRDs");
+    // Pauses of a second between small steps: the resize lasts several seconds.
+    let mut slow = entry(1600);
+    slow.resize = ResizeSettings {
+        max_step_duration: "1ms".into(),
+        step_pause: "1s".into(),
+        stall_threshold: "2s".into(),
+    };
+    let name = unique_name("agent-outage");
+    create_node(&client, &name, "0", vec![slow]).await;
+    let agent = AgentProcess::start(&own.control_plane.kubeconfig, &name, &[]);
+    wait_for(
+        &client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "a resize under way",
+        |o| condition_is(o, NodeConditionType::Resizing, "True", "Growing"),
+    )
+    .await;
+
+    own.stop();
+    let down_at = sysfs("nr_hugepages");
+    assert!(down_at < 1600, "the resize had finished before the outage");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while sysfs("nr_hugepages") != 1600 {
+        assert!(
+            Instant::now() < deadline,
+            "the kernel did not reach the target while the API was down:\n{}",
+            agent.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Still down: the agent kept converging on the last spec it saw.
+    assert!(!dir.join("ready").exists());
+
+    own.restart().expect("control plane back");
+    let client = own
+        .control_plane
+        .client()
+        .await
+        .expect("client after restart");
+    let object = wait_for(
+        &client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "status after the outage",
+        |o| converged_at(o, 1600),
+    )
+    .await;
+    assert_status_matches_sysfs(&object, &agent);
+    let last = object.status.as_ref().unwrap().page_sizes[0]
+        .last_resize
+        .clone()
+        .unwrap();
+    assert_eq!((last.achieved, last.outcome.as_str()), (1600, "Reached"));
+    drop(agent);
+    drop(own);
+    drop(real);
+}

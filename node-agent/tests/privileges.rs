@@ -1,0 +1,113 @@
+//! The least privilege the DaemonSet asks for is measured here: as uid 0 with
+//! every capability dropped, the agent's kernel writes still work (sysfs and
+//! procfs files are root-owned and writable by their owner), and reading the
+//! kernel log is the one thing that needs a capability (CAP_SYSLOG, because
+//! `kernel.dmesg_restrict` is set). docs/design.md has the securityContext.
+
+mod support;
+
+use std::process::{Command, Output};
+
+use support::{GIB, MI2, RealKernel};
+
+/// Runs `args` as uid 0 with the bounding set reduced to `keep` (e.g. "-all"
+/// or "-all,+syslog"), so the command starts with exactly those capabilities.
+fn with_caps(keep: &str, args: &[&str]) -> Output {
+    Command::new("setpriv")
+        .arg(format!("--bounding-set={keep}"))
+        .arg("--inh-caps=-all")
+        .arg("--")
+        .args(args)
+        .output()
+        .expect("run setpriv (util-linux)")
+}
+
+fn nr_hugepages() -> u64 {
+    std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn kernel_writes_work_with_every_capability_dropped() {
+    let Some(real) = RealKernel::acquire(GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let caps = with_caps("-all", &["grep", "^CapEff", "/proc/self/status"]);
+    assert_eq!(
+        String::from_utf8_lossy(&caps.stdout)
+            .split_whitespace()
+            .nth(1),
+        Some("0000000000000000"),
+        "no capabilities at all"
+    );
+
+    let agent = env!("CARGO_BIN_EXE_hugepool-agent");
+    for pages in ["64", "0"] {
+        let run = with_caps(
+            "-all",
+            &[
+                agent,
+                "--kmsg",
+                "/nonexistent",
+                "resize",
+                "--page-size",
+                "2Mi",
+                "--pages",
+                pages,
+                "--output",
+                "json",
+            ],
+        );
+        assert!(
+            run.status.success(),
+            "resize to {pages} without capabilities: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        assert_eq!(nr_hugepages().to_string(), pages);
+    }
+    // Compaction (after a short grow) is a plain write too.
+    let compact = with_caps(
+        "-all",
+        &["sh", "-c", "echo 1 > /proc/sys/vm/compact_memory"],
+    );
+    assert!(
+        compact.status.success(),
+        "{}",
+        String::from_utf8_lossy(&compact.stderr)
+    );
+    drop(real);
+}
+
+#[test]
+fn reading_the_kernel_log_is_what_needs_cap_syslog() {
+    let restricted = std::fs::read_to_string("/proc/sys/kernel/dmesg_restrict")
+        .map(|s| s.trim() == "1")
+        .unwrap_or(false);
+    if !restricted {
+        eprintln!("skipping: kernel.dmesg_restrict is 0 here, so /dev/kmsg needs no capability");
+        return;
+    }
+    let read = [
+        "dd",
+        "if=/dev/kmsg",
+        "of=/dev/null",
+        "count=1",
+        "iflag=nonblock",
+    ];
+    let without = with_caps("-all", &read);
+    assert!(
+        !without.status.success(),
+        "read /dev/kmsg without CAP_SYSLOG"
+    );
+    assert!(String::from_utf8_lossy(&without.stderr).contains("Operation not permitted"));
+    let with = with_caps("-all,+syslog", &read);
+    assert!(
+        with.status.success(),
+        "read /dev/kmsg with CAP_SYSLOG: {}",
+        String::from_utf8_lossy(&with.stderr)
+    );
+}
