@@ -33,8 +33,9 @@ crds:
 controlplane:
 	bash $(CONTROLPLANE_DIR)/build.sh
 
+## Side-by-side benchmark of the resize engine against one write and fixed steps (real kernel, root).
 bench:
-	@echo "make bench: arrives with the resize engine (issue 3)"; exit 1
+	HUGEPOOL_BENCH_REPS=$${HUGEPOOL_BENCH_REPS:-7} $(CARGO) bench -p hugepool-agent --bench resize
 
 demo:
 	@echo "make demo: arrives with the cluster agent and operator (issues 4 and 5)"; exit 1

@@ -477,7 +477,7 @@ mod tests {
         build(snapshot, memory, &mut Vec::new(), &now)
     }
 
-    fn cond<'a>(status: &'a HugePageNodeStatus, t: NodeConditionType) -> &'a Condition {
+    fn cond(status: &HugePageNodeStatus, t: NodeConditionType) -> &Condition {
         find_condition(&status.conditions, t).unwrap_or_else(|| panic!("no {t} condition"))
     }
 
