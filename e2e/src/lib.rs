@@ -170,6 +170,32 @@ impl OwnedControlPlane {
         }
     }
 
+    /// SIGKILL: an abrupt outage. The components die with `up` (they have a
+    /// parent-death signal); a graceful stop can take the apiserver 30 s
+    /// while clients hold watches open.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+            // The apiserver must be gone before the outage is "on".
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while std::net::TcpStream::connect(self.apiserver_addr()).is_ok()
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    fn apiserver_addr(&self) -> String {
+        let ports = std::fs::read_to_string(self.dir.join("ports.json")).unwrap_or_default();
+        let port = serde_json::from_str::<serde_json::Value>(&ports)
+            .ok()
+            .and_then(|v| v["apiserver"].as_u64())
+            .unwrap_or(0);
+        format!("127.0.0.1:{port}")
+    }
+
     pub fn restart(&mut self) -> Result<(), E2eError> {
         self.stop();
         self.child = Some(spawn_up(&self.dir)?);

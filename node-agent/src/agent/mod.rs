@@ -996,7 +996,7 @@ async fn write_status(
                     shared.ready.store(true, Ordering::Relaxed);
                 }
                 Err(err) => {
-                    warn!(error = %err, retry_in_ms = backoff.as_millis() as u64, "status write failed");
+                    warn!(error = ?err, retry_in_ms = backoff.as_millis() as u64, "status write failed");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(10));
                     retry = true;

@@ -1,0 +1,630 @@
+//! A simulated fleet on the real control plane: Node objects, one in-process
+//! agent per Node over a `SimulatedKernel`, the operator in-process, and a
+//! watcher that checks the rollout bound on every HugePageNode change.
+//!
+//! Tests share one control plane and run in parallel, so each fleet has a
+//! scope (a unique name): its Nodes and pools carry the scope label, and the
+//! fleet's operators get a client that adds that label selector to their
+//! lists and watches of Nodes and HugePagePools. To each operator the
+//! cluster then holds only its own test's objects, as it would in
+//! production.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use hugepool_agent::agent::metrics::Metrics as AgentMetrics;
+use hugepool_agent::agent::{AgentConfig, Shared};
+use hugepool_agent::kernel::{Kernel, SimConfig, SimulatedKernel};
+use hugepool_crds::{HugePageNode, HugePagePool, POOL_FINALIZER, PageSize};
+use hugepool_e2e::TestEnv;
+use hugepool_operator::{Config as OperatorConfig, LeaderConfig};
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::client::ClientBuilder;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+/// Label every object of one fleet carries, valued with the fleet's scope.
+pub const SCOPE_LABEL: &str = "fleet.hugepool.dev/scope";
+pub const MI2: PageSize = PageSize::SIZE_2MI;
+pub const GIB: u64 = 1 << 30;
+
+/// Real time slept per simulated second of write cost: a 2048-page grow
+/// costs ~25 ms simulated, so ~100 ms real over a handful of writes.
+pub const TIME_SCALE: f64 = 4.0;
+
+/// Polls `probe` every 100 ms until it returns `Some`, or panics after
+/// `timeout` naming `what` and the last thing the probe said.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match probe().await {
+            Ok(value) => return value,
+            Err(last) => last,
+        };
+        if Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}; last: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One simulated node: its kernel and its agent.
+pub struct SimNode {
+    pub name: String,
+    pub kernel: SimulatedKernel,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl SimNode {
+    /// Persistent and surplus 2Mi pages as the simulated kernel has them.
+    pub fn pages_2mi(&self) -> (u64, u64) {
+        let counts = self.kernel.pool(MI2).expect("simulated 2Mi pool");
+        (counts.persistent(), counts.surplus)
+    }
+}
+
+/// An operator replica running in this test's runtime.
+pub struct OperatorHandle {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl OperatorHandle {
+    /// Stops it as SIGTERM would (it releases its Lease).
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
+        self.task.abort();
+    }
+
+    /// Kills it as a crash would: no clean-up, the Lease is left to expire.
+    pub fn kill(self) {
+        self.task.abort();
+    }
+}
+
+pub struct Fleet {
+    pub client: Client,
+    pub scope: String,
+    pub nodes: Vec<SimNode>,
+    kubeconfig: std::path::PathBuf,
+    operators: Vec<OperatorHandle>,
+    pools: Vec<String>,
+}
+
+/// How to build a fleet.
+pub struct FleetSpec {
+    pub nodes: usize,
+    /// Labels every Node gets (besides the scope label).
+    pub labels: BTreeMap<String, String>,
+    pub memory_bytes: u64,
+}
+
+impl FleetSpec {
+    pub fn new(nodes: usize) -> Self {
+        Self {
+            nodes,
+            labels: BTreeMap::new(),
+            memory_bytes: 16 * GIB,
+        }
+    }
+
+    pub fn label(mut self, key: &str, value: &str) -> Self {
+        self.labels.insert(key.into(), value.into());
+        self
+    }
+}
+
+impl Fleet {
+    /// Creates the Nodes and starts one agent per Node (no operator yet).
+    pub async fn start(env: &TestEnv, prefix: &str, spec: FleetSpec) -> Fleet {
+        let scope = hugepool_e2e::unique_name(prefix);
+        let client = env.client.clone();
+        let node_api: Api<Node> = Api::all(client.clone());
+        let mut fleet = Fleet {
+            client: client.clone(),
+            scope: scope.clone(),
+            nodes: Vec::new(),
+            kubeconfig: env.control_plane.kubeconfig.clone(),
+            operators: Vec::new(),
+            pools: Vec::new(),
+        };
+        let names: Vec<String> = (0..spec.nodes)
+            .map(|i| format!("{scope}-n{i:02}"))
+            .collect();
+        let creates = names.iter().map(|name| {
+            let mut labels = spec.labels.clone();
+            labels.insert(SCOPE_LABEL.into(), scope.clone());
+            let node: Node = serde_json::from_value(json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "labels": labels},
+            }))
+            .expect("Node object");
+            let node_api = node_api.clone();
+            async move {
+                node_api
+                    .create(&PostParams::default(), &node)
+                    .await
+                    .expect("create Node")
+            }
+        });
+        futures::future::join_all(creates).await;
+        for name in names {
+            let mut sim = SimConfig::single_node(spec.memory_bytes);
+            sim.time_scale = TIME_SCALE;
+            let kernel = SimulatedKernel::new(sim);
+            fleet.nodes.push(start_agent(&client, &name, kernel));
+        }
+        fleet
+    }
+
+    pub fn node(&self, name: &str) -> &SimNode {
+        self.nodes
+            .iter()
+            .find(|n| n.name == name)
+            .unwrap_or_else(|| panic!("no simulated node {name}"))
+    }
+
+    /// A client that sees only this fleet's Nodes and HugePagePools in
+    /// lists and watches (see the module docs).
+    pub async fn scoped_client(&self) -> Client {
+        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig).expect("kubeconfig");
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .expect("client config");
+        let selector = format!("{SCOPE_LABEL}={}", self.scope)
+            .replace('/', "%2F")
+            .replace('=', "%3D");
+        let layer = tower::util::MapRequestLayer::new(move |request| {
+            scope_collection_reads(request, &selector)
+        });
+        ClientBuilder::try_from(config)
+            .expect("client builder")
+            .with_layer(&layer)
+            .build()
+    }
+
+    /// Starts an operator replica; `leader` turns on leader election.
+    pub async fn start_operator(&mut self, leader: Option<LeaderConfig>) -> usize {
+        let client = self.scoped_client().await;
+        let index = self.operators.len();
+        let config = OperatorConfig {
+            listen: None,
+            leader,
+            instance: format!("{}-operator-{index}", self.scope),
+            resync: Duration::from_secs(60),
+            drain_poll: Duration::from_millis(500),
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            if let Err(err) = hugepool_operator::run(client, config, shutdown).await {
+                panic!("operator failed: {err}");
+            }
+        });
+        self.operators.push(OperatorHandle {
+            stop: Some(stop),
+            task,
+        });
+        index
+    }
+
+    /// Takes an operator replica out of the fleet (to stop or kill it).
+    pub fn take_operator(&mut self, index: usize) -> OperatorHandle {
+        self.operators.remove(index)
+    }
+
+    /// Creates a HugePagePool named `name` (the scope label added) from the
+    /// JSON `spec`; returns it as created.
+    pub async fn create_pool(&mut self, name: &str, spec: serde_json::Value) -> HugePagePool {
+        let pool: HugePagePool = serde_json::from_value(json!({
+            "apiVersion": "hugepool.dev/v1alpha1",
+            "kind": "HugePagePool",
+            "metadata": {"name": name, "labels": {SCOPE_LABEL: self.scope}},
+            "spec": spec,
+        }))
+        .expect("HugePagePool object");
+        self.pools.push(name.to_string());
+        self.pool_api()
+            .create(&PostParams::default(), &pool)
+            .await
+            .expect("create HugePagePool")
+    }
+
+    pub fn pool_api(&self) -> Api<HugePagePool> {
+        Api::all(self.client.clone())
+    }
+
+    /// Merge-patches a pool's spec; returns the new generation.
+    pub async fn patch_pool(&self, name: &str, spec: serde_json::Value) -> i64 {
+        let patched = self
+            .pool_api()
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": spec })),
+            )
+            .await
+            .expect("patch HugePagePool");
+        patched.metadata.generation.unwrap_or_default()
+    }
+
+    /// Merge-patches a Node's labels (`None` removes one).
+    pub async fn label_node(&self, name: &str, labels: serde_json::Value) {
+        Api::<Node>::all(self.client.clone())
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": labels}})),
+            )
+            .await
+            .expect("label Node");
+    }
+
+    /// Waits until the pool's `type_` condition has `status` at its current
+    /// generation and `check` accepts the pool; returns the pool.
+    pub async fn wait_pool(
+        &self,
+        name: &str,
+        type_: &str,
+        status: &str,
+        timeout: Duration,
+        check: impl Fn(&HugePagePool) -> Result<(), String>,
+    ) -> HugePagePool {
+        let api = self.pool_api();
+        wait_for(
+            &format!("pool {name} {type_}={status}"),
+            timeout,
+            || async {
+                let pool = api.get(name).await.map_err(|e| e.to_string())?;
+                let generation = pool.metadata.generation;
+                let status_ = pool.status.clone().unwrap_or_default();
+                let condition = condition(&status_.conditions, type_)
+                    .ok_or_else(|| format!("no {type_} condition: {status_:?}"))?;
+                if status_.observed_generation != generation
+                    || condition.status != status
+                    || condition.observed_generation != generation
+                {
+                    return Err(format!(
+                        "generation {generation:?}, status {:?}",
+                        pool.status
+                    ));
+                }
+                check(&pool)?;
+                Ok(pool)
+            },
+        )
+        .await
+    }
+
+    /// Waits until every simulated node in `names` holds `pages` persistent
+    /// 2Mi pages and no surplus.
+    pub async fn wait_kernels(&self, names: &[String], pages: u64, timeout: Duration) {
+        wait_for(
+            &format!("{} kernels at {pages} x 2Mi", names.len()),
+            timeout,
+            || async {
+                let off: Vec<String> = names
+                    .iter()
+                    .map(|name| (name, self.node(name).pages_2mi()))
+                    .filter(|(_, counts)| *counts != (pages, 0))
+                    .map(|(name, counts)| format!("{name}={counts:?}"))
+                    .collect();
+                if off.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!("not there: {off:?}"))
+                }
+            },
+        )
+        .await;
+    }
+
+    pub fn node_names(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.name.clone()).collect()
+    }
+
+    /// A watcher of this fleet's HugePageNodes that checks `limit` after
+    /// every change (see [`RolloutWatch`]).
+    pub fn watch_rollout(&self, limit: usize) -> RolloutWatch {
+        RolloutWatch::start(self.client.clone(), format!("{}-", self.scope), limit)
+    }
+
+    /// Stops the operators and agents and deletes what the fleet created
+    /// (pools lose their finalizer first; HugePageNodes go with their Node).
+    pub async fn shutdown(mut self) {
+        for operator in std::mem::take(&mut self.operators) {
+            operator.stop().await;
+        }
+        for node in &self.nodes {
+            let _ = node.stop.send(true);
+        }
+        for node in std::mem::take(&mut self.nodes) {
+            let _ = tokio::time::timeout(Duration::from_secs(10), node.task).await;
+        }
+        let pools = self.pool_api();
+        for name in &self.pools {
+            let _ = pools
+                .patch(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                )
+                .await;
+            let _ = pools.delete(name, &DeleteParams::default()).await;
+        }
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let _ = nodes
+            .delete_collection(
+                &DeleteParams::default(),
+                &kube::api::ListParams::default().labels(&format!("{SCOPE_LABEL}={}", self.scope)),
+            )
+            .await;
+    }
+}
+
+/// Adds the fleet's label selector to list and watch requests of Nodes and
+/// HugePagePools (a named get or any write passes unchanged).
+fn scope_collection_reads(
+    mut request: http::Request<kube::client::Body>,
+    selector: &str,
+) -> http::Request<kube::client::Body> {
+    const SCOPED: [&str; 2] = ["/api/v1/nodes", "/apis/hugepool.dev/v1alpha1/hugepagepools"];
+    let uri = request.uri().clone();
+    if request.method() != http::Method::GET || !SCOPED.contains(&uri.path()) {
+        return request;
+    }
+    let query = uri.query().unwrap_or_default();
+    if query.contains("labelSelector=") {
+        return request;
+    }
+    let separator = if query.is_empty() { "" } else { "&" };
+    let path_and_query = format!("{}?{query}{separator}labelSelector={selector}", uri.path());
+    let mut parts = uri.into_parts();
+    parts.path_and_query = Some(path_and_query.parse().expect("path and query"));
+    *request.uri_mut() = http::Uri::from_parts(parts).expect("scoped URI");
+    request
+}
+
+fn start_agent(client: &Client, name: &str, kernel: SimulatedKernel) -> SimNode {
+    let mut config = AgentConfig::new(name);
+    config.kernel_release = "6.18.0-simulated".into();
+    config.min_patch_interval = Duration::from_millis(500);
+    config.refresh_interval = Duration::from_secs(1);
+    config.blocked_poll = Duration::from_millis(200);
+    config.retry_interval = Duration::from_secs(3600);
+    config.kubelet_restart_command = Vec::new();
+    config.kmsg_path = None;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let shared = Shared::new(AgentMetrics::register(&mut registry));
+    let (stop, stopped) = watch::channel(false);
+    let dyn_kernel: Arc<dyn Kernel> = Arc::new(kernel.clone());
+    let client = client.clone();
+    let node = name.to_string();
+    let task = tokio::spawn(async move {
+        if let Err(err) =
+            hugepool_agent::agent::run(client, dyn_kernel, config, shared, stopped).await
+        {
+            panic!("agent {node} failed: {err}");
+        }
+    });
+    SimNode {
+        name: name.to_string(),
+        kernel,
+        stop,
+        task,
+    }
+}
+
+/// Whether `state` reports its `entry` converged, by the contract in
+/// docs/design.md: the agent has seen this generation, the size reports the
+/// target with `total - surplus == target` and no surplus.
+pub fn entry_converged(state: &HugePageNode, size: &str, pages: i64) -> bool {
+    let Some(status) = &state.status else {
+        return false;
+    };
+    let generation = state.metadata.generation.unwrap_or(0);
+    status.observed_generation.is_some_and(|g| g >= generation)
+        && status.page_sizes.iter().any(|reported| {
+            reported.size == size
+                && reported.target == Some(pages)
+                && reported.surplus == 0
+                && reported.total - reported.surplus == pages
+        })
+}
+
+/// Nodes changing per (pool, size) in one consistent view of the fleet.
+pub fn changing(
+    states: &BTreeMap<String, HugePageNode>,
+) -> BTreeMap<(String, String), Vec<String>> {
+    let mut changing: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for (name, state) in states {
+        for entry in &state.spec.page_sizes {
+            if !entry_converged(state, &entry.size, entry.pages) {
+                changing
+                    .entry((entry.pool.clone(), entry.size.clone()))
+                    .or_default()
+                    .push(name.clone());
+            }
+        }
+    }
+    changing
+}
+
+/// What the rollout watcher saw.
+#[derive(Clone, Debug, Default)]
+pub struct RolloutRecord {
+    /// Views checked (one per HugePageNode change).
+    pub views: u64,
+    /// The most nodes changing at once, per (pool, size).
+    pub max_changing: BTreeMap<(String, String), usize>,
+    /// Views with more than the limit changing, as (pool, size, nodes).
+    pub violations: Vec<(String, String, Vec<String>)>,
+}
+
+/// Watches the fleet's HugePageNodes and, after every event, counts the
+/// nodes changing per (pool, size) in the store: each event carries one
+/// etcd revision, so every view checked is one the cluster really had.
+pub struct RolloutWatch {
+    record: Arc<Mutex<RolloutRecord>>,
+    limit: watch::Sender<usize>,
+    synced: watch::Receiver<bool>,
+    task: JoinHandle<()>,
+}
+
+impl RolloutWatch {
+    fn start(client: Client, prefix: String, limit: usize) -> RolloutWatch {
+        let record = Arc::new(Mutex::new(RolloutRecord::default()));
+        let (limit_tx, limit_rx) = watch::channel(limit);
+        let (synced_tx, synced_rx) = watch::channel(false);
+        let task = tokio::spawn({
+            let record = record.clone();
+            async move {
+                let api: Api<HugePageNode> = Api::all(client);
+                let mut stream = watcher::watcher(api, watcher::Config::default()).boxed();
+                let mut states: BTreeMap<String, HugePageNode> = BTreeMap::new();
+                let mut listing: BTreeMap<String, HugePageNode> = BTreeMap::new();
+                while let Some(event) = stream.next().await {
+                    match event {
+                        Ok(watcher::Event::Init) => listing.clear(),
+                        Ok(watcher::Event::InitApply(state)) => {
+                            if state.name_any().starts_with(&prefix) {
+                                listing.insert(state.name_any(), state);
+                            }
+                        }
+                        Ok(watcher::Event::InitDone) => {
+                            states = std::mem::take(&mut listing);
+                            let _ = synced_tx.send(true);
+                        }
+                        Ok(watcher::Event::Apply(state)) => {
+                            if !state.name_any().starts_with(&prefix) {
+                                continue;
+                            }
+                            states.insert(state.name_any(), state);
+                        }
+                        Ok(watcher::Event::Delete(state)) => {
+                            if states.remove(&state.name_any()).is_none() {
+                                continue;
+                            }
+                        }
+                        Err(err) => {
+                            // A broken watch restarts with a fresh list.
+                            eprintln!("rollout watch: {err}");
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            continue;
+                        }
+                    }
+                    let limit = *limit_rx.borrow();
+                    let mut record = record.lock().unwrap_or_else(|p| p.into_inner());
+                    record.views += 1;
+                    for ((pool, size), nodes) in changing(&states) {
+                        let max = record
+                            .max_changing
+                            .entry((pool.clone(), size.clone()))
+                            .or_default();
+                        *max = (*max).max(nodes.len());
+                        if nodes.len() > limit {
+                            record.violations.push((pool, size, nodes));
+                        }
+                    }
+                }
+            }
+        });
+        RolloutWatch {
+            record,
+            limit: limit_tx,
+            synced: synced_rx,
+            task,
+        }
+    }
+
+    /// Waits until the watcher has listed the fleet's HugePageNodes.
+    pub async fn synced(&mut self) {
+        tokio::time::timeout(Duration::from_secs(30), self.synced.wait_for(|s| *s))
+            .await
+            .expect("rollout watch listed within 30s")
+            .expect("rollout watch running");
+    }
+
+    /// Changes the bound (only while no node is changing).
+    pub fn set_limit(&self, limit: usize) {
+        let _ = self.limit.send(limit);
+    }
+
+    pub fn record(&self) -> RolloutRecord {
+        self.record
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Asserts no view had more than the limit changing and returns the
+    /// record.
+    pub fn assert_bounded(&self) -> RolloutRecord {
+        let record = self.record();
+        assert!(
+            record.violations.is_empty(),
+            "more than maxUnavailable nodes changing at once: {:?}",
+            &record.violations[..record.violations.len().min(5)]
+        );
+        record
+    }
+}
+
+impl Drop for RolloutWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Creates a namespace (for pods, PDBs or a Lease).
+pub async fn create_namespace(client: &Client, name: &str) {
+    let namespace: Namespace = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name},
+    }))
+    .expect("Namespace object");
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .expect("create Namespace");
+}
+
+pub async fn delete_namespace(client: &Client, name: &str) {
+    let _ = Api::<Namespace>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await;
+}
+
+/// The condition of `type_` (pool and node condition types alike).
+pub fn condition<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+    conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// Whether `pool` still carries the release finalizer.
+pub fn has_finalizer(pool: &HugePagePool) -> bool {
+    pool.finalizers().iter().any(|f| f == POOL_FINALIZER)
+}
