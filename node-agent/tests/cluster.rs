@@ -874,3 +874,114 @@ async fn api_server_down_mid_resize_the_kernel_still_reaches_the_target() {
     drop(own);
     drop(real);
 }
+
+/// Reasons of the Events recorded about `name` (events.k8s.io, seen as core Events).
+async fn event_reasons(client: &Client, name: &str) -> Vec<String> {
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(client.clone(), "default");
+    let params = kube::api::ListParams::default().fields(&format!("involvedObject.name={name}"));
+    events
+        .list(&params)
+        .await
+        .map(|l| l.items.into_iter().filter_map(|e| e.reason).collect())
+        .unwrap_or_default()
+}
+
+async fn wait_for_event(client: &Client, name: &str, reason: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let reasons = event_reasons(client, name).await;
+        if reasons.iter().any(|r| r == reason) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {reason} Event for {name}; saw {reasons:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_kernel_reported_lockup_during_a_resize_sets_stalled_and_raises_an_event() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(4 * GIB) else {
+        return;
+    };
+    if std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/kmsg")
+        .is_err()
+    {
+        assert!(
+            !hugepool_e2e::in_ci_mode(),
+            "CI=true and /dev/kmsg is not writable"
+        );
+        eprintln!("skipping: cannot write /dev/kmsg");
+        return;
+    }
+    real.set_pool(MI2, 0);
+    let mut slow = entry(1600);
+    slow.resize = ResizeSettings {
+        max_step_duration: "1ms".into(),
+        step_pause: "1s".into(),
+        stall_threshold: "2s".into(),
+    };
+    let name = unique_name("agent-lockup");
+    create_node(&env.client, &name, "0", vec![slow]).await;
+    let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "a resize under way",
+        |o| condition_is(o, NodeConditionType::Resizing, "True", "Growing"),
+    )
+    .await;
+    wait_for_event(&env.client, &name, "ResizeStarted").await;
+    // A record as the kernel's watchdog writes it, marked as this test's.
+    let line = format!(
+        "<4>watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [hugepool-e2e:{}]\n",
+        std::process::id()
+    );
+    std::fs::write("/dev/kmsg", line).expect("write /dev/kmsg");
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(30),
+        "Stalled/SoftLockup",
+        |o| condition_is(o, NodeConditionType::Stalled, "True", "SoftLockup"),
+    )
+    .await;
+    let stalled = find_condition(
+        &object.status.as_ref().unwrap().conditions,
+        NodeConditionType::Stalled,
+    )
+    .unwrap();
+    assert!(
+        stalled.message.contains("BUG: soft lockup") && stalled.message.contains("hugepool-e2e"),
+        "{}",
+        stalled.message
+    );
+    wait_for_event(&env.client, &name, "KernelStall").await;
+    assert!(
+        agent
+            .metric(r#"hugepool_stalls_total{reason="SoftLockup"}"#)
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "convergence",
+        |o| converged_at(o, 1600),
+    )
+    .await;
+    wait_for_event(&env.client, &name, "ResizeFinished").await;
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}

@@ -1047,3 +1047,213 @@ fn update_gauges(metrics: &Metrics, snapshot: &KernelSnapshot, memory: &AgentMem
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::{SimConfig, SimulatedKernel};
+    use http::{Request, Response};
+    use kube::client::Body;
+    use prometheus_client::registry::Registry;
+
+    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    fn entry(pages: i64) -> PageSizeTarget {
+        PageSizeTarget {
+            size: "2Mi".into(),
+            pages,
+            numa: None,
+            pool: "p".into(),
+            pool_generation: 1,
+            resize: Default::default(),
+            allocation: Default::default(),
+            kubelet_restart: Default::default(),
+        }
+    }
+
+    /// Answers the next request, which must be the agent's status apply, and
+    /// returns its decoded body.
+    async fn expect_status_apply(handle: &mut Handle) -> serde_json::Value {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
+            .await
+            .expect("a status patch within 5s")
+            .expect("the service is alive");
+        assert_eq!(request.method(), http::Method::PATCH);
+        assert_eq!(
+            request.uri().path(),
+            "/apis/hugepool.dev/v1alpha1/hugepagenodes/n1/status"
+        );
+        let query = request.uri().query().unwrap_or_default();
+        assert!(
+            query.contains("fieldManager=hugepool-agent") && query.contains("force=true"),
+            "{query}"
+        );
+        assert_eq!(
+            request.headers()["content-type"],
+            "application/apply-patch+yaml"
+        );
+        let bytes = request.into_body().collect_bytes().await.expect("body");
+        let body: serde_json::Value = serde_json::from_slice(&bytes).expect("json body");
+        let mut object = serde_json::json!({"apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePageNode", "metadata": {"name": "n1"}, "spec": {}});
+        object["status"] = body["status"].clone();
+        send.send_response(
+            Response::builder()
+                .body(Body::from(serde_json::to_vec(&object).unwrap()))
+                .unwrap(),
+        );
+        body
+    }
+
+    /// Waits (up to 2 s) for the writer to have handled the last response.
+    async fn eventually(what: &str, check: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !check() {
+            assert!(Instant::now() < deadline, "not within 2s: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn no_request_within(handle: &mut Handle, wait: Duration) {
+        if let Ok(Some((request, _))) = tokio::time::timeout(wait, handle.next_request()).await {
+            panic!("unexpected request {} {}", request.method(), request.uri());
+        }
+    }
+
+    #[tokio::test]
+    async fn status_writer_applies_once_per_change_and_skips_no_ops() {
+        let (mock, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(mock, "default");
+        let kernel = SimulatedKernel::new(SimConfig::single_node(8 << 30));
+        kernel.set_time_scale(0.0);
+        kernel
+            .preset(PageSize::SIZE_2MI, PoolScope::Global, 64)
+            .unwrap();
+        let shared = Shared::new(Metrics::register(&mut Registry::default()));
+        {
+            let mut memory = shared.memory();
+            memory.generation = Some(4);
+            memory.targets = vec![entry(64)];
+        }
+        let mut config = AgentConfig::new("n1");
+        config.min_patch_interval = Duration::from_millis(50);
+        config.refresh_interval = Duration::from_millis(100);
+        let (done_tx, done_rx) = watch::channel(false);
+        let kernel_dyn: Arc<dyn Kernel> = Arc::new(kernel.clone());
+        let writer = tokio::spawn(write_status(
+            Api::all(client),
+            kernel_dyn,
+            config,
+            Arc::clone(&shared),
+            done_rx,
+        ));
+        shared.touch(true);
+
+        let body = expect_status_apply(&mut handle).await;
+        let status = &body["status"];
+        assert_eq!(status["observedGeneration"], 4);
+        assert_eq!(status["pageSizes"][0]["size"], "2Mi");
+        assert_eq!(status["pageSizes"][0]["target"], 64);
+        assert_eq!(status["pageSizes"][0]["total"], 64);
+        let converged = status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Converged")
+            .unwrap();
+        assert_eq!(
+            (converged["status"].as_str(), converged["reason"].as_str()),
+            (Some("True"), Some("AtTarget"))
+        );
+        assert!(
+            status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|c| c["type"] != "Draining"),
+            "Draining is the operator's"
+        );
+        eventually("ready after the first status", || {
+            shared.ready.load(Ordering::Relaxed)
+        })
+        .await;
+
+        // Nothing changed: several refreshes later, still no second request.
+        shared.touch(true);
+        no_request_within(&mut handle, Duration::from_millis(400)).await;
+
+        // The kernel changed (pages taken by something else): one new apply,
+        // Converged flips and its transition time moves.
+        kernel
+            .preset(PageSize::SIZE_2MI, PoolScope::Global, 32)
+            .unwrap();
+        let body = expect_status_apply(&mut handle).await;
+        let converged = body["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Converged")
+            .unwrap()
+            .clone();
+        assert_eq!(
+            (converged["status"].as_str(), converged["reason"].as_str()),
+            (Some("False"), Some("Resizing"))
+        );
+        assert!(
+            converged["message"]
+                .as_str()
+                .unwrap()
+                .contains("2Mi: 32/64 pages")
+        );
+        eventually("two patches", || {
+            shared.patches.load(Ordering::Relaxed) == 2
+        })
+        .await;
+
+        done_tx.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(2), writer)
+            .await
+            .expect("writer stops when done")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn failed_status_writes_are_retried_with_backoff() {
+        let (mock, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(mock, "default");
+        let kernel = SimulatedKernel::new(SimConfig::single_node(8 << 30));
+        let shared = Shared::new(Metrics::register(&mut Registry::default()));
+        shared.memory().generation = Some(1);
+        let mut config = AgentConfig::new("n1");
+        config.refresh_interval = Duration::from_secs(60);
+        let (_done_tx, done_rx) = watch::channel(false);
+        let kernel_dyn: Arc<dyn Kernel> = Arc::new(kernel);
+        tokio::spawn(write_status(
+            Api::all(client),
+            kernel_dyn,
+            config,
+            Arc::clone(&shared),
+            done_rx,
+        ));
+        shared.touch(true);
+        // The API server answers 503 twice; the writer keeps the same status and tries again.
+        for _ in 0..2 {
+            let (_, send) = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
+                .await
+                .unwrap()
+                .unwrap();
+            let status = serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "unavailable", "reason": "ServiceUnavailable", "code": 503});
+            send.send_response(
+                Response::builder()
+                    .status(503)
+                    .body(Body::from(serde_json::to_vec(&status).unwrap()))
+                    .unwrap(),
+            );
+        }
+        assert!(!shared.ready.load(Ordering::Relaxed));
+        expect_status_apply(&mut handle).await;
+        eventually("one patch, then ready", || {
+            shared.patches.load(Ordering::Relaxed) == 1 && shared.ready.load(Ordering::Relaxed)
+        })
+        .await;
+    }
+}

@@ -43,6 +43,16 @@ pub const GIB: u64 = 1 << 30;
 /// costs ~25 ms simulated, so ~100 ms real over a handful of writes.
 pub const TIME_SCALE: f64 = 4.0;
 
+/// Logs to the test's output, filtered by `RUST_LOG` (default: warnings).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
 /// Polls `probe` every 100 ms until it returns `Some`, or panics after
 /// `timeout` naming `what` and the last thing the probe said.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
@@ -136,6 +146,7 @@ impl FleetSpec {
 impl Fleet {
     /// Creates the Nodes and starts one agent per Node (no operator yet).
     pub async fn start(env: &TestEnv, prefix: &str, spec: FleetSpec) -> Fleet {
+        init_logging();
         let scope = hugepool_e2e::unique_name(prefix);
         let client = env.client.clone();
         let node_api: Api<Node> = Api::all(client.clone());
