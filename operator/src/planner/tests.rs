@@ -1029,7 +1029,9 @@ proptest! {
         pools[0].metadata.generation = Some(2);
         // Each pass, agents of a random subset are slow and report nothing.
         let mut changing_now: BTreeMap<String, bool> = BTreeMap::new();
-        for pass in 0..100 {
+        // A node's agent reports in one pass out of 16 at worst (the mask
+        // rotates), so a one-at-a-time rollout of 11 nodes needs up to ~200.
+        for pass in 0..400 {
             let plan = run_plan(&pools, &fleet, &hpns, pass);
             let world = World { pools: pools.clone(), nodes: fleet.clone(), hpns: hpns.clone() };
             let after = changing(&world, Some(&plan), "p");
