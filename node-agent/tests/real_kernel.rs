@@ -3,13 +3,13 @@
 //! concurrently, and a guard restores every size's `nr_hugepages` and
 //! `hugetlb_optimize_vmemmap` afterwards, also on panic. Tests keep at least
 //! 4 GiB of MemAvailable. Without access they skip with a reason, except
-//! under `CI=true`, where they fail.
+//! under `CI=true`, where they fail. The guard and helpers are in `support`.
+
+mod support;
 
 use std::io::Read;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use hugepool_agent::kernel::{Kernel, MemInfo, NumaCounts, PoolCounts, PoolScope, SysfsKernel};
@@ -17,134 +17,8 @@ use hugepool_agent::resize::{
     self, CostModels, Event, Options, Outcome, Settings, ShortfallReason, Summary, Target,
 };
 use hugepool_crds::PageSize;
+use support::{GIB, Helper, Hold, MI2, RealKernel, Sampler};
 use tokio::sync::watch;
-
-const MI2: PageSize = PageSize::SIZE_2MI;
-const GIB: u64 = 1 << 30;
-/// Never let a test take MemAvailable below this.
-const KEEP_FREE: u64 = 4 * GIB;
-
-static KERNEL_LOCK: Mutex<()> = Mutex::new(());
-
-/// Exclusive use of the real kernel; restores the hugetlb settings on drop.
-struct RealKernel {
-    kernel: SysfsKernel,
-    saved_pools: Vec<(PageSize, u64)>,
-    saved_hvo: Option<bool>,
-    _lock: MutexGuard<'static, ()>,
-}
-
-impl RealKernel {
-    /// The kernel, or `None` (skip) when this machine cannot run the test;
-    /// under `CI=true` that is a failure instead.
-    fn acquire(needs_bytes: u64) -> Option<Self> {
-        let lock = KERNEL_LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-        let kernel = SysfsKernel::default();
-        match Self::check(&kernel, needs_bytes) {
-            Ok(()) => {}
-            Err(reason) if std::env::var("CI").as_deref() == Ok("true") => {
-                panic!("real-kernel test cannot run under CI=true: {reason}")
-            }
-            Err(reason) => {
-                eprintln!("skipping real-kernel test: {reason}");
-                return None;
-            }
-        }
-        let mut saved_pools = Vec::new();
-        for size in kernel.page_sizes().expect("list page sizes") {
-            saved_pools.push((size, kernel.pool(size).expect("read pool").persistent()));
-        }
-        let saved_hvo = kernel.hvo().expect("read hugetlb_optimize_vmemmap");
-        Some(Self {
-            kernel,
-            saved_pools,
-            saved_hvo,
-            _lock: lock,
-        })
-    }
-
-    fn check(kernel: &SysfsKernel, needs_bytes: u64) -> Result<(), String> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("not running as root".into());
-        }
-        let sizes = kernel.page_sizes().map_err(|e| e.to_string())?;
-        if !sizes.contains(&MI2) {
-            return Err("the kernel offers no 2Mi pages".into());
-        }
-        let file = kernel.pool_file(MI2, PoolScope::Global);
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&file)
-            .map_err(|e| format!("{}: {e}", file.display()))?;
-        match kernel.hvo() {
-            Ok(Some(_)) => {}
-            Ok(None) => return Err("no /proc/sys/vm/hugetlb_optimize_vmemmap".into()),
-            Err(err) => return Err(err.to_string()),
-        }
-        let available = kernel.meminfo().map_err(|e| e.to_string())?.available_bytes;
-        if available < KEEP_FREE + needs_bytes {
-            return Err(format!(
-                "MemAvailable {} GiB is less than the {} GiB this test needs plus 4 GiB",
-                available / GIB,
-                needs_bytes / GIB
-            ));
-        }
-        Ok(())
-    }
-
-    fn pool(&self) -> PoolCounts {
-        self.kernel.pool(MI2).expect("read the 2Mi pool")
-    }
-
-    /// A starting state, written directly (not through the engine). Right
-    /// after a memory hog exits the kernel may need a few compacting tries.
-    fn set_pool(&self, size: PageSize, pages: u64) {
-        let mut got = 0;
-        for _ in 0..10 {
-            self.kernel
-                .write_pool(size, PoolScope::Global, pages)
-                .expect("write nr_hugepages");
-            got = self.kernel.pool(size).expect("read pool").persistent();
-            if got == pages {
-                return;
-            }
-            // Page cache from builds on the same machine can outrun what a
-            // hugetlb allocation reclaims; a set-up may drop it.
-            let _ = std::fs::write("/proc/sys/vm/drop_caches", "1");
-            self.kernel
-                .compact(PoolScope::Global)
-                .expect("compact memory");
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        panic!("could not set up {pages} x {size}: got {got}");
-    }
-
-    fn set_hvo(&self, on: bool) {
-        self.kernel
-            .set_hvo(on)
-            .expect("write hugetlb_optimize_vmemmap");
-    }
-
-    fn shared(&self) -> Arc<dyn Kernel> {
-        Arc::new(self.kernel.clone())
-    }
-}
-
-impl Drop for RealKernel {
-    fn drop(&mut self) {
-        for (size, pages) in &self.saved_pools {
-            if let Err(err) = self.kernel.write_pool(*size, PoolScope::Global, *pages) {
-                eprintln!("could not restore {size} pool to {pages}: {err}");
-            }
-        }
-        if let Some(on) = self.saved_hvo
-            && let Err(err) = self.kernel.set_hvo(on)
-        {
-            eprintln!("could not restore hugetlb_optimize_vmemmap: {err}");
-        }
-    }
-}
 
 fn target(size: PageSize, pages: u64, scope: PoolScope) -> Target {
     Target { size, pages, scope }
@@ -173,119 +47,6 @@ async fn run_engine(
     .await
     .expect("resize");
     (summary, events)
-}
-
-/// A forked process that holds memory until dropped (SIGKILL).
-struct Helper {
-    pid: libc::pid_t,
-}
-
-enum Hold {
-    /// `pages` x 2Mi mapped with MAP_HUGETLB, the first `touched` faulted in.
-    HugePages { pages: usize, touched: usize },
-    /// Anonymous memory, populated.
-    Anonymous { bytes: usize },
-}
-
-impl Helper {
-    fn start(hold: Hold) -> Helper {
-        let mut fds = [0 as libc::c_int; 2];
-        // SAFETY: fds has room for the two descriptors.
-        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe");
-        // SAFETY: the child only calls async-signal-safe functions (mmap,
-        // write, pause, _exit) and touches its own mapping.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork");
-        if pid == 0 {
-            unsafe { child(hold, fds[1]) }
-        }
-        // SAFETY: closing our copy of the write end; reading one byte.
-        unsafe { libc::close(fds[1]) };
-        let mut status = [0u8; 1];
-        let read = unsafe { libc::read(fds[0], status.as_mut_ptr().cast(), 1) };
-        unsafe { libc::close(fds[0]) };
-        let helper = Helper { pid };
-        assert!(
-            read == 1 && status[0] == b'R',
-            "helper could not map its memory"
-        );
-        helper
-    }
-}
-
-/// The forked child: map, touch, report, wait to be killed.
-unsafe fn child(hold: Hold, ready: libc::c_int) -> ! {
-    const PAGE: usize = 2 << 20;
-    let (len, flags, touched) = match hold {
-        Hold::HugePages { pages, touched } => (pages * PAGE, libc::MAP_HUGETLB, touched),
-        Hold::Anonymous { bytes } => (bytes, libc::MAP_POPULATE, 0),
-    };
-    unsafe {
-        let addr = libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
-            -1,
-            0,
-        );
-        if addr == libc::MAP_FAILED {
-            libc::write(ready, b"E".as_ptr().cast(), 1);
-            libc::_exit(1);
-        }
-        for page in 0..touched {
-            std::ptr::write_volatile(addr.cast::<u8>().add(page * PAGE), 1);
-        }
-        libc::write(ready, b"R".as_ptr().cast(), 1);
-        loop {
-            libc::pause();
-        }
-    }
-}
-
-impl Drop for Helper {
-    fn drop(&mut self) {
-        // SAFETY: our own child; reaped so its memory is back when we return.
-        unsafe {
-            libc::kill(self.pid, libc::SIGKILL);
-            libc::waitpid(self.pid, std::ptr::null_mut(), 0);
-        }
-    }
-}
-
-/// Samples a kernel value every millisecond on a thread until stopped.
-struct Sampler<T: Send + 'static> {
-    stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<Vec<T>>>,
-}
-
-impl<T: Send + 'static> Sampler<T> {
-    fn start(read: impl Fn() -> Option<T> + Send + 'static) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
-        let handle = std::thread::spawn(move || {
-            let mut samples = Vec::new();
-            while !flag.load(Ordering::Relaxed) {
-                if let Some(sample) = read() {
-                    samples.push(sample);
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            samples
-        });
-        Self {
-            stop,
-            handle: Some(handle),
-        }
-    }
-
-    fn finish(mut self) -> Vec<T> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.handle
-            .take()
-            .map(|h| h.join().expect("sampler thread"))
-            .unwrap_or_default()
-    }
 }
 
 fn quick() -> Settings {
