@@ -137,6 +137,18 @@ fn entry(pages: i64) -> PageSizeTarget {
     }
 }
 
+/// A target reached in small steps with a second between them, so a resize
+/// lasts long enough (about ten seconds for 1600 pages) to act on mid-way.
+fn slow_entry(pages: i64) -> PageSizeTarget {
+    let mut slow = entry(pages);
+    slow.resize = ResizeSettings {
+        max_step_duration: "1ms".into(),
+        step_pause: "1s".into(),
+        stall_threshold: "2s".into(),
+    };
+    slow
+}
+
 /// Creates the Node (with kubelet's `hugepages-2Mi` capacity) and its
 /// HugePageNode with `entries` as the operator would write them.
 async fn create_node(
@@ -683,13 +695,7 @@ async fn spec_changed_mid_resize_ends_at_the_new_target_without_overshoot() {
         return;
     };
     real.set_pool(MI2, 0);
-    let mut slow = entry(1600);
-    // Small steps with long pauses make the resize last a few seconds.
-    slow.resize = ResizeSettings {
-        max_step_duration: "1ms".into(),
-        step_pause: "1s".into(),
-        stall_threshold: "2s".into(),
-    };
+    let mut slow = slow_entry(1600);
     let name = unique_name("agent-retarget");
     create_node(&env.client, &name, "0", vec![slow.clone()]).await;
     let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
@@ -754,12 +760,7 @@ async fn sigterm_mid_resize_finishes_the_step_reports_and_exits_0() {
         return;
     };
     real.set_pool(MI2, 0);
-    let mut slow = entry(1600);
-    slow.resize = ResizeSettings {
-        max_step_duration: "1ms".into(),
-        step_pause: "1s".into(),
-        stall_threshold: "2s".into(),
-    };
+    let slow = slow_entry(1600);
     let name = unique_name("agent-sigterm");
     create_node(&env.client, &name, "0", vec![slow]).await;
     let mut agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
@@ -816,12 +817,7 @@ async fn api_server_down_mid_resize_the_kernel_still_reaches_the_target() {
     let client = own.control_plane.client().await.expect("client");
     install_crds(client.clone()).await.expect("CRDs");
     // Pauses of a second between small steps: the resize lasts several seconds.
-    let mut slow = entry(1600);
-    slow.resize = ResizeSettings {
-        max_step_duration: "1ms".into(),
-        step_pause: "1s".into(),
-        stall_threshold: "2s".into(),
-    };
+    let slow = slow_entry(1600);
     let name = unique_name("agent-outage");
     create_node(&client, &name, "0", vec![slow]).await;
     let agent = AgentProcess::start(&own.control_plane.kubeconfig, &name, &[]);
@@ -920,12 +916,7 @@ async fn a_kernel_reported_lockup_during_a_resize_sets_stalled_and_raises_an_eve
         return;
     }
     real.set_pool(MI2, 0);
-    let mut slow = entry(1600);
-    slow.resize = ResizeSettings {
-        max_step_duration: "1ms".into(),
-        step_pause: "1s".into(),
-        stall_threshold: "2s".into(),
-    };
+    let slow = slow_entry(1600);
     let name = unique_name("agent-lockup");
     create_node(&env.client, &name, "0", vec![slow]).await;
     let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
