@@ -71,16 +71,19 @@ impl AgentProcess {
         }
     }
 
-    fn metrics(&self) -> String {
+    /// The raw HTTP/1.0 response to `GET path` on the agent's port.
+    fn get(&self, path: &str) -> String {
         use std::io::{Read, Write};
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port))
-            .expect("connect to /metrics");
-        stream
-            .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-            .expect("request /metrics");
+            .expect("connect to the agent's port");
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").expect("send request");
         let mut response = String::new();
-        stream.read_to_string(&mut response).expect("read /metrics");
+        stream.read_to_string(&mut response).expect("read response");
         response
+    }
+
+    fn metrics(&self) -> String {
+        self.get("/metrics")
     }
 
     fn metric(&self, line_prefix: &str) -> Option<f64> {
@@ -341,6 +344,16 @@ async fn agent_grows_then_shrinks_the_real_pool_and_reports_it() {
     .await;
     assert_eq!(sysfs("nr_hugepages"), 768);
     assert_status_matches_sysfs(&object, &agent);
+    assert!(agent.get("/healthz").starts_with("HTTP/1.0 200"));
+    assert!(
+        agent.get("/readyz").starts_with("HTTP/1.0 200"),
+        "ready once a status is written"
+    );
+    assert!(
+        agent
+            .metrics()
+            .contains("content-type: application/openmetrics-text")
+    );
     let status = object.status.as_ref().unwrap();
     let last = status.page_sizes[0]
         .last_resize
