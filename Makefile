@@ -37,8 +37,9 @@ controlplane:
 bench:
 	HUGEPOOL_BENCH_REPS=$${HUGEPOOL_BENCH_REPS:-7} $(CARGO) bench -p hugepool-agent --bench resize
 
+## A local control plane, the operator and an agent on this machine's kernel (root).
 demo:
-	@echo "make demo: arrives with the cluster agent and operator (issues 4 and 5)"; exit 1
+	bash e2e/demo.sh
 
 clean:
 	$(CARGO) clean
