@@ -1,0 +1,532 @@
+//! The Helm chart and the plain manifests rendered from it (deploy/):
+//! deploy/ is exactly what `make manifests` renders, `helm lint` passes,
+//! the agent DaemonSet has exactly the privileges of docs/design.md
+//! ("DaemonSet privileges"), the RBAC is the design's list, and the
+//! manifests are accepted by a real kube-apiserver (server-side dry run).
+//!
+//! helm comes from `hack/helm.sh` (built once from the Go module proxy into
+//! target/tools/). Without Go or the proxy the helm tests skip, except under
+//! CI=true, where they fail.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use hugepool_e2e::{in_ci_mode, kubectl_path, setup, unique_name};
+use serde::Deserialize as _;
+use serde_json::{Value, json};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .canonicalize()
+        .expect("repository root")
+}
+
+fn chart() -> PathBuf {
+    repo().join("charts").join("hugepool")
+}
+
+fn output_text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// The helm binary from hack/helm.sh, or `None` (after saying why) outside CI.
+fn helm() -> Option<PathBuf> {
+    let why = match Command::new("bash")
+        .arg(repo().join("hack").join("helm.sh"))
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(output) if output.status.success() => {
+            let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+            if path.is_file() {
+                return Some(path);
+            }
+            format!("hack/helm.sh printed {path:?}, which is not a file")
+        }
+        Ok(output) => format!("hack/helm.sh failed: {}", output_text(&output)),
+        Err(e) => format!("running hack/helm.sh: {e}"),
+    };
+    if in_ci_mode() {
+        panic!("CI=true and no helm: {why}");
+    }
+    eprintln!("skipping: no helm ({why})");
+    None
+}
+
+/// `helm template hugepool charts/hugepool -n hugepool-system` with extra args.
+fn helm_template(helm: &Path, extra: &[&str]) -> String {
+    let output = Command::new(helm)
+        .current_dir(repo())
+        .args([
+            "template",
+            "hugepool",
+            "charts/hugepool",
+            "--namespace",
+            "hugepool-system",
+        ])
+        .args(extra)
+        .output()
+        .expect("run helm template");
+    assert!(
+        output.status.success(),
+        "helm template {extra:?} failed: {}",
+        output_text(&output)
+    );
+    String::from_utf8(output.stdout).expect("helm output is UTF-8")
+}
+
+/// Every document of a multi-document YAML stream, as JSON values.
+fn documents(yaml: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(yaml)
+        .map(|doc| Value::deserialize(doc).expect("valid YAML document"))
+        .filter(|doc| !doc.is_null())
+        .collect()
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} in the manifests"))
+}
+
+fn committed_manifests() -> Vec<Value> {
+    let path = repo().join("deploy").join("hugepool.yaml");
+    documents(&std::fs::read_to_string(&path).expect("read deploy/hugepool.yaml"))
+}
+
+/// Files under `dir`, relative path -> contents.
+fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    fn walk(base: &Path, dir: &Path, out: &mut BTreeMap<String, Vec<u8>>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries {
+            let path = entry.expect("directory entry").path();
+            if path.is_dir() {
+                walk(base, &path, out);
+            } else {
+                let rel = path.strip_prefix(base).expect("under base");
+                out.insert(
+                    rel.to_string_lossy().into_owned(),
+                    std::fs::read(&path).expect("read file"),
+                );
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+#[test]
+fn deploy_is_what_make_manifests_renders() {
+    if helm().is_none() {
+        return;
+    }
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(unique_name("manifests"));
+    let _ = std::fs::remove_dir_all(&out);
+    let output = Command::new("bash")
+        .arg(repo().join("hack").join("manifests.sh"))
+        .arg(&out)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run hack/manifests.sh");
+    assert!(
+        output.status.success(),
+        "hack/manifests.sh failed: {}",
+        output_text(&output)
+    );
+    let rendered = tree(&out);
+    let committed = tree(&repo().join("deploy"));
+    let _ = std::fs::remove_dir_all(&out);
+    let drifted: BTreeSet<&str> = rendered
+        .keys()
+        .chain(committed.keys())
+        .filter(|name| rendered.get(*name) != committed.get(*name))
+        .map(String::as_str)
+        .collect();
+    assert!(
+        drifted.is_empty(),
+        "deploy/ is out of date with charts/hugepool: {drifted:?} differ. run `make manifests`."
+    );
+}
+
+#[test]
+fn helm_lint_passes() {
+    let Some(helm) = helm() else { return };
+    let everything_on = [
+        "--set",
+        "agent.kubeletRestart.enabled=true",
+        "--set",
+        "monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.enabled=true,monitoring.kubeStateMetrics.enabled=true",
+        "--set",
+        "monitoring.kubeStateMetrics.rbac.serviceAccountName=kube-state-metrics",
+        "--set",
+        "monitoring.kubeStateMetrics.rbac.serviceAccountNamespace=monitoring",
+        "--set",
+        "namespace.create=true",
+    ];
+    for extra in [&[][..], &everything_on[..]] {
+        let output = Command::new(&helm)
+            .arg("lint")
+            .arg("--strict")
+            .arg(chart())
+            .args(extra)
+            .output()
+            .expect("run helm lint");
+        assert!(
+            output.status.success(),
+            "helm lint --strict {extra:?} failed: {}",
+            output_text(&output)
+        );
+    }
+    // The schema rejects what the templates would not understand.
+    for bad in [
+        "operator.replicas=0",
+        "agent.logFormat=xml",
+        "operator.nosuchkey=1",
+        "operator.leaderElection.leaseDuration=15",
+        "agent.kubeletRestart.capabilities={SYSLOG}",
+    ] {
+        let output = Command::new(&helm)
+            .arg("lint")
+            .arg(chart())
+            .args(["--set", bad])
+            .output()
+            .expect("run helm lint");
+        assert!(
+            !output.status.success(),
+            "helm lint accepted --set {bad}: {}",
+            output_text(&output)
+        );
+    }
+}
+
+/// The agent container's securityContext and mounts, exactly the design's.
+fn assert_agent_privileges(docs: &[Value], restart: bool) {
+    let ds = find(docs, "DaemonSet", "hugepool-agent");
+    let pod = &ds["spec"]["template"]["spec"];
+    let containers = pod["containers"].as_array().expect("containers");
+    assert_eq!(containers.len(), 1, "one agent container");
+    let agent = &containers[0];
+
+    let mut add = vec!["SYSLOG"];
+    if restart {
+        add.extend(["SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"]);
+    }
+    assert_eq!(
+        agent["securityContext"],
+        json!({
+            "runAsUser": 0,
+            "privileged": false,
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": true,
+            "capabilities": {"drop": ["ALL"], "add": add},
+        }),
+        "agent securityContext (docs/design.md, DaemonSet privileges)"
+    );
+    assert_eq!(
+        agent["volumeMounts"],
+        json!([
+            {"name": "sys-hugepages", "mountPath": "/host/sys/kernel/mm/hugepages"},
+            {"name": "sys-node", "mountPath": "/host/sys/devices/system/node"},
+            {"name": "proc-sys-vm", "mountPath": "/host/proc/sys/vm"},
+            {"name": "proc-meminfo", "mountPath": "/host/proc/meminfo", "readOnly": true},
+            {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": true},
+        ]),
+        "agent volumeMounts"
+    );
+    assert_eq!(
+        pod["volumes"],
+        json!([
+            {"name": "sys-hugepages", "hostPath": {"path": "/sys/kernel/mm/hugepages", "type": "Directory"}},
+            {"name": "sys-node", "hostPath": {"path": "/sys/devices/system/node", "type": "Directory"}},
+            {"name": "proc-sys-vm", "hostPath": {"path": "/proc/sys/vm", "type": "Directory"}},
+            {"name": "proc-meminfo", "hostPath": {"path": "/proc/meminfo", "type": "File"}},
+            {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}},
+        ]),
+        "agent hostPath volumes"
+    );
+    let args: Vec<&str> = agent["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("string arg"))
+        .collect();
+    assert_eq!(
+        args[..3],
+        ["run", "--sys-root=/host/sys", "--proc-root=/host/proc"]
+    );
+    assert_eq!(
+        pod.get("hostPID").cloned(),
+        restart.then_some(Value::Bool(true)),
+        "hostPID only with kubeletRestart.enabled"
+    );
+    for host in ["hostNetwork", "hostIPC"] {
+        assert!(pod.get(host).is_none(), "{host} is not needed");
+    }
+    assert!(
+        agent["env"].as_array().expect("env").contains(
+            &json!({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+        ),
+        "NODE_NAME from the downward API"
+    );
+    assert_eq!(agent["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(agent["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert!(
+        pod["tolerations"]
+            .as_array()
+            .expect("tolerations")
+            .contains(&json!({"operator": "Exists"})),
+        "the agent tolerates every taint, so it runs on every node"
+    );
+}
+
+#[test]
+fn agent_daemonset_has_exactly_the_designed_privileges() {
+    assert_agent_privileges(&committed_manifests(), false);
+    if let Some(helm) = helm() {
+        let docs = documents(&helm_template(
+            &helm,
+            &["--set", "agent.kubeletRestart.enabled=true"],
+        ));
+        assert_agent_privileges(&docs, true);
+    }
+}
+
+#[test]
+fn rbac_is_the_designs_list() {
+    let docs = committed_manifests();
+    let rule = |group: &str, resource: &str, verbs: &[&str]| json!({"apiGroups": [group], "resources": [resource], "verbs": verbs});
+    // docs/design.md, "Operator decisions": RBAC.
+    assert_eq!(
+        find(&docs, "ClusterRole", "hugepool-operator")["rules"],
+        json!([
+            rule(
+                "hugepool.dev",
+                "hugepagepools",
+                &["get", "list", "watch", "patch"]
+            ),
+            rule("hugepool.dev", "hugepagepools/status", &["patch"]),
+            rule(
+                "hugepool.dev",
+                "hugepagenodes",
+                &["get", "list", "watch", "create", "patch"]
+            ),
+            rule("hugepool.dev", "hugepagenodes/status", &["patch"]),
+            rule("", "nodes", &["get", "list", "watch", "patch"]),
+            rule("", "pods", &["list"]),
+            rule("", "pods/eviction", &["create"]),
+            rule("events.k8s.io", "events", &["create", "patch"]),
+        ])
+    );
+    let lease_role = find(&docs, "Role", "hugepool-operator-leader-election");
+    assert_eq!(lease_role["metadata"]["namespace"], "hugepool-system");
+    assert_eq!(
+        lease_role["rules"],
+        json!([rule(
+            "coordination.k8s.io",
+            "leases",
+            &["get", "create", "patch"]
+        )])
+    );
+    assert_eq!(
+        find(&docs, "ClusterRole", "hugepool-agent")["rules"],
+        json!([
+            rule("hugepool.dev", "hugepagenodes", &["get", "list", "watch"]),
+            rule("hugepool.dev", "hugepagenodes/status", &["patch", "update"]),
+            rule("", "nodes", &["get", "list", "watch"]),
+            rule("events.k8s.io", "events", &["create", "patch"]),
+        ])
+    );
+    for (kind, name, account) in [
+        (
+            "ClusterRoleBinding",
+            "hugepool-operator",
+            "hugepool-operator",
+        ),
+        ("ClusterRoleBinding", "hugepool-agent", "hugepool-agent"),
+        (
+            "RoleBinding",
+            "hugepool-operator-leader-election",
+            "hugepool-operator",
+        ),
+    ] {
+        assert_eq!(
+            find(&docs, kind, name)["subjects"],
+            json!([{"kind": "ServiceAccount", "name": account, "namespace": "hugepool-system"}]),
+            "{kind} {name}"
+        );
+        find(&docs, "ServiceAccount", account);
+    }
+}
+
+#[test]
+fn operator_deployment_is_ha_and_locked_down() {
+    let docs = committed_manifests();
+    let deployment = find(&docs, "Deployment", "hugepool-operator");
+    assert_eq!(deployment["spec"]["replicas"], 2);
+    let pod = &deployment["spec"]["template"]["spec"];
+    let operator = &pod["containers"][0];
+    let args = operator["args"].as_array().expect("args");
+    assert_eq!(args[0], "run");
+    assert!(args.contains(&json!("--leader-elect")), "{args:?}");
+    let env = operator["env"].as_array().expect("env");
+    for (name, field) in [
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+    ] {
+        assert!(
+            env.contains(&json!({"name": name, "valueFrom": {"fieldRef": {"fieldPath": field}}})),
+            "{name} from the downward API"
+        );
+    }
+    assert_eq!(operator["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(operator["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert!(operator["resources"]["requests"].is_object());
+    let security = &operator["securityContext"];
+    assert_eq!(security["runAsNonRoot"], true);
+    assert_eq!(security["readOnlyRootFilesystem"], true);
+    assert_eq!(security["allowPrivilegeEscalation"], false);
+    assert_eq!(security["capabilities"], json!({"drop": ["ALL"]}));
+    let service = find(&docs, "Service", "hugepool-operator-metrics");
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], "metrics");
+    // The dashboard is on by default, and is real JSON.
+    let dashboard = find(&docs, "ConfigMap", "hugepool-dashboard");
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json: Value = serde_json::from_str(
+        dashboard["data"]["hugepool.json"]
+            .as_str()
+            .expect("dashboard"),
+    )
+    .expect("dashboard JSON");
+    assert!(json["panels"].as_array().expect("panels").len() >= 4);
+    // Prometheus Operator objects are off by default (their CRDs may be absent).
+    for kind in ["ServiceMonitor", "PodMonitor", "PrometheusRule"] {
+        assert!(
+            docs.iter().all(|d| d["kind"] != kind),
+            "{kind} rendered by default"
+        );
+    }
+}
+
+/// Runs kubectl with `stdin` as its input.
+fn kubectl(kubeconfig: &Path, args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(kubectl_path())
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run kubectl");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes())
+        .expect("write kubectl stdin");
+    child.wait_with_output().expect("kubectl output")
+}
+
+/// Server-side dry run of `yaml` (written for namespace hugepool-system) in a
+/// namespace of its own, which is created for real (with the manifests' own
+/// Namespace object, labels and all) and deleted afterwards.
+fn dry_run_apply(kubeconfig: &Path, yaml: &str, what: &str) {
+    let namespace = unique_name("hugepool-manifests");
+    let yaml = yaml.replace("hugepool-system", &namespace);
+    let docs = documents(&yaml);
+    let ns = find(&docs, "Namespace", &namespace);
+    let created = kubectl(
+        kubeconfig,
+        &["apply", "-f", "-"],
+        &serde_json::to_string(ns).expect("namespace"),
+    );
+    assert!(
+        created.status.success(),
+        "creating {namespace}: {}",
+        output_text(&created)
+    );
+    let applied = kubectl(
+        kubeconfig,
+        &["apply", "--dry-run=server", "--validate=strict", "-f", "-"],
+        &yaml,
+    );
+    let _ = kubectl(
+        kubeconfig,
+        &["delete", "namespace", &namespace, "--wait=false"],
+        "",
+    );
+    let text = output_text(&applied);
+    assert!(
+        applied.status.success(),
+        "{what}: kubectl apply --dry-run=server failed: {text}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&applied.stderr).contains("Warning"),
+        "{what}: the API server warned: {text}"
+    );
+    for doc in &docs {
+        let kind = doc["kind"].as_str().expect("kind").to_lowercase();
+        let name = doc["metadata"]["name"].as_str().expect("name");
+        assert!(
+            text.contains(&format!("{name} ")),
+            "{what}: {kind} {name} missing from kubectl's output: {text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn deploy_is_accepted_by_a_real_apiserver() {
+    let Some(env) = setup().await else { return };
+    let kubeconfig = &env.control_plane.kubeconfig;
+    let crds = kubectl(
+        kubeconfig,
+        &[
+            "apply",
+            "--dry-run=server",
+            "--validate=strict",
+            "-f",
+            &repo().join("deploy").join("crds").to_string_lossy(),
+        ],
+        "",
+    );
+    assert!(crds.status.success(), "deploy/crds: {}", output_text(&crds));
+    let yaml = std::fs::read_to_string(repo().join("deploy").join("hugepool.yaml"))
+        .expect("read deploy/hugepool.yaml");
+    dry_run_apply(kubeconfig, &yaml, "deploy/hugepool.yaml");
+
+    // The optional parts that need no Prometheus Operator CRDs.
+    if let Some(helm) = helm() {
+        let yaml = helm_template(
+            &helm,
+            &[
+                "--set",
+                "namespace.create=true,agent.kubeletRestart.enabled=true",
+                "--set",
+                "agent.kubeletRestart.command=systemctl restart kubelet",
+                "--set",
+                "monitoring.kubeStateMetrics.enabled=true",
+                "--set",
+                "monitoring.kubeStateMetrics.rbac.serviceAccountName=kube-state-metrics",
+                "--set",
+                "monitoring.kubeStateMetrics.rbac.serviceAccountNamespace=monitoring",
+            ],
+        );
+        dry_run_apply(
+            kubeconfig,
+            &yaml,
+            "chart with kubeletRestart and kube-state-metrics",
+        );
+    }
+}
