@@ -738,8 +738,20 @@ pub async fn run(
             ready.clone(),
         );
         tasks.0.push(tokio::spawn(async move {
+            // A store's readiness wakes only its latest waiter (kube-runtime's
+            // DelayedInit keeps one waker) and the Controller waits on the
+            // pools store as well, so look at that one again every 100 ms
+            // rather than wait alongside it.
+            let pools_ready = async {
+                loop {
+                    if let Some(result) = pools.wait_until_ready().now_or_never() {
+                        return result;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            };
             let synced = futures::future::try_join3(
-                pools.wait_until_ready(),
+                pools_ready,
                 nodes.wait_until_ready(),
                 node_states.wait_until_ready(),
             )

@@ -89,10 +89,13 @@ impl SimNode {
     }
 }
 
-/// An operator replica running in this test's runtime.
+/// An operator replica on a runtime (and thread) of its own, as a separate
+/// process would be: killing it drops every task it has, Lease renewal
+/// included.
 pub struct OperatorHandle {
     stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
+    kill: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl OperatorHandle {
@@ -101,13 +104,29 @@ impl OperatorHandle {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
-        self.task.abort();
+        self.join().await;
     }
 
     /// Kills it as a crash would: no clean-up, the Lease is left to expire.
-    pub fn kill(self) {
-        self.task.abort();
+    pub async fn kill(mut self) {
+        if let Some(kill) = self.kill.take() {
+            let _ = kill.send(());
+        }
+        self.join().await;
+    }
+
+    async fn join(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
+    }
+}
+
+impl Drop for OperatorHandle {
+    fn drop(&mut self) {
+        if let Some(kill) = self.kill.take() {
+            let _ = kill.send(());
+        }
     }
 }
 
@@ -195,29 +214,22 @@ impl Fleet {
             .unwrap_or_else(|| panic!("no simulated node {name}"))
     }
 
-    /// A client that sees only this fleet's Nodes and HugePagePools in
-    /// lists and watches (see the module docs).
-    pub async fn scoped_client(&self) -> Client {
+    async fn kube_config(&self) -> kube::Config {
         let kubeconfig = Kubeconfig::read_from(&self.kubeconfig).expect("kubeconfig");
-        let config =
-            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                .await
-                .expect("client config");
-        let selector = format!("{SCOPE_LABEL}={}", self.scope)
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .expect("client config")
+    }
+
+    /// `SCOPE_LABEL=<scope>`, escaped for a query string.
+    fn scope_selector(&self) -> String {
+        format!("{SCOPE_LABEL}={}", self.scope)
             .replace('/', "%2F")
-            .replace('=', "%3D");
-        let layer = tower::util::MapRequestLayer::new(move |request| {
-            scope_collection_reads(request, &selector)
-        });
-        ClientBuilder::try_from(config)
-            .expect("client builder")
-            .with_layer(&layer)
-            .build()
+            .replace('=', "%3D")
     }
 
     /// Starts an operator replica; `leader` turns on leader election.
     pub async fn start_operator(&mut self, leader: Option<LeaderConfig>) -> usize {
-        let client = self.scoped_client().await;
         let index = self.operators.len();
         let config = OperatorConfig {
             listen: None,
@@ -226,18 +238,37 @@ impl Fleet {
             resync: Duration::from_secs(60),
             drain_poll: Duration::from_millis(500),
         };
+        let kube_config = self.kube_config().await;
+        let selector = self.scope_selector();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let shutdown = async move {
-                let _ = stopped.await;
-            };
-            if let Err(err) = hugepool_operator::run(client, config, shutdown).await {
-                panic!("operator failed: {err}");
-            }
+        let (kill, killed) = oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .expect("operator runtime");
+            runtime.block_on(async move {
+                let client = scoped_client(kube_config, selector);
+                let shutdown = async move {
+                    let _ = stopped.await;
+                };
+                tokio::select! {
+                    result = hugepool_operator::run(client, config, shutdown) => {
+                        if let Err(err) = result {
+                            panic!("operator failed: {err}");
+                        }
+                    }
+                    _ = killed => {}
+                }
+            });
+            // Dropping the runtime cancels every task the operator left.
+            runtime.shutdown_background();
         });
         self.operators.push(OperatorHandle {
             stop: Some(stop),
-            task,
+            kill: Some(kill),
+            thread: Some(thread),
         });
         index
     }
@@ -394,6 +425,18 @@ impl Fleet {
             )
             .await;
     }
+}
+
+/// A client that sees only the Nodes and HugePagePools matching
+/// `selector` in lists and watches (see the module docs).
+fn scoped_client(config: kube::Config, selector: String) -> Client {
+    let layer = tower::util::MapRequestLayer::new(move |request| {
+        scope_collection_reads(request, &selector)
+    });
+    ClientBuilder::try_from(config)
+        .expect("client builder")
+        .with_layer(&layer)
+        .build()
 }
 
 /// Adds the fleet's label selector to list and watch requests of Nodes and
