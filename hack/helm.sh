@@ -4,7 +4,10 @@
 # machine's normal GOMODCACHE/GOCACHE). Nothing has to be installed by hand
 # beyond Go. The build output goes to stderr; stdout is only the path.
 #
-#   HELM_VERSION  the helm.sh/helm/v4 module version (default below)
+#   HELM_VERSION  the helm module version (default below); a v3.x version
+#                 builds helm.sh/helm/v3 instead (the chart works with both,
+#                 but deploy/ is rendered by the default one: helm v4 puts a
+#                 blank line before each `---`)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +33,16 @@ if [[ "$(built_version)" != "$version" ]]; then
     trap 'rm -rf "$tmp"' EXIT
     # The version stamp helm's own Makefile sets, so `helm version` is right.
     ldflags="-s -w -X $module/internal/version.version=$version"
+    if [[ "$module" == helm.sh/helm/v3 ]]; then
+      # helm v3 takes its default Kubernetes version (`helm template`,
+      # `helm lint`) from ldflags, else v1.20; its Makefile derives it from
+      # the client-go it builds with.
+      gomod="$(go mod download -json "$module@$version" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')"
+      minor="$(awk '$1 == "k8s.io/client-go" { split($2, v, "."); print v[2] }' "$gomod")"
+      for pkg in pkg/chartutil pkg/lint/rules; do
+        ldflags+=" -X $module/$pkg.k8sVersionMajor=1 -X $module/$pkg.k8sVersionMinor=$minor"
+      done
+    fi
     CGO_ENABLED=0 GOBIN="$tmp" GOFLAGS=-buildvcs=false \
       go install -ldflags "$ldflags" "$module/cmd/helm@$version" >&2
     mv -f "$tmp/helm" "$bin"

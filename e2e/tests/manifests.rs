@@ -530,3 +530,82 @@ async fn deploy_is_accepted_by_a_real_apiserver() {
         );
     }
 }
+
+/// The CRD's OpenAPI schema under `path`, stepping into array items.
+fn schema_at<'a>(mut schema: &'a Value, path: &[Value]) -> Option<&'a Value> {
+    for segment in path {
+        if schema["type"] == "array" {
+            schema = &schema["items"];
+        }
+        schema = schema["properties"].get(segment.as_str()?)?;
+    }
+    Some(schema)
+}
+
+#[test]
+fn kube_state_metrics_config_names_real_fields() {
+    let Some(helm) = helm() else { return };
+    let docs = documents(&helm_template(
+        &helm,
+        &["--set", "monitoring.kubeStateMetrics.enabled=true"],
+    ));
+    let config_map = find(&docs, "ConfigMap", "hugepool-kube-state-metrics");
+    let config: Value = serde_yaml::from_str(
+        config_map["data"]["config.yaml"]
+            .as_str()
+            .expect("config.yaml"),
+    )
+    .expect("config.yaml is YAML");
+    assert_eq!(config["kind"], "CustomResourceStateMetrics");
+    let resources = config["spec"]["resources"].as_array().expect("resources");
+    assert_eq!(resources.len(), 2);
+    for resource in resources {
+        let gvk = &resource["groupVersionKind"];
+        let kind = gvk["kind"].as_str().expect("kind");
+        let plural = format!("{}s", kind.to_lowercase());
+        let crd_path = chart()
+            .join("crds")
+            .join(format!("hugepool.dev_{plural}.yaml"));
+        let crd: Value =
+            serde_yaml::from_str(&std::fs::read_to_string(&crd_path).expect("read CRD"))
+                .expect("CRD YAML");
+        assert_eq!(crd["spec"]["group"], gvk["group"]);
+        let version = crd["spec"]["versions"]
+            .as_array()
+            .expect("versions")
+            .iter()
+            .find(|v| v["name"] == gvk["version"])
+            .unwrap_or_else(|| panic!("{kind}: no version {}", gvk["version"]));
+        let root = &version["schema"]["openAPIV3Schema"];
+        let metrics = resource["metrics"].as_array().expect("metrics");
+        let mut has_conditions = false;
+        for metric in metrics {
+            let name = metric["name"].as_str().expect("metric name");
+            assert_eq!(metric["each"]["type"], "Gauge", "{kind} {name}");
+            let gauge = &metric["each"]["gauge"];
+            let path = gauge["path"].as_array().expect("path");
+            let base = schema_at(root, path)
+                .unwrap_or_else(|| panic!("{kind} {name}: no field {path:?} in the CRD"));
+            let item = if base["type"] == "array" {
+                &base["items"]
+            } else {
+                base
+            };
+            let mut relative: Vec<&Vec<Value>> = gauge["labelsFromPath"]
+                .as_object()
+                .map(|labels| labels.values().filter_map(Value::as_array).collect())
+                .unwrap_or_default();
+            if let Some(value_from) = gauge["valueFrom"].as_array() {
+                relative.push(value_from);
+            }
+            for sub in relative {
+                assert!(
+                    schema_at(item, sub).is_some(),
+                    "{kind} {name}: no field {sub:?} under {path:?} in the CRD"
+                );
+            }
+            has_conditions |= name == "status_condition";
+        }
+        assert!(has_conditions, "{kind}: the conditions are exposed");
+    }
+}
