@@ -219,19 +219,23 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
     assert_eq!(containers.len(), 1, "one agent container");
     let agent = &containers[0];
 
-    let mut add = vec!["SYSLOG"];
+    let mut expected = json!({
+        "runAsUser": 0,
+        "privileged": false,
+        "allowPrivilegeEscalation": false,
+        "readOnlyRootFilesystem": true,
+        "capabilities": {"drop": ["ALL"], "add": ["SYSLOG"]},
+    });
     if restart {
-        add.extend(["SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"]);
+        // nsenter into PID 1: setns(2) needs SYS_ADMIN (+ SYS_CHROOT for the
+        // mount namespace), opening /proc/1/ns/* needs SYS_PTRACE and no
+        // AppArmor confinement.
+        expected["capabilities"]["add"] =
+            json!(["SYSLOG", "SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"]);
+        expected["appArmorProfile"] = json!({"type": "Unconfined"});
     }
     assert_eq!(
-        agent["securityContext"],
-        json!({
-            "runAsUser": 0,
-            "privileged": false,
-            "allowPrivilegeEscalation": false,
-            "readOnlyRootFilesystem": true,
-            "capabilities": {"drop": ["ALL"], "add": add},
-        }),
+        agent["securityContext"], expected,
         "agent securityContext (docs/design.md, DaemonSet privileges)"
     );
     assert_eq!(
