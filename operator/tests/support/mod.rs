@@ -23,7 +23,7 @@ use hugepool_agent::kernel::{Kernel, SimConfig, SimulatedKernel};
 use hugepool_crds::{HugePageNode, HugePagePool, POOL_FINALIZER, PageSize};
 use hugepool_e2e::TestEnv;
 use hugepool_operator::{Config as OperatorConfig, LeaderConfig};
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::client::ClientBuilder;
@@ -144,7 +144,11 @@ pub struct FleetSpec {
     pub nodes: usize,
     /// Labels every Node gets (besides the scope label).
     pub labels: BTreeMap<String, String>,
+    /// Labels of single nodes, by index, on top of `labels`.
+    pub node_labels: BTreeMap<usize, BTreeMap<String, String>>,
     pub memory_bytes: u64,
+    /// Memory of single nodes, by index, instead of `memory_bytes`.
+    pub node_memory: BTreeMap<usize, u64>,
 }
 
 impl FleetSpec {
@@ -152,8 +156,26 @@ impl FleetSpec {
         Self {
             nodes,
             labels: BTreeMap::new(),
+            node_labels: BTreeMap::new(),
             memory_bytes: 16 * GIB,
+            node_memory: BTreeMap::new(),
         }
+    }
+
+    /// Labels nodes `indexes` with `key=value`.
+    pub fn label_nodes(mut self, indexes: std::ops::Range<usize>, key: &str, value: &str) -> Self {
+        for index in indexes {
+            self.node_labels
+                .entry(index)
+                .or_default()
+                .insert(key.into(), value.into());
+        }
+        self
+    }
+
+    pub fn node_memory(mut self, index: usize, bytes: u64) -> Self {
+        self.node_memory.insert(index, bytes);
+        self
     }
 
     pub fn label(mut self, key: &str, value: &str) -> Self {
@@ -180,8 +202,9 @@ impl Fleet {
         let names: Vec<String> = (0..spec.nodes)
             .map(|i| format!("{scope}-n{i:02}"))
             .collect();
-        let creates = names.iter().map(|name| {
+        let creates = names.iter().enumerate().map(|(index, name)| {
             let mut labels = spec.labels.clone();
+            labels.extend(spec.node_labels.get(&index).cloned().unwrap_or_default());
             labels.insert(SCOPE_LABEL.into(), scope.clone());
             let node: Node = serde_json::from_value(json!({
                 "apiVersion": "v1",
@@ -198,8 +221,9 @@ impl Fleet {
             }
         });
         futures::future::join_all(creates).await;
-        for name in names {
-            let mut sim = SimConfig::single_node(spec.memory_bytes);
+        for (index, name) in names.into_iter().enumerate() {
+            let memory = spec.node_memory.get(&index).copied();
+            let mut sim = SimConfig::single_node(memory.unwrap_or(spec.memory_bytes));
             sim.time_scale = TIME_SCALE;
             let kernel = SimulatedKernel::new(sim);
             fleet.nodes.push(start_agent(&client, &name, kernel));
@@ -293,6 +317,28 @@ impl Fleet {
             .create(&PostParams::default(), &pool)
             .await
             .expect("create HugePagePool")
+    }
+
+    pub fn node_name(&self, index: usize) -> String {
+        self.nodes[index].name.clone()
+    }
+
+    pub async fn pool(&self, name: &str) -> HugePagePool {
+        self.pool_api().get(name).await.expect("get HugePagePool")
+    }
+
+    pub async fn node_state(&self, name: &str) -> HugePageNode {
+        Api::<HugePageNode>::all(self.client.clone())
+            .get(name)
+            .await
+            .expect("get HugePageNode")
+    }
+
+    pub async fn node_object(&self, name: &str) -> Node {
+        Api::<Node>::all(self.client.clone())
+            .get(name)
+            .await
+            .expect("get Node")
     }
 
     pub fn pool_api(&self) -> Api<HugePagePool> {
@@ -676,6 +722,64 @@ pub async fn delete_namespace(client: &Client, name: &str) {
 /// The condition of `type_` (pool and node condition types alike).
 pub fn condition<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
     conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// Whether the Node has the `hugepool.dev/draining` taint.
+pub fn has_drain_taint(node: &Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == hugepool_crds::DRAINING_TAINT))
+}
+
+/// A pod bound to `node` (no scheduler runs), asking for `hugepages_2mi`
+/// (e.g. "600Mi") when given; hugepages need requests == limits and a
+/// memory or cpu request.
+pub fn pod(name: &str, node: &str, app: &str, hugepages_2mi: Option<&str>) -> Pod {
+    let mut resources =
+        json!({"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "32Mi"}});
+    if let Some(amount) = hugepages_2mi {
+        resources["requests"]["hugepages-2Mi"] = json!(amount);
+        resources["limits"]["hugepages-2Mi"] = json!(amount);
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "main", "image": "registry.example/app:1", "resources": resources}],
+        },
+    }))
+    .expect("Pod object")
+}
+
+/// Creates the pod (retrying while the namespace's ServiceAccount is not
+/// there yet) and marks it Running and Ready, as kubelet would.
+pub async fn run_pod(client: &Client, namespace: &str, pod: Pod) -> Pod {
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let name = pod.name_any();
+    wait_for(
+        &format!("pod {namespace}/{name} created"),
+        Duration::from_secs(30),
+        || async {
+            api.create(&PostParams::default(), &pod)
+                .await
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await;
+    api.patch_status(
+        &name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        }})),
+    )
+    .await
+    .expect("pod Running and Ready")
 }
 
 /// Whether `pool` still carries the release finalizer.
