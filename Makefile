@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CONTROLPLANE_DIR := e2e/controlplane
 
-.PHONY: all build test lint fmt crds controlplane bench demo clean
+.PHONY: all build test lint fmt crds manifests controlplane bench demo clean
 
 all: build
 
@@ -28,6 +28,11 @@ fmt:
 ## Regenerate the CRD manifests (crds/ and charts/hugepool/crds/) from the Rust types.
 crds:
 	$(CARGO) run -q -p hugepool-crds --bin crdgen
+	bash hack/manifests.sh
+
+## Render deploy/ from the Helm chart (a test fails with this hint when they drift).
+manifests:
+	bash hack/manifests.sh
 
 ## Build the real kube-apiserver + etcd + controller-manager and kubectl (cached).
 controlplane:

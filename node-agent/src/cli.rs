@@ -111,7 +111,7 @@ pub struct RunArgs {
 impl RunArgs {
     pub fn config(&self, kernel: &KernelArgs) -> crate::agent::AgentConfig {
         let mut config = crate::agent::AgentConfig::new(&self.node_name);
-        config.kernel_release = crate::agent::snapshot::kernel_release(&kernel.proc_root);
+        config.kernel_release = crate::agent::snapshot::kernel_release();
         config.blocked_poll = self.blocked_poll;
         config.retry_interval = self.retry_interval;
         config.refresh_interval = self.refresh_interval;

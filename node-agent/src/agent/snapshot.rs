@@ -57,9 +57,16 @@ impl KernelSnapshot {
     }
 }
 
-/// The running kernel's release (`uname -r`), from procfs.
-pub fn kernel_release(proc_root: &std::path::Path) -> String {
-    std::fs::read_to_string(proc_root.join("sys/kernel/osrelease"))
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
+/// The running kernel's release (`uname -r`). A container shares the host's
+/// kernel, so this needs no mount of the host's procfs.
+pub fn kernel_release() -> String {
+    // SAFETY: uname fills the zeroed struct we own.
+    let mut name: libc::utsname = unsafe { std::mem::zeroed() };
+    if unsafe { libc::uname(&mut name) } != 0 {
+        return "unknown".into();
+    }
+    // SAFETY: uname NUL-terminates release within the array.
+    unsafe { std::ffi::CStr::from_ptr(name.release.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
 }
