@@ -661,6 +661,10 @@ impl Drop for AbortOnDrop {
 
 /// Runs the operator until `shutdown` completes: the HTTP endpoints, leader
 /// election, the watches and the controller.
+///
+/// `client` must not retry 429 answers itself (build it with
+/// `kube::Config::default_retry = false`, as `main` does): a refused
+/// eviction would otherwise block the pass for minutes.
 pub async fn run(
     client: Client,
     config: Config,

@@ -121,9 +121,14 @@ async fn main() -> anyhow::Result<()> {
         resync: args.resync,
         ..Config::default()
     };
-    let client = kube::Client::try_default()
+    let mut kube_config = kube::Config::infer()
         .await
         .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+    // An eviction a PodDisruptionBudget refuses is a 429 that must come back
+    // at once (the drain backs off itself); kube's default retry would repeat
+    // it for minutes inside the call and hold up every reconcile.
+    kube_config.default_retry = false;
+    let client = kube::Client::try_from(kube_config).context("building the Kubernetes client")?;
     hugepool_operator::run(client, config, shutdown_signal())
         .await
         .context("running the operator")

@@ -8,12 +8,19 @@
 
 mod support;
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use hugepool_agent::kernel::SimulatedKernel;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 use hugepool_crds::{HugePageNode, HugePagePool, HugePagePoolStatus};
 use hugepool_e2e::setup;
 use serde_json::json;
-use support::{Fleet, FleetSpec, wait_for};
+use support::{Fleet, FleetSpec, MI2, wait_for};
 
 const ROLE_LABEL: &str = "fleet.hugepool.dev/role";
 
@@ -343,5 +350,288 @@ async fn relabelled_nodes_leave_and_join_as_deletion_policy_says() {
     for index in [1, 2, 4, 5] {
         assert_eq!(fleet.node(&fleet.node_name(index)).pages_2mi(), (512, 0));
     }
+    fleet.shutdown().await;
+}
+
+/// What the harness, playing kubelet, did with evicted pods.
+#[derive(Clone, Debug, Default)]
+struct KubeletRecord {
+    /// (pod, whether the drain taint was on its Node when it was evicted).
+    evicted: Vec<(String, bool)>,
+}
+
+/// Plays kubelet for the pods of `namespace`: a pod the operator evicted
+/// (terminating) gets its held pages released on its simulated kernel, as
+/// the process exiting would, and is then force-deleted.
+fn play_kubelet(
+    fleet: &Fleet,
+    namespace: &str,
+    held: Vec<(String, String, u64)>,
+) -> (Arc<Mutex<KubeletRecord>>, tokio::task::JoinHandle<()>) {
+    let record = Arc::new(Mutex::new(KubeletRecord::default()));
+    let pods: Api<Pod> = Api::namespaced(fleet.client.clone(), namespace);
+    let nodes: Api<Node> = Api::all(fleet.client.clone());
+    let kernels: Vec<(String, SimulatedKernel)> = fleet
+        .nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.kernel.clone()))
+        .collect();
+    let task = tokio::spawn({
+        let record = record.clone();
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let Ok(list) = pods.list(&ListParams::default()).await else {
+                    continue;
+                };
+                for pod in list.items {
+                    if pod.metadata.deletion_timestamp.is_none() {
+                        continue;
+                    }
+                    let name = pod.name_any();
+                    let node = pod
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.node_name.clone())
+                        .unwrap_or_default();
+                    let tainted = nodes
+                        .get(&node)
+                        .await
+                        .is_ok_and(|n| support::has_drain_taint(&n));
+                    for (pod_name, node_name, pages) in &held {
+                        if *pod_name == name
+                            && let Some((_, kernel)) = kernels.iter().find(|(n, _)| n == node_name)
+                        {
+                            kernel
+                                .release_pages(MI2, 0, *pages)
+                                .expect("release held pages");
+                        }
+                    }
+                    let _ = pods
+                        .delete(
+                            &name,
+                            &DeleteParams {
+                                grace_period_seconds: Some(0),
+                                ..DeleteParams::default()
+                            },
+                        )
+                        .await;
+                    record
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .evicted
+                        .push((name, tainted));
+                }
+            }
+        }
+    });
+    (record, task)
+}
+
+/// A node whose shrink is blocked by pages in use is drained: the pods that
+/// request hugepages-2Mi on it are evicted while it carries the draining
+/// taint, a pod without hugepages and a consumer on a node that is not
+/// blocked stay; once the pages are released the node converges and the
+/// taint goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_shrink_drains_hugepage_consumers_under_taint() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(&env, "drain", FleetSpec::new(3).label(ROLE_LABEL, "dpdk")).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 512, json!(1));
+    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "60s"});
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+
+    let (blocked, free) = (fleet.node_name(0), fleet.node_name(1));
+    assert_eq!(
+        fleet
+            .node(&blocked)
+            .kernel
+            .hold_pages(MI2, 0, 300)
+            .expect("hold"),
+        300
+    );
+    support::create_namespace(&fleet.client, &scope).await;
+    for pod in [
+        support::pod("consumer", &blocked, "dpdk", Some("600Mi")),
+        support::pod("bystander", &blocked, "web", None),
+        support::pod("elsewhere", &free, "dpdk", Some("600Mi")),
+    ] {
+        support::run_pod(&fleet.client, &scope, pod).await;
+    }
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![("consumer".into(), blocked.clone(), 300)],
+    );
+
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 3 && status.pages.current == 300)
+                .then_some(())
+                .ok_or(format!("{:?}", status.nodes))
+        })
+        .await;
+    let evicted = kubelet
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .evicted
+        .clone();
+    assert_eq!(
+        evicted,
+        vec![("consumer".to_string(), true)],
+        "evicted under the taint"
+    );
+    let pods: Api<Pod> = Api::namespaced(fleet.client.clone(), &scope);
+    for name in ["bystander", "elsewhere"] {
+        let pod = pods.get(name).await.expect("pod still there");
+        assert!(
+            pod.metadata.deletion_timestamp.is_none(),
+            "{name} was not evicted"
+        );
+    }
+    wait_for(
+        "the draining taint removed",
+        Duration::from_secs(10),
+        || async {
+            let node = fleet.node_object(&blocked).await;
+            (!support::has_drain_taint(&node))
+                .then_some(())
+                .ok_or("still tainted".to_string())
+        },
+    )
+    .await;
+    let state = fleet.node_state(&blocked).await;
+    let draining = state
+        .status
+        .as_ref()
+        .and_then(|s| support::condition(&s.conditions, "Draining"))
+        .cloned();
+    let draining = draining.expect("Draining condition");
+    assert_eq!(
+        (draining.status.as_str(), draining.reason.as_str()),
+        ("False", "DrainComplete")
+    );
+    fleet
+        .wait_kernels(&fleet.node_names(), 100, Duration::from_secs(10))
+        .await;
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}
+
+/// A PodDisruptionBudget that allows no disruption keeps the consumer in
+/// place: the drain gives up after `drain.timeout`, the taint goes, and the
+/// pool reports DrainTimeout with the node in `failedNodes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_blocked_by_pdb_times_out() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(&env, "pdb", FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 512, json!(1));
+    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "5s"});
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+
+    let blocked = fleet.node_name(0);
+    assert_eq!(
+        fleet
+            .node(&blocked)
+            .kernel
+            .hold_pages(MI2, 0, 300)
+            .expect("hold"),
+        300
+    );
+    support::create_namespace(&fleet.client, &scope).await;
+    support::run_pod(
+        &fleet.client,
+        &scope,
+        support::pod("guarded", &blocked, "guarded", Some("600Mi")),
+    )
+    .await;
+    let pdb: PodDisruptionBudget = serde_json::from_value(json!({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": "guarded"},
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": "guarded"}}},
+    }))
+    .expect("PDB object");
+    Api::<PodDisruptionBudget>::namespaced(fleet.client.clone(), &scope)
+        .create(&PostParams::default(), &pdb)
+        .await
+        .expect("create PDB");
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![("guarded".into(), blocked.clone(), 300)],
+    );
+
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+    let timed_out = fleet
+        .wait_pool(&pool, "Degraded", "True", Duration::from_secs(40), |p| {
+            let (_, reason, _) = reason_of(p, "Degraded");
+            (reason == "DrainTimeout").then_some(()).ok_or(reason)
+        })
+        .await;
+    let status = status_of(&timed_out);
+    let failed: Vec<(String, String)> = status
+        .failed_nodes
+        .iter()
+        .map(|f| (f.name.clone(), f.reason.clone()))
+        .collect();
+    assert_eq!(failed, vec![(blocked.clone(), "DrainTimeout".to_string())]);
+    let (_, _, message) = reason_of(&timed_out, "Degraded");
+    assert!(message.contains(&blocked), "{message}");
+    let (_, progressing, _) = reason_of(&timed_out, "Progressing");
+    assert_eq!(
+        progressing, "RolloutHalted",
+        "one failed node reaches maxUnavailable 1"
+    );
+    wait_for(
+        "the draining taint removed",
+        Duration::from_secs(10),
+        || async {
+            let node = fleet.node_object(&blocked).await;
+            (!support::has_drain_taint(&node))
+                .then_some(())
+                .ok_or("still tainted".to_string())
+        },
+    )
+    .await;
+    let pod = Api::<Pod>::namespaced(fleet.client.clone(), &scope)
+        .get("guarded")
+        .await
+        .expect("pod");
+    assert!(
+        pod.metadata.deletion_timestamp.is_none(),
+        "the PDB kept the pod"
+    );
+    assert!(
+        kubelet
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .evicted
+            .is_empty()
+    );
+    // The kernel kept the pages in use; the other node waits for the halt.
+    assert_eq!(fleet.node(&blocked).pages_2mi().0, 300);
+    assert_eq!(fleet.node(&fleet.node_name(1)).pages_2mi(), (512, 0));
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
     fleet.shutdown().await;
 }

@@ -475,7 +475,9 @@ impl Fleet {
 
 /// A client that sees only the Nodes and HugePagePools matching
 /// `selector` in lists and watches (see the module docs).
-fn scoped_client(config: kube::Config, selector: String) -> Client {
+fn scoped_client(mut config: kube::Config, selector: String) -> Client {
+    // As the operator's main builds it (see `hugepool_operator::run`).
+    config.default_retry = false;
     let layer = tower::util::MapRequestLayer::new(move |request| {
         scope_collection_reads(request, &selector)
     });
