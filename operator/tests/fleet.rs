@@ -344,7 +344,11 @@ async fn relabelled_nodes_leave_and_join_as_deletion_policy_says() {
         )
         .await;
     fleet
-        .wait_kernels(&[released.clone()], 512, Duration::from_secs(10))
+        .wait_kernels(
+            std::slice::from_ref(&released),
+            512,
+            Duration::from_secs(10),
+        )
         .await;
     // The other pools' nodes were never touched.
     for index in [1, 2, 4, 5] {
