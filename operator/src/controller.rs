@@ -838,6 +838,8 @@ pub async fn run(
             }
         })
         .await;
+    // The lease task gives the Lease up only once every receiver is gone.
+    drop(is_leader);
     leadership.release().await;
     Ok(())
 }

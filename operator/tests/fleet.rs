@@ -8,10 +8,13 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hugepool_agent::kernel::SimulatedKernel;
+use hugepool_operator::LeaderConfig;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::ResourceExt;
@@ -637,5 +640,269 @@ async fn drain_blocked_by_pdb_times_out() {
     assert_eq!(fleet.node(&fleet.node_name(1)).pages_2mi(), (512, 0));
     kubelet_task.abort();
     support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}
+
+/// Two nodes with too little memory for the target come up short: with
+/// `maxUnavailable: 2` their failures halt the rollout (the other nodes are
+/// not touched), `status.failedNodes` names them; a target they can reach
+/// clears the halt and the pool converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocation_failures_halt_the_rollout_at_max_unavailable() {
+    let Some(env) = setup().await else { return };
+    // 1024 x 2Mi is 2 GiB: no room on a 2 GiB node.
+    let spec = FleetSpec::new(8)
+        .label(ROLE_LABEL, "dpdk")
+        .node_memory(0, 2 * support::GIB)
+        .node_memory(1, 2 * support::GIB);
+    let mut fleet = Fleet::start(&env, "short", spec).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 1024, json!(2)))
+        .await;
+    let short: Vec<String> = (0..2).map(|i| fleet.node_name(i)).collect();
+    let halted = fleet
+        .wait_pool(&pool, "Degraded", "True", Duration::from_secs(60), |p| {
+            let (_, reason, _) = reason_of(p, "Degraded");
+            (reason == "RolloutHalted").then_some(()).ok_or(reason)
+        })
+        .await;
+    let status = status_of(&halted);
+    let failed: Vec<(String, String)> = status
+        .failed_nodes
+        .iter()
+        .map(|f| (f.name.clone(), f.reason.clone()))
+        .collect();
+    let expected: Vec<(String, String)> = short
+        .iter()
+        .map(|n| (n.clone(), "AllocationFailed".to_string()))
+        .collect();
+    assert_eq!(failed, expected);
+    assert_eq!(status.nodes.failed, 2);
+    assert_eq!(status.nodes.pending, 6);
+    let (progressing, reason, _) = reason_of(&halted, "Progressing");
+    assert_eq!(
+        (progressing.as_str(), reason.as_str()),
+        ("False", "RolloutHalted")
+    );
+    let (_, _, message) = reason_of(&halted, "Degraded");
+    for name in &short {
+        assert!(
+            message.contains(name.as_str()),
+            "Degraded names {name}: {message}"
+        );
+    }
+    for name in &short {
+        let (persistent, _) = fleet.node(name).pages_2mi();
+        assert!(persistent < 1024, "{name} came up short: {persistent}");
+    }
+    // Halted: the rest of the fleet was never given the target.
+    for index in 2..8 {
+        let name = fleet.node_name(index);
+        assert_eq!(fleet.node(&name).pages_2mi(), (0, 0), "{name}");
+        assert_eq!(
+            entry_pool(&fleet.node_state(&name).await, "2Mi"),
+            None,
+            "{name}"
+        );
+    }
+
+    // 256 x 2Mi fits everywhere: the new target clears the halt.
+    fleet.patch_pool(&pool, json!({"pages": 256})).await;
+    let recovered = fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |p| {
+            let nodes = status_of(p).nodes;
+            (nodes.converged == 8)
+                .then_some(())
+                .ok_or(format!("{nodes:?}"))
+        })
+        .await;
+    assert!(status_of(&recovered).failed_nodes.is_empty());
+    fleet
+        .wait_kernels(&fleet.node_names(), 256, Duration::from_secs(10))
+        .await;
+    fleet.shutdown().await;
+}
+
+/// The Lease holder of `namespace/name`.
+async fn lease_holder(client: &kube::Client, namespace: &str, name: &str) -> Option<String> {
+    Api::<Lease>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity)
+}
+
+/// Two operator replicas with leader election; the leader is killed mid-
+/// rollout (its runtime dropped, the Lease left to expire): the other takes
+/// over, the rollout finishes, and no view of the fleet ever has more than
+/// `maxUnavailable` nodes changing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_killed_mid_rollout_the_other_replica_finishes_within_bound() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(&env, "ha", FleetSpec::new(20).label(ROLE_LABEL, "dpdk")).await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&fleet.client, &scope).await;
+    let lease = "hugepool-operator".to_string();
+    let identities: Vec<String> = (0..2).map(|i| format!("{scope}-replica-{i}")).collect();
+    for identity in &identities {
+        fleet
+            .start_operator(Some(LeaderConfig {
+                namespace: scope.clone(),
+                lease_name: lease.clone(),
+                identity: identity.clone(),
+                duration: Duration::from_secs(3),
+                grace: Duration::from_secs(1),
+            }))
+            .await;
+    }
+    let leader = wait_for("a leader", Duration::from_secs(30), || async {
+        lease_holder(&fleet.client, &scope, &lease)
+            .await
+            .ok_or("no holder".to_string())
+    })
+    .await;
+    let leader_index = identities
+        .iter()
+        .position(|i| *i == leader)
+        .expect("the leader is one of ours");
+
+    let mut watch = fleet.watch_rollout(4);
+    watch.synced().await;
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 2048, json!(4)))
+        .await;
+    let converged_at_kill = wait_for("the rollout under way", Duration::from_secs(60), || async {
+        let nodes = status_of(&fleet.pool(&pool).await).nodes;
+        (nodes.converged >= 4)
+            .then_some(nodes.converged)
+            .ok_or(format!("{nodes:?}"))
+    })
+    .await;
+    fleet.take_operator(leader_index).kill().await;
+    assert!(
+        converged_at_kill < 20,
+        "killed mid-rollout ({converged_at_kill}/20)"
+    );
+
+    let survivor = identities[1 - leader_index].clone();
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |p| {
+            let nodes = status_of(p).nodes;
+            (nodes.converged == 20)
+                .then_some(())
+                .ok_or(format!("{nodes:?}"))
+        })
+        .await;
+    assert_eq!(
+        lease_holder(&fleet.client, &scope, &lease).await,
+        Some(survivor)
+    );
+    fleet
+        .wait_kernels(&fleet.node_names(), 2048, Duration::from_secs(10))
+        .await;
+    let record = watch.assert_bounded();
+    let most = record
+        .max_changing
+        .get(&(pool.clone(), "2Mi".to_string()))
+        .copied()
+        .unwrap_or_default();
+    assert!((2..=4).contains(&most), "{most} nodes changing at most");
+    drop(watch);
+    let client = fleet.client.clone();
+    // Stopped (as by SIGTERM), the survivor gives its Lease up at once.
+    fleet.shutdown().await;
+    assert_eq!(
+        lease_holder(&client, &scope, &lease).await,
+        None,
+        "Lease released"
+    );
+    support::delete_namespace(&client, &scope).await;
+}
+
+/// Deleting a Release pool shrinks every node to 0 through the rollout
+/// before the pool object goes: whenever the pool is seen gone, every
+/// kernel is already at 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_deletion_returns_every_node_to_zero_before_the_pool_goes() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "release",
+        FleetSpec::new(10).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 512, json!(3));
+    spec["deletionPolicy"] = json!("Release");
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    fleet
+        .wait_kernels(&fleet.node_names(), 512, Duration::from_secs(10))
+        .await;
+
+    let mut watch = fleet.watch_rollout(3);
+    watch.synced().await;
+    fleet
+        .pool_api()
+        .delete(&pool, &DeleteParams::default())
+        .await
+        .expect("delete the pool");
+    // Look at the pool first, then the kernels: pages never come back, so
+    // a kernel above 0 after the pool was seen gone is a real violation.
+    let samples_while_releasing = AtomicU32::new(0);
+    wait_for("the pool gone", Duration::from_secs(60), || async {
+        let gone = fleet
+            .pool_api()
+            .get_opt(&pool)
+            .await
+            .expect("get pool")
+            .is_none();
+        let above_zero: Vec<String> = fleet
+            .nodes
+            .iter()
+            .filter(|n| n.pages_2mi().0 > 0)
+            .map(|n| n.name.clone())
+            .collect();
+        if gone {
+            assert!(
+                above_zero.is_empty(),
+                "the pool went while {above_zero:?} held pages"
+            );
+            return Ok(());
+        }
+        if !above_zero.is_empty() {
+            samples_while_releasing.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(format!("{} nodes above 0", above_zero.len()))
+    })
+    .await;
+    assert!(
+        samples_while_releasing.load(Ordering::Relaxed) > 0,
+        "the pool was seen while nodes released"
+    );
+    fleet
+        .wait_kernels(&fleet.node_names(), 0, Duration::from_secs(1))
+        .await;
+    for name in fleet.node_names() {
+        assert_eq!(
+            entry_pool(&fleet.node_state(&name).await, "2Mi"),
+            None,
+            "{name}"
+        );
+    }
+    watch.assert_bounded();
+    drop(watch);
     fleet.shutdown().await;
 }

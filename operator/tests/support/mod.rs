@@ -117,7 +117,12 @@ impl OperatorHandle {
 
     async fn join(&mut self) {
         if let Some(thread) = self.thread.take() {
-            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+            let joined = tokio::task::spawn_blocking(move || thread.join());
+            tokio::time::timeout(Duration::from_secs(10), joined)
+                .await
+                .expect("the operator stops within 10s")
+                .expect("operator thread joined")
+                .expect("the operator did not panic");
         }
     }
 }
