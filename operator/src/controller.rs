@@ -735,31 +735,16 @@ pub async fn run(
     ));
 
     {
-        let (pools, nodes, node_states, ready) = (
-            pools.clone(),
-            nodes.clone(),
-            node_states.clone(),
-            ready.clone(),
-        );
+        let (nodes, node_states, ready) = (nodes.clone(), node_states.clone(), ready.clone());
         tasks.0.push(tokio::spawn(async move {
-            // A store's readiness wakes only its latest waiter (kube-runtime's
-            // DelayedInit keeps one waker) and the Controller waits on the
-            // pools store as well, so look at that one again every 100 ms
-            // rather than wait alongside it.
-            let pools_ready = async {
-                loop {
-                    if let Some(result) = pools.wait_until_ready().now_or_never() {
-                        return result;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            };
-            let synced = futures::future::try_join3(
-                pools_ready,
-                nodes.wait_until_ready(),
-                node_states.wait_until_ready(),
-            )
-            .await;
+            // Not the pools store: it is the Controller's, which runs no
+            // reconcile before it is ready, and a store's readiness wakes
+            // only its latest waiter (kube-runtime's DelayedInit keeps one
+            // waker), so waiting on it here too could leave either waiter
+            // asleep forever.
+            let synced =
+                futures::future::try_join(nodes.wait_until_ready(), node_states.wait_until_ready())
+                    .await;
             if synced.is_ok() {
                 ready.store(true, Ordering::Relaxed);
                 info!("watches synced");
