@@ -13,15 +13,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hugepool_agent::kernel::SimulatedKernel;
+use hugepool_crds::{HugePageNode, HugePagePool, HugePagePoolStatus};
+use hugepool_e2e::setup;
 use hugepool_operator::LeaderConfig;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-
-use hugepool_crds::{HugePageNode, HugePagePool, HugePagePoolStatus};
-use hugepool_e2e::setup;
 use serde_json::json;
 use support::{Fleet, FleetSpec, MI2, wait_for};
 

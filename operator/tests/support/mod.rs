@@ -1,5 +1,6 @@
 //! A simulated fleet on the real control plane: Node objects, one in-process
-//! agent per Node over a `SimulatedKernel`, the operator in-process, and a
+//! agent per Node over a `SimulatedKernel`, the operator in-process (each
+//! replica on a runtime and thread of its own, like a process), and a
 //! watcher that checks the rollout bound on every HugePageNode change.
 //!
 //! Tests share one control plane and run in parallel, so each fleet has a
@@ -8,8 +9,6 @@
 //! lists and watches of Nodes and HugePagePools. To each operator the
 //! cluster then holds only its own test's objects, as it would in
 //! production.
-
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -20,7 +19,7 @@ use futures::StreamExt;
 use hugepool_agent::agent::metrics::Metrics as AgentMetrics;
 use hugepool_agent::agent::{AgentConfig, Shared};
 use hugepool_agent::kernel::{Kernel, SimConfig, SimulatedKernel};
-use hugepool_crds::{HugePageNode, HugePagePool, POOL_FINALIZER, PageSize};
+use hugepool_crds::{HugePageNode, HugePagePool, PageSize};
 use hugepool_e2e::TestEnv;
 use hugepool_operator::{Config as OperatorConfig, LeaderConfig};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
@@ -53,7 +52,7 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// Polls `probe` every 100 ms until it returns `Some`, or panics after
+/// Polls `probe` every 100 ms until it returns `Ok`, or panics after
 /// `timeout` naming `what` and the last thing the probe said.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
 where
@@ -787,9 +786,4 @@ pub async fn run_pod(client: &Client, namespace: &str, pod: Pod) -> Pod {
     )
     .await
     .expect("pod Running and Ready")
-}
-
-/// Whether `pool` still carries the release finalizer.
-pub fn has_finalizer(pool: &HugePagePool) -> bool {
-    pool.finalizers().iter().any(|f| f == POOL_FINALIZER)
 }
