@@ -244,6 +244,34 @@ async fn wait_for(
     }
 }
 
+/// Waits until the agent reports `type_` with `status` and `reason`; returns
+/// that condition and the object it was read from.
+async fn wait_for_condition(
+    client: &Client,
+    name: &str,
+    agent: &AgentProcess,
+    timeout: Duration,
+    type_: NodeConditionType,
+    status: &str,
+    reason: &str,
+) -> (
+    k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition,
+    HugePageNode,
+) {
+    let what = format!("{type_}={status}/{reason}");
+    let object = wait_for(client, name, agent, timeout, &what, |o| {
+        condition_is(o, type_, status, reason)
+    })
+    .await;
+    let condition = object
+        .status
+        .as_ref()
+        .and_then(|s| find_condition(&s.conditions, type_))
+        .cloned()
+        .expect("the awaited condition");
+    (condition, object)
+}
+
 fn condition_is(
     object: &HugePageNode,
     type_: NodeConditionType,
@@ -443,20 +471,16 @@ async fn pages_in_use_block_the_shrink_until_the_holder_exits() {
     let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
     let surplus_sampler = Sampler::start(|| Some(sysfs("surplus_hugepages")));
 
-    let object = wait_for(
+    let (blocked, object) = wait_for_condition(
         &env.client,
         &name,
         &agent,
         Duration::from_secs(60),
-        "ShrinkBlocked",
-        |o| condition_is(o, NodeConditionType::ShrinkBlocked, "True", "PagesInUse"),
+        NodeConditionType::ShrinkBlocked,
+        "True",
+        "PagesInUse",
     )
     .await;
-    let blocked = find_condition(
-        &object.status.as_ref().unwrap().conditions,
-        NodeConditionType::ShrinkBlocked,
-    )
-    .unwrap();
     assert!(
         blocked
             .message
@@ -520,27 +544,16 @@ async fn memory_guard_stops_growth_and_reports_allocation_failed() {
     let name = unique_name("agent-guard");
     create_node(&env.client, &name, "0", vec![wanted]).await;
     let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
-    let object = wait_for(
+    let (failed, object) = wait_for_condition(
         &env.client,
         &name,
         &agent,
         Duration::from_secs(60),
-        "AllocationFailed",
-        |o| {
-            condition_is(
-                o,
-                NodeConditionType::AllocationFailed,
-                "True",
-                "MemoryGuard",
-            )
-        },
+        NodeConditionType::AllocationFailed,
+        "True",
+        "MemoryGuard",
     )
     .await;
-    let failed = find_condition(
-        &object.status.as_ref().unwrap().conditions,
-        NodeConditionType::AllocationFailed,
-    )
-    .unwrap();
     let achieved = sysfs("nr_hugepages");
     assert!(achieved > 0 && achieved < 1024, "grew {achieved} pages");
     assert!(
@@ -949,20 +962,16 @@ async fn a_kernel_reported_lockup_during_a_resize_sets_stalled_and_raises_an_eve
         std::process::id()
     );
     std::fs::write("/dev/kmsg", line).expect("write /dev/kmsg");
-    let object = wait_for(
+    let (stalled, _) = wait_for_condition(
         &env.client,
         &name,
         &agent,
         Duration::from_secs(30),
-        "Stalled/SoftLockup",
-        |o| condition_is(o, NodeConditionType::Stalled, "True", "SoftLockup"),
+        NodeConditionType::Stalled,
+        "True",
+        "SoftLockup",
     )
     .await;
-    let stalled = find_condition(
-        &object.status.as_ref().unwrap().conditions,
-        NodeConditionType::Stalled,
-    )
-    .unwrap();
     assert!(
         stalled.message.contains("BUG: soft lockup") && stalled.message.contains("hugepool-e2e"),
         "{}",
