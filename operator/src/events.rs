@@ -37,67 +37,64 @@ fn became(
     }
 }
 
-/// Events for a pool whose status goes from `old` to `new`.
-pub fn pool_events(old: &HugePagePoolStatus, new: &HugePagePoolStatus) -> Vec<Event> {
-    let (old, new) = (&old.conditions, &new.conditions);
-    let mut events = Vec::new();
-    if let Some(message) = became(
-        old,
-        new,
-        PoolConditionType::Progressing,
-        "True",
-        &[
+/// A pool condition transition that raises an Event.
+struct PoolTransition {
+    type_: PoolConditionType,
+    reasons: &'static [Reason],
+    event_type: EventType,
+    event_reason: &'static str,
+    action: &'static str,
+}
+
+const POOL_TRANSITIONS: [PoolTransition; 4] = [
+    PoolTransition {
+        type_: PoolConditionType::Progressing,
+        reasons: &[
             Reason::RollingOut,
             Reason::MaxUnavailableReached,
             Reason::Draining,
         ],
-    ) && find_condition(old, PoolConditionType::Progressing).is_none_or(|c| c.status != "True")
-    {
-        events.push(event(
-            EventType::Normal,
-            "RolloutStarted",
-            "Rollout",
-            message,
-        ));
-    }
-    if let Some(message) = became(
-        old,
-        new,
-        PoolConditionType::Available,
-        "True",
-        &[Reason::AllNodesConverged],
-    ) {
-        events.push(event(
-            EventType::Normal,
-            "RolloutFinished",
-            "Rollout",
-            message,
-        ));
-    }
-    if let Some(message) = became(
-        old,
-        new,
-        PoolConditionType::Degraded,
-        "True",
-        &[Reason::RolloutHalted],
-    ) {
-        events.push(event(
-            EventType::Warning,
-            "RolloutHalted",
-            "Rollout",
-            message,
-        ));
-    }
-    if let Some(message) = became(
-        old,
-        new,
-        PoolConditionType::Degraded,
-        "True",
-        &[Reason::Conflict],
-    ) {
-        events.push(event(EventType::Warning, "Conflict", "Plan", message));
-    }
-    events
+        event_type: EventType::Normal,
+        event_reason: "RolloutStarted",
+        action: "Rollout",
+    },
+    PoolTransition {
+        type_: PoolConditionType::Available,
+        reasons: &[Reason::AllNodesConverged],
+        event_type: EventType::Normal,
+        event_reason: "RolloutFinished",
+        action: "Rollout",
+    },
+    PoolTransition {
+        type_: PoolConditionType::Degraded,
+        reasons: &[Reason::RolloutHalted],
+        event_type: EventType::Warning,
+        event_reason: "RolloutHalted",
+        action: "Rollout",
+    },
+    PoolTransition {
+        type_: PoolConditionType::Degraded,
+        reasons: &[Reason::Conflict],
+        event_type: EventType::Warning,
+        event_reason: "Conflict",
+        action: "Plan",
+    },
+];
+
+/// Events for a pool whose status goes from `old` to `new`.
+pub fn pool_events(old: &HugePagePoolStatus, new: &HugePagePoolStatus) -> Vec<Event> {
+    let (old, new) = (&old.conditions, &new.conditions);
+    POOL_TRANSITIONS
+        .iter()
+        .filter_map(|t| {
+            let message = became(old, new, t.type_, "True", t.reasons)?;
+            // A rollout starts once: moving between Progressing reasons is not a new start.
+            let restarted = t.type_ == PoolConditionType::Progressing
+                && find_condition(old, PoolConditionType::Progressing)
+                    .is_some_and(|c| c.status == "True");
+            (!restarted).then(|| event(t.event_type, t.event_reason, t.action, message))
+        })
+        .collect()
 }
 
 /// The Event for a Draining condition a node moves to, if it is new.
