@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CONTROLPLANE_DIR := e2e/controlplane
 
-.PHONY: all build test lint fmt crds manifests controlplane bench demo clean
+.PHONY: all build test lint fmt crds manifests controlplane images bench demo clean
 
 all: build
 
@@ -11,7 +11,7 @@ build:
 	$(CARGO) build --workspace --all-targets
 
 ## Everything CI checks: lint, then every test (unit, real kernel, real control plane).
-test: lint controlplane
+test: lint controlplane images
 	bash e2e/with-controlplane.sh $(CARGO) test --workspace --all-targets
 
 lint: controlplane
@@ -37,6 +37,10 @@ manifests:
 ## Build the real kube-apiserver + etcd + controller-manager and kubectl (cached).
 controlplane:
 	bash $(CONTROLPLANE_DIR)/build.sh
+
+## Build the operator, agent and test images as OCI archives in target/images/ (nothing pulled).
+images:
+	bash hack/images.sh
 
 ## Side-by-side benchmark of the resize engine against one write and fixed steps (real kernel, root).
 bench:

@@ -34,7 +34,8 @@ macro_rules! api_enum {
 api_enum! {
     /// Conditions on a HugePageNode; all agent-owned except Draining.
     NodeConditionType {
-        Converged, Resizing, Stalled, AllocationFailed, ShrinkBlocked, KubeletCapacityStale, Draining,
+        Converged, Resizing, Stalled, AllocationFailed, ShrinkBlocked, KubeletCapacityStale,
+        KernelLogUnavailable, Draining,
     }
 }
 
@@ -60,6 +61,8 @@ api_enum! {
         NotBlocked,
         // KubeletCapacityStale
         KubeletRestartRequired, KubeletRestarted, CapacityMatches,
+        // KernelLogUnavailable
+        KernelLogUnreadable, KernelLogDisabled, KernelLogWatched,
         // Draining
         EvictingPods, DrainTimeout, DrainComplete,
         // Pool: Available / Progressing / Degraded

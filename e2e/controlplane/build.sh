@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds bin/controlplane and bin/kubectl from the Kubernetes Go modules pinned
+# Builds bin/controlplane, bin/kubectl and bin/kubelet from the Kubernetes Go modules pinned
 # in go.mod. Does nothing when the inputs' hash matches bin/.stamp.
 # Uses the machine's normal GOMODCACHE/GOCACHE, so rebuilds are incremental.
 set -euo pipefail
@@ -11,8 +11,8 @@ exec 9>bin/.lock
 flock 9
 
 stamp="$({ sha256sum go.mod go.sum ./*.go build.sh; go env GOVERSION GOOS GOARCH; } | sha256sum | cut -d' ' -f1)"
-if [[ -x bin/controlplane && -x bin/kubectl && "$(cat bin/.stamp 2>/dev/null)" == "$stamp" ]]; then
-  echo "build.sh: bin/controlplane and bin/kubectl are up to date"
+if [[ -x bin/controlplane && -x bin/kubectl && -x bin/kubelet && "$(cat bin/.stamp 2>/dev/null)" == "$stamp" ]]; then
+  echo "build.sh: bin/controlplane, bin/kubectl and bin/kubelet are up to date"
   exit 0
 fi
 
@@ -28,13 +28,13 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   ldflags+=" -X ${pkg}.buildDate=${build_date}"
 done
 
-echo "build.sh: building controlplane and kubectl ${k8s_version} (first build takes several minutes)"
+echo "build.sh: building controlplane, kubectl and kubelet ${k8s_version} (first build takes several minutes)"
 start=$SECONDS
 tmp="$(mktemp -d bin/.build.XXXXXX)"
 trap 'rm -rf "$tmp"' EXIT
 # Build into a temp dir and rename, so a running controlplane is never
 # overwritten in place.
-CGO_ENABLED=0 go build -buildvcs=false -ldflags "$ldflags" -o "$tmp/" . k8s.io/kubernetes/cmd/kubectl
-mv -f "$tmp/controlplane" "$tmp/kubectl" bin/
+CGO_ENABLED=0 go build -buildvcs=false -ldflags "$ldflags" -o "$tmp/" . k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kubelet
+mv -f "$tmp/controlplane" "$tmp/kubectl" "$tmp/kubelet" bin/
 echo "$stamp" >bin/.stamp
 echo "build.sh: done in $((SECONDS - start))s: $(bin/controlplane version)"

@@ -8,6 +8,7 @@ import (
 	"k8s.io/component-base/cli"
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
 
 	// Same side-effect imports as the upstream kube-apiserver and
 	// kube-controller-manager main packages.
@@ -17,7 +18,8 @@ import (
 	_ "time/tzdata"
 )
 
-// serviceCIDR is never routed: no kube-proxy or kubelet runs.
+// serviceCIDR is never routed: no kube-proxy runs, and pods on the --node
+// kubelet reach the apiserver on the pod bridge's address instead.
 const serviceCIDR = "10.0.0.0/24"
 
 // controllers is the minimal set the e2e tests need. nodelifecycle must stay
@@ -29,6 +31,17 @@ var controllers = []string{
 	"namespace-controller",
 	"disruption-controller",
 	"serviceaccount-controller",
+}
+
+// nodeControllers are added with --node, for the workloads a kubelet runs:
+// Deployments, DaemonSets and the kube-root-ca.crt ConfigMap that every
+// pod's service-account volume mounts. nodelifecycle stays off: the e2e
+// tests create Nodes that no kubelet heartbeats.
+var nodeControllers = []string{
+	"deployment-controller",
+	"replicaset-controller",
+	"daemonset-controller",
+	"root-ca-certificate-publisher-controller",
 }
 
 func runAPIServer(args []string) int {
@@ -43,6 +56,12 @@ func runControllerManager(args []string) int {
 	return cli.Run(cmd)
 }
 
+func runScheduler(args []string) int {
+	cmd := scheduler.NewSchedulerCommand()
+	cmd.SetArgs(args)
+	return cli.Run(cmd)
+}
+
 func etcdArgs(dir string, p ports) []string {
 	return []string{
 		"--data-dir=" + filepath.Join(dir, "etcd"),
@@ -51,11 +70,16 @@ func etcdArgs(dir string, p ports) []string {
 	}
 }
 
-func apiserverArgs(dir string, p ports, extra []string) []string {
+func apiserverArgs(dir string, p ports, node bool, extra []string) []string {
 	pki := filepath.Join(dir, "pki")
+	// With --node, pods reach the apiserver on the pod bridge's address.
+	bind := "127.0.0.1"
+	if node {
+		bind = "0.0.0.0"
+	}
 	args := []string{
 		fmt.Sprintf("--etcd-servers=http://127.0.0.1:%d", p.EtcdClient),
-		"--bind-address=127.0.0.1",
+		"--bind-address=" + bind,
 		"--advertise-address=127.0.0.1",
 		// The endpoint reconciler refuses loopback addresses; nothing in the
 		// tests routes to the "kubernetes" Service anyway.
@@ -74,11 +98,15 @@ func apiserverArgs(dir string, p ports, extra []string) []string {
 	return append(args, extra...)
 }
 
-func controllerManagerArgs(dir string, p ports, extra []string) []string {
+func controllerManagerArgs(dir string, p ports, node bool, extra []string) []string {
 	pki := filepath.Join(dir, "pki")
+	enabled := controllers
+	if node {
+		enabled = append(append([]string{}, controllers...), nodeControllers...)
+	}
 	args := []string{
 		"--kubeconfig=" + filepath.Join(dir, "controller-manager.kubeconfig"),
-		"--controllers=" + strings.Join(controllers, ","),
+		"--controllers=" + strings.Join(enabled, ","),
 		// A restart must not wait for a stale leader lease to expire.
 		"--leader-elect=false",
 		"--bind-address=127.0.0.1",
@@ -90,4 +118,19 @@ func controllerManagerArgs(dir string, p ports, extra []string) []string {
 		"--profiling=false",
 	}
 	return append(args, extra...)
+}
+
+func schedulerArgs(dir string, p ports) []string {
+	pki := filepath.Join(dir, "pki")
+	return []string{
+		"--kubeconfig=" + filepath.Join(dir, "scheduler.kubeconfig"),
+		"--authentication-kubeconfig=" + filepath.Join(dir, "scheduler.kubeconfig"),
+		"--authorization-kubeconfig=" + filepath.Join(dir, "scheduler.kubeconfig"),
+		"--leader-elect=false",
+		"--bind-address=127.0.0.1",
+		fmt.Sprintf("--secure-port=%d", p.Scheduler),
+		"--tls-cert-file=" + filepath.Join(pki, "serving.crt"),
+		"--tls-private-key-file=" + filepath.Join(pki, "serving.key"),
+		"--profiling=false",
+	}
 }

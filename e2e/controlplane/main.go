@@ -1,5 +1,6 @@
 // Command controlplane runs a real etcd, kube-apiserver and
-// kube-controller-manager on loopback for hugepool's end-to-end tests.
+// kube-controller-manager on loopback for hugepool's end-to-end tests, and
+// with --node a real kubelet and containerd on this machine.
 //
 //	controlplane up --data-dir DIR     start everything, write DIR/kubeconfig, then DIR/ready
 //	controlplane version               print the Kubernetes version this binary was built from
@@ -21,12 +22,21 @@ import (
 
 const usageText = `usage:
   controlplane up --data-dir DIR [--timeout 3m] [--apiserver-arg=--flag=value]... [--controller-manager-arg=--flag=value]...
+                  [--node [--node-name NAME] [--images DIR]]
   controlplane version
 
 internal (started by up):
   controlplane etcd --data-dir DIR --client-url URL --peer-url URL
   controlplane apiserver <kube-apiserver flags>
   controlplane controller-manager <kube-controller-manager flags>
+  controlplane scheduler <kube-scheduler flags>
+
+With --node, up also runs a real node on this machine: containerd (Debian's,
+with runc and the CNI loopback plugin), the OCI archives in --images imported
+into it, the kubelet built beside this binary, and kube-scheduler plus the
+Deployment, DaemonSet and root-CA controllers; DIR/ready is written once the
+Node is Ready. Pods get addresses on a bridge that exists only on this machine
+(10.88.0.0/24) and reach the apiserver at DIR/pod-apiserver (10.88.0.1:PORT).
 `
 
 func main() {
@@ -52,6 +62,8 @@ func main() {
 		os.Exit(runAPIServer(args))
 	case "controller-manager":
 		os.Exit(runControllerManager(args))
+	case "scheduler":
+		os.Exit(runScheduler(args))
 	case "version", "--version":
 		fmt.Println(version.Get().GitVersion)
 	case "help", "-h", "--help":

@@ -28,6 +28,7 @@ const (
 	servingName = "serving"            // apiserver and controller-manager serving cert
 	adminName   = "admin"              // client cert in system:masters, used by DIR/kubeconfig
 	kcmName     = "controller-manager" // client cert of the controller-manager
+	schedName   = "scheduler"          // client cert of the scheduler (--node)
 	saKeyName   = "sa"                 // service-account token signing key pair
 )
 
@@ -54,7 +55,7 @@ func ensurePKI(dir string) (*pki, error) {
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 		DNSNames: []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
 			"kubernetes.default.svc.cluster.local"},
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback, net.IPv4(10, 0, 0, 1)},
+		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback, net.IPv4(10, 0, 0, 1), net.ParseIP(podGateway)},
 	}
 	admin := &x509.Certificate{
 		Subject:     pkix.Name{CommonName: "kubernetes-admin", Organization: []string{"system:masters"}},
@@ -67,7 +68,11 @@ func ensurePKI(dir string) (*pki, error) {
 		Subject:     pkix.Name{CommonName: "system:kube-controller-manager", Organization: []string{"system:masters"}},
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
 	}
-	for name, tmpl := range map[string]*x509.Certificate{servingName: serving, adminName: admin, kcmName: kcm} {
+	sched := &x509.Certificate{
+		Subject:     pkix.Name{CommonName: "system:kube-scheduler", Organization: []string{"system:masters"}},
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	for name, tmpl := range map[string]*x509.Certificate{servingName: serving, adminName: admin, kcmName: kcm, schedName: sched} {
 		if err := p.ensureLeaf(name, tmpl); err != nil {
 			return nil, err
 		}
@@ -141,6 +146,16 @@ func (p *pki) ensureLeaf(name string, tmpl *x509.Certificate) error {
 		return err
 	}
 	return writePair(certPath, keyPath, der, key)
+}
+
+// ensureNodeCert issues the kubelet's client cert as the Node authorizer
+// expects it (system:node:NAME in system:nodes) and returns its name.
+func (p *pki) ensureNodeCert(node string) (string, error) {
+	name := "node-" + node
+	return name, p.ensureLeaf(name, &x509.Certificate{
+		Subject:     pkix.Name{CommonName: "system:node:" + node, Organization: []string{"system:nodes"}},
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	})
 }
 
 func (p *pki) ensureSAKey() error {

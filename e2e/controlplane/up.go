@@ -38,6 +38,9 @@ type ports struct {
 	EtcdPeer          int `json:"etcdPeer"`
 	APIServer         int `json:"apiserver"`
 	ControllerManager int `json:"controllerManager"`
+	Scheduler         int `json:"scheduler"`
+	Kubelet           int `json:"kubelet"`
+	KubeletHealthz    int `json:"kubeletHealthz"`
 }
 
 type stringList []string
@@ -52,6 +55,9 @@ func runUp(args []string) error {
 	var apiExtra, kcmExtra stringList
 	fs.Var(&apiExtra, "apiserver-arg", "extra kube-apiserver flag, e.g. --apiserver-arg=--v=4 (repeatable)")
 	fs.Var(&kcmExtra, "controller-manager-arg", "extra kube-controller-manager flag (repeatable)")
+	withNode := fs.Bool("node", false, "also run a kubelet and containerd on this machine (root), with kube-scheduler")
+	nodeName := fs.String("node-name", defaultNodeName(), "the Node's name (--node)")
+	images := fs.String("images", "", "import every *.tar OCI archive in this directory into the node's containerd (--node)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -156,7 +162,7 @@ func runUp(args []string) error {
 		return err
 	}
 	admin := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: adminTLS}}
-	if err := startAndWait("apiserver", apiserverArgs(dir, pt, apiExtra), httpCheck(admin, apiURL+"/readyz", "ok")); err != nil {
+	if err := startAndWait("apiserver", apiserverArgs(dir, pt, *withNode, apiExtra), httpCheck(admin, apiURL+"/readyz", "ok")); err != nil {
 		return err
 	}
 	phase("apiserver ready on %s", apiURL)
@@ -167,7 +173,7 @@ func runUp(args []string) error {
 	}
 	caOnly := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: caTLS}}
 	kcmHealth := fmt.Sprintf("https://127.0.0.1:%d/healthz", pt.ControllerManager)
-	if err := startAndWait("controller-manager", controllerManagerArgs(dir, pt, kcmExtra), httpCheck(caOnly, kcmHealth, "ok")); err != nil {
+	if err := startAndWait("controller-manager", controllerManagerArgs(dir, pt, *withNode, kcmExtra), httpCheck(caOnly, kcmHealth, "ok")); err != nil {
 		return err
 	}
 	phase("controller-manager healthy on https://127.0.0.1:%d", pt.ControllerManager)
@@ -181,6 +187,29 @@ func runUp(args []string) error {
 	}
 	phase("default ServiceAccount exists")
 
+	var n *node
+	if *withNode {
+		n = &node{dir: dir, name: *nodeName, images: *images, apiURL: apiURL, ports: pt, pki: p, admin: admin, timeout: *timeout}
+		unlockNode, err := n.prepare(phase)
+		if err != nil {
+			return err
+		}
+		defer unlockNode()
+		// Stopped before the control plane, after the kubelet: see node.stop.
+		defer n.stop(phase)
+		if err := p.writeKubeconfig(filepath.Join(dir, "scheduler.kubeconfig"), apiURL, schedName); err != nil {
+			return err
+		}
+		schedHealth := fmt.Sprintf("https://127.0.0.1:%d/healthz", pt.Scheduler)
+		if err := startAndWait("scheduler", schedulerArgs(dir, pt), httpCheck(caOnly, schedHealth, "ok")); err != nil {
+			return err
+		}
+		phase("scheduler healthy on %s", schedHealth)
+		if err := n.start(ctx, phase); err != nil {
+			return err
+		}
+	}
+
 	if err := p.writeKubeconfig(filepath.Join(dir, kubeconfigFile), apiURL, adminName); err != nil {
 		return err
 	}
@@ -189,8 +218,12 @@ func runUp(args []string) error {
 	}
 	phase("ready: %s", filepath.Join(dir, kubeconfigFile))
 
-	exited := make(chan *child, len(running))
-	for _, c := range running {
+	watched := running
+	if n != nil {
+		watched = append(append([]*child{}, running...), n.children...)
+	}
+	exited := make(chan *child, len(watched))
+	for _, c := range watched {
 		go func() { <-c.done; exited <- c }()
 	}
 	select {
@@ -279,7 +312,7 @@ func loadOrPickPorts(path string) (ports, error) {
 		return p, fmt.Errorf("apiserver port %d (from %s) is in use", p.APIServer, path)
 	}
 	taken := map[int]bool{}
-	for _, port := range []*int{&p.APIServer, &p.EtcdClient, &p.EtcdPeer, &p.ControllerManager} {
+	for _, port := range []*int{&p.APIServer, &p.EtcdClient, &p.EtcdPeer, &p.ControllerManager, &p.Scheduler, &p.Kubelet, &p.KubeletHealthz} {
 		if *port == 0 || taken[*port] || !portFree(*port) {
 			if *port, err = freePort(taken); err != nil {
 				return p, err
@@ -360,19 +393,25 @@ type child struct {
 }
 
 func startChild(dir, name string, args []string) (*child, error) {
+	// /proc/self/exe runs exactly this binary even if build.sh replaced the
+	// file meanwhile.
+	return startProcess(dir, name, "/proc/self/exe", append([]string{os.Args[0], name}, args...))
+}
+
+// startProcess starts path with argv (argv[0] included), logging to
+// DIR/logs/NAME.log.
+func startProcess(dir, name, path string, argv []string) (*child, error) {
 	logPath := filepath.Join(dir, "logs", name+".log")
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
 	defer logf.Close()
-	fmt.Fprintf(logf, "==== %s controlplane %s %s\n", time.Now().Format(time.RFC3339), name, strings.Join(args, " "))
+	fmt.Fprintf(logf, "==== %s %s\n", time.Now().Format(time.RFC3339), strings.Join(argv, " "))
 
-	// /proc/self/exe runs exactly this binary even if build.sh replaced the
-	// file meanwhile.
 	cmd := &exec.Cmd{
-		Path:   "/proc/self/exe",
-		Args:   append([]string{os.Args[0], name}, args...),
+		Path:   path,
+		Args:   argv,
 		Stdout: logf,
 		Stderr: logf,
 		SysProcAttr: &syscall.SysProcAttr{

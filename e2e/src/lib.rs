@@ -70,7 +70,7 @@ impl ControlPlane {
     /// The control plane stops by itself when this process exits (it watches
     /// its parent), so a crashed test run leaks nothing.
     pub fn start(data_dir: &Path, timeout: Duration) -> Result<ControlPlane, E2eError> {
-        let child = spawn_up(data_dir)?;
+        let child = spawn_up(data_dir, &[])?;
         wait_ready(data_dir, timeout)?;
         // Lives as long as this process; see above.
         std::mem::forget(child);
@@ -105,7 +105,7 @@ impl ControlPlane {
     }
 }
 
-fn spawn_up(data_dir: &Path) -> Result<std::process::Child, E2eError> {
+fn spawn_up(data_dir: &Path, extra: &[&std::ffi::OsStr]) -> Result<std::process::Child, E2eError> {
     let binary = controlplane_bin_dir().join("controlplane");
     if !binary.exists() {
         return Err(E2eError::MissingBinary(binary));
@@ -120,6 +120,7 @@ fn spawn_up(data_dir: &Path) -> Result<std::process::Child, E2eError> {
         .arg("up")
         .arg("--data-dir")
         .arg(data_dir)
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -146,18 +147,32 @@ pub struct OwnedControlPlane {
     pub dir: PathBuf,
     pub control_plane: ControlPlane,
     child: Option<std::process::Child>,
+    up_args: Vec<std::ffi::OsString>,
 }
 
 impl OwnedControlPlane {
     pub fn start(dir: &Path) -> Result<Self, E2eError> {
-        let child = spawn_up(dir)?;
-        wait_ready(dir, Duration::from_secs(180))?;
+        Self::start_with(dir, Vec::new())
+    }
+
+    /// `controlplane up --node`: also a real kubelet and containerd on this
+    /// machine (root), with the OCI archives in `images` imported.
+    pub fn start_with_node(dir: &Path, images: &Path) -> Result<Self, E2eError> {
+        Self::start_with(dir, vec!["--node".into(), "--images".into(), images.into()])
+    }
+
+    fn start_with(dir: &Path, up_args: Vec<std::ffi::OsString>) -> Result<Self, E2eError> {
+        let args: Vec<&std::ffi::OsStr> = up_args.iter().map(|a| a.as_os_str()).collect();
+        let child = spawn_up(dir, &args)?;
+        // A node's first start imports images and waits for the kubelet.
+        wait_ready(dir, Duration::from_secs(300))?;
         Ok(Self {
             dir: dir.to_path_buf(),
             control_plane: ControlPlane {
                 kubeconfig: dir.join("kubeconfig"),
             },
             child: Some(child),
+            up_args,
         })
     }
 
@@ -198,8 +213,9 @@ impl OwnedControlPlane {
 
     pub fn restart(&mut self) -> Result<(), E2eError> {
         self.stop();
-        self.child = Some(spawn_up(&self.dir)?);
-        wait_ready(&self.dir, Duration::from_secs(180))
+        let args: Vec<&std::ffi::OsStr> = self.up_args.iter().map(|a| a.as_os_str()).collect();
+        self.child = Some(spawn_up(&self.dir, &args)?);
+        wait_ready(&self.dir, Duration::from_secs(300))
     }
 }
 
@@ -207,6 +223,21 @@ impl Drop for OwnedControlPlane {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Exclusive use of this machine's hugetlb pools across processes: every
+/// test (and `make demo`) that writes them holds this file lock.
+pub fn lock_machine_kernel() -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::create(std::env::temp_dir().join("hugepool-real-kernel.lock"))
+        .expect("lock file");
+    // SAFETY: flock on a descriptor we own; blocks until the lock is ours.
+    assert_eq!(
+        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) },
+        0,
+        "flock"
+    );
+    file
 }
 
 /// Whether tests must fail rather than skip when something is missing.

@@ -83,3 +83,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
 {{- end }}
 {{- end }}
+
+{{/* KUBERNETES_SERVICE_HOST/PORT when apiServer.host is set: the in-cluster
+client config reads them, and explicit env wins over the kubelet's. */}}
+{{- define "hugepool.apiServerEnv" -}}
+{{- with .Values.apiServer.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.apiServer.port | quote }}
+{{- end }}
+{{- end }}

@@ -60,6 +60,8 @@ pub struct Metrics {
     pub stalls: Family<StallLabels, Counter>,
     pub shortfall_pages: Family<SizeLabels, Gauge>,
     pub mem_available_bytes: Gauge,
+    /// 1 while the kernel log is read, 0 when it is off or unreadable.
+    pub kernel_log_watching: Gauge,
 }
 
 impl Metrics {
@@ -71,6 +73,7 @@ impl Metrics {
             stalls: Family::default(),
             shortfall_pages: Family::default(),
             mem_available_bytes: Gauge::default(),
+            kernel_log_watching: Gauge::default(),
         };
         let prefix = registry.sub_registry_with_prefix("hugepool");
         prefix.register(
@@ -102,6 +105,11 @@ impl Metrics {
             "mem_available_bytes",
             "MemAvailable from /proc/meminfo",
             metrics.mem_available_bytes.clone(),
+        );
+        prefix.register(
+            "kernel_log_watching",
+            "1 while the agent reads the kernel log (/dev/kmsg), 0 when it is off or unreadable",
+            metrics.kernel_log_watching.clone(),
         );
         metrics
     }

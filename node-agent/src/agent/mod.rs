@@ -36,7 +36,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use self::metrics::{Metrics, PageState, SizeLabels, StallLabels, StepLabels};
 use self::snapshot::KernelSnapshot;
-use self::status::{AgentMemory, Running, StallRecord};
+use self::status::{AgentMemory, KernelLogState, Running, StallRecord};
 use crate::kernel::{Kernel, PoolScope};
 use crate::kmsg::KernelLogEvent;
 use crate::resize::{self, CostModels, Direction, Event, Outcome, Settings, Summary, Target};
@@ -873,9 +873,18 @@ fn watch_kernel_log(
     shared: Arc<Shared>,
     events: mpsc::UnboundedSender<PendingEvent>,
 ) {
+    let set_state = |shared: &Shared, state: KernelLogState| {
+        let watching = state == KernelLogState::Watching;
+        shared.metrics.kernel_log_watching.set(i64::from(watching));
+        shared.memory().kernel_log = state;
+        shared.touch(!watching);
+    };
+    set_state(&shared, KernelLogState::Watching);
+    let thread_shared = Arc::clone(&shared);
     let spawned = std::thread::Builder::new()
         .name("kmsg".into())
         .spawn(move || {
+            let shared = thread_shared;
             let result = crate::kmsg::watch(&path, true, |record: KernelLogEvent| {
                 let reason = Reason::parse(record.kind.as_str()).unwrap_or(Reason::SoftLockup);
                 shared
@@ -914,12 +923,16 @@ fn watch_kernel_log(
                 }
                 true
             });
-            if let Err(err) = result {
-                warn!(error = %err, "kernel log watcher stopped");
-            }
+            let error = match result {
+                Err(err) => err.to_string(),
+                Ok(()) => format!("{} ended", path.display()),
+            };
+            warn!(%error, "kernel log watcher stopped");
+            set_state(&shared, KernelLogState::Unavailable(error));
         });
     if let Err(err) = spawned {
         warn!(error = %err, "cannot start the kernel log watcher");
+        set_state(&shared, KernelLogState::Unavailable(format!("no watcher thread: {err}")));
     }
 }
 

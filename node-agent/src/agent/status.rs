@@ -59,6 +59,21 @@ pub struct AgentMemory {
     pub targets: Vec<PageSizeTarget>,
     pub sizes: BTreeMap<PageSize, SizeRecord>,
     pub kubelet: KubeletView,
+    pub kernel_log: KernelLogState,
+}
+
+/// Whether the agent reads the kernel log, where lockups, RCU stalls and hung
+/// tasks are reported. A container runtime's device cgroup commonly refuses
+/// `/dev/kmsg`; that must show in the status, never be silent.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum KernelLogState {
+    /// Turned off (`--no-kmsg`).
+    #[default]
+    Disabled,
+    /// Records are being read.
+    Watching,
+    /// Opening or reading failed; the error.
+    Unavailable(String),
 }
 
 /// How far one target is from the kernel's state.
@@ -317,10 +332,35 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
     if let Some(update) = kubelet_condition(snapshot, memory) {
         updates.push(update);
     }
+    updates.push(kernel_log_condition(&memory.kernel_log));
     updates
         .into_iter()
         .map(|u| u.generation(generation))
         .collect()
+}
+
+fn kernel_log_condition(state: &KernelLogState) -> ConditionUpdate {
+    const UNSEEN: &str = "kernel-reported soft lockups, RCU stalls and hung tasks are not seen";
+    match state {
+        KernelLogState::Watching => ConditionUpdate::new(
+            Type::KernelLogUnavailable,
+            false,
+            Reason::KernelLogWatched,
+            "reading the kernel log",
+        ),
+        KernelLogState::Disabled => ConditionUpdate::new(
+            Type::KernelLogUnavailable,
+            true,
+            Reason::KernelLogDisabled,
+            format!("the kernel log watcher is off (--no-kmsg): {UNSEEN}"),
+        ),
+        KernelLogState::Unavailable(error) => ConditionUpdate::new(
+            Type::KernelLogUnavailable,
+            true,
+            Reason::KernelLogUnreadable,
+            format!("{error}: {UNSEEN}"),
+        ),
+    }
 }
 
 /// The pools kubelet should report: persistent pages of every targeted size.
@@ -479,6 +519,40 @@ mod tests {
 
     fn cond(status: &HugePageNodeStatus, t: NodeConditionType) -> &Condition {
         find_condition(&status.conditions, t).unwrap_or_else(|| panic!("no {t} condition"))
+    }
+
+    #[test]
+    fn an_unreadable_kernel_log_is_reported_with_the_error_never_silently() {
+        let snapshot = snapshot(0, 0, 0, 0);
+        let mut memory = memory(vec![]);
+        memory.kernel_log = KernelLogState::Watching;
+        let watching = built(&snapshot, &memory);
+        let condition = cond(&watching, NodeConditionType::KernelLogUnavailable);
+        assert_eq!(
+            (condition.status.as_str(), condition.reason.as_str()),
+            ("False", "KernelLogWatched")
+        );
+
+        memory.kernel_log =
+            KernelLogState::Unavailable("reading /dev/kmsg: Operation not permitted".into());
+        let refused = built(&snapshot, &memory);
+        let condition = cond(&refused, NodeConditionType::KernelLogUnavailable);
+        assert_eq!(
+            (condition.status.as_str(), condition.reason.as_str()),
+            ("True", "KernelLogUnreadable")
+        );
+        assert!(
+            condition.message.starts_with("reading /dev/kmsg: Operation not permitted: "),
+            "{}",
+            condition.message
+        );
+
+        memory.kernel_log = KernelLogState::Disabled;
+        let off = built(&snapshot, &memory);
+        assert_eq!(
+            cond(&off, NodeConditionType::KernelLogUnavailable).reason,
+            "KernelLogDisabled"
+        );
     }
 
     #[test]

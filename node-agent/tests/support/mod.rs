@@ -28,27 +28,14 @@ pub struct RealKernel {
     _machine_lock: std::fs::File,
 }
 
-/// Test binaries run one after another, but a developer may run two cargo
-/// commands at once: a file lock keeps their kernel tests apart too.
-fn lock_machine() -> std::fs::File {
-    use std::os::fd::AsRawFd;
-    let file = std::fs::File::create(std::env::temp_dir().join("hugepool-real-kernel.lock"))
-        .expect("lock file");
-    // SAFETY: flock on a descriptor we own; blocks until the lock is ours.
-    assert_eq!(
-        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) },
-        0,
-        "flock"
-    );
-    file
-}
-
 impl RealKernel {
     /// The kernel, or `None` (skip) when this machine cannot run the test;
     /// under `CI=true` that is a failure instead.
     pub fn acquire(needs_bytes: u64) -> Option<Self> {
         let lock = KERNEL_LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-        let machine_lock = lock_machine();
+        // Test binaries run one after another, but a developer may run two
+        // cargo commands at once: the file lock keeps them apart too.
+        let machine_lock = hugepool_e2e::lock_machine_kernel();
         let kernel = SysfsKernel::default();
         match Self::check(&kernel, needs_bytes) {
             Ok(()) => {}

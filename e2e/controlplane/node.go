@@ -1,0 +1,420 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Debian's packages the node runs on; installed by ensureNodePackages when
+// missing. containerd 1.6 is the newest in Debian 12 and serves CRI v1.
+var nodePackages = map[string]string{
+	"/usr/bin/containerd":              "containerd",
+	"/usr/bin/containerd-shim-runc-v2": "containerd",
+	"/usr/bin/ctr":                     "containerd",
+	"/usr/sbin/runc":                   "runc",
+	"/usr/lib/cni/loopback":            "containernetworking-plugins",
+	"/usr/sbin/ip":                     "iproute2",
+	"/usr/bin/mount":                   "mount",
+}
+
+// The pod network: a bridge in this machine's network namespace. Pods reach
+// the apiserver at the gateway address (the apiserver listens on every local
+// address with --node); nothing is routed off the machine.
+const (
+	podBridge  = "hugepool0"
+	podSubnet  = "10.88.0.0/24"
+	podGateway = "10.88.0.1"
+	// DIR/pod-apiserver holds host:port of the apiserver as pods reach it.
+	podAPIServerFile = "pod-apiserver"
+)
+
+// One node at a time on a machine: its pods live in the kubepods cgroups and
+// write this machine's kernel.
+const nodeLockPath = "/run/hugepool-controlplane-node.lock"
+
+// node is the kubelet and containerd of `up --node`, with their state under
+// DIR/node.
+type node struct {
+	dir, name, images, apiURL string
+	ports                     ports
+	pki                       *pki
+	admin                     *http.Client
+	timeout                   time.Duration
+
+	containerd, kubelet *child
+	children            []*child
+}
+
+func defaultNodeName() string {
+	h, err := os.Hostname()
+	if err != nil || h == "" {
+		return "hugepool-node"
+	}
+	return strings.ToLower(strings.ReplaceAll(h, "_", "-"))
+}
+
+func (n *node) path(parts ...string) string {
+	return filepath.Join(append([]string{n.dir, "node"}, parts...)...)
+}
+func (n *node) socket() string { return n.path("containerd.sock") }
+
+// prepare takes the machine's node lock, installs missing packages and
+// clears what a node that died without stopping left running.
+func (n *node) prepare(phase func(string, ...any)) (func(), error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("--node runs containerd and the kubelet: run as root")
+	}
+	f, err := os.OpenFile(nodeLockPath, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	if !retryFor(30*time.Second, func() bool { return unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil }) {
+		f.Close()
+		return nil, fmt.Errorf("another controlplane up --node holds %s", nodeLockPath)
+	}
+	if err := ensureNodePackages(phase); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if killed := killPods(""); killed > 0 {
+		phase("killed %d processes a previous node left in kubepods", killed)
+	}
+	return func() { f.Close() }, nil
+}
+
+func ensureNodePackages(phase func(string, ...any)) error {
+	seen := map[string]bool{}
+	var missing []string
+	for path, pkg := range nodePackages {
+		if _, err := os.Stat(path); err != nil && !seen[pkg] {
+			seen[pkg] = true
+			missing = append(missing, pkg)
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	phase("apt-get install %s", strings.Join(missing, " "))
+	env := append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
+	for _, args := range [][]string{{"update", "-qq"}, append([]string{"install", "-y", "-qq"}, missing...)} {
+		cmd := exec.Command("apt-get", args...)
+		cmd.Env = env
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("apt-get %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	return nil
+}
+
+// start runs containerd, imports the images, runs the kubelet and waits for
+// the Node to be Ready.
+func (n *node) start(ctx context.Context, phase func(string, ...any)) error {
+	// prepare killed every pod of an earlier run: their addresses are free.
+	if err := os.RemoveAll(n.path("cni-ipam")); err != nil {
+		return err
+	}
+	for _, d := range []string{n.path("cni"), n.path("manifests"), n.path("pod-logs"), n.path("kubelet")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	if err := n.writeContainerdConfig(); err != nil {
+		return err
+	}
+	c, err := startProcess(n.dir, "containerd", "/usr/bin/containerd",
+		[]string{"containerd", "--config", n.path("containerd.toml")})
+	if err != nil {
+		return err
+	}
+	n.containerd = c
+	n.children = append(n.children, c)
+	if err := c.waitUntil(ctx, n.timeout, func(context.Context) error { _, err := n.ctr("version"); return err }); err != nil {
+		return fmt.Errorf("containerd: %w\n%s", err, c.logTail(30))
+	}
+	phase("containerd ready on %s", n.socket())
+
+	if n.images != "" {
+		archives, err := filepath.Glob(filepath.Join(n.images, "*.tar"))
+		if err != nil {
+			return err
+		}
+		if len(archives) == 0 {
+			return fmt.Errorf("--images %s holds no *.tar archives (run `make images`)", n.images)
+		}
+		for _, archive := range archives {
+			out, err := n.ctr("images", "import", "--no-unpack=false", archive)
+			if err != nil {
+				return fmt.Errorf("importing %s: %w", archive, err)
+			}
+			phase("imported %s", strings.TrimSpace(lastLine(out)))
+		}
+	}
+
+	nodeCert, err := n.pki.ensureNodeCert(n.name)
+	if err != nil {
+		return err
+	}
+	kubeconfig := n.path("kubelet.kubeconfig")
+	if err := n.pki.writeKubeconfig(kubeconfig, n.apiURL, nodeCert); err != nil {
+		return err
+	}
+	if err := n.writeKubeletConfig(); err != nil {
+		return err
+	}
+	kubeletBin, err := siblingBinary("kubelet")
+	if err != nil {
+		return err
+	}
+	k, err := startProcess(n.dir, "kubelet", kubeletBin, []string{"kubelet",
+		"--config=" + n.path("kubelet.yaml"),
+		"--kubeconfig=" + kubeconfig,
+		"--root-dir=" + n.path("kubelet"),
+		"--hostname-override=" + n.name,
+	})
+	if err != nil {
+		return err
+	}
+	n.kubelet = k
+	n.children = append(n.children, k)
+	nodeURL := n.apiURL + "/api/v1/nodes/" + n.name
+	if err := k.waitUntil(ctx, n.timeout, n.nodeReady(nodeURL)); err != nil {
+		return fmt.Errorf("kubelet: %w\n%s", err, k.logTail(40))
+	}
+	phase("node %s Ready (kubelet on 127.0.0.1:%d)", n.name, n.ports.Kubelet)
+	podAPI := fmt.Sprintf("%s:%d\n", podGateway, n.ports.APIServer)
+	return writeFileAtomic(filepath.Join(n.dir, podAPIServerFile), []byte(podAPI), 0o644)
+}
+
+// stop ends the kubelet, then every pod process and containerd shim of this
+// node (containers outlive both the kubelet and containerd), then containerd.
+func (n *node) stop(phase func(string, ...any)) {
+	if n.kubelet != nil {
+		n.kubelet.stop(30 * time.Second)
+	}
+	killed := killPods(n.socket())
+	if n.containerd != nil {
+		n.containerd.stop(30 * time.Second)
+	}
+	if n.kubelet != nil || n.containerd != nil {
+		phase("node stopped (%d pod and shim processes killed)", killed)
+	}
+}
+
+func (n *node) nodeReady(url string) func(context.Context) error {
+	return func(ctx context.Context) error {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return err
+		}
+		resp, err := n.admin.Do(req)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		var obj struct {
+			Status struct {
+				Conditions []struct{ Type, Status, Message string }
+			}
+		}
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("GET %s: %d", url, resp.StatusCode)
+		}
+		if err := json.NewDecoder(resp.Body).Decode(&obj); err != nil {
+			return err
+		}
+		for _, c := range obj.Status.Conditions {
+			if c.Type == "Ready" {
+				if c.Status == "True" {
+					return nil
+				}
+				return fmt.Errorf("node not Ready: %s", c.Message)
+			}
+		}
+		return errors.New("node has no Ready condition yet")
+	}
+}
+
+func (n *node) ctr(args ...string) (string, error) {
+	cmd := exec.Command("ctr", append([]string{"--address", n.socket(), "--namespace", "k8s.io"}, args...)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("ctr %s: %v: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	}
+	return string(out), nil
+}
+
+func (n *node) writeContainerdConfig() error {
+	// The sandbox (pause) image is built by `make images`: nothing is pulled.
+	sandbox, err := sandboxImage(n.images)
+	if err != nil {
+		return err
+	}
+	conf := fmt.Sprintf(`version = 2
+root = %[1]q
+state = %[2]q
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = %[3]q
+
+[ttrpc]
+  address = %[4]q
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = %[5]q
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %[6]q
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_cdi = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        BinaryName = "/usr/sbin/runc"
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = %[7]q
+`, n.path("containerd", "root"), n.path("containerd", "state"), n.socket(), n.socket()+".ttrpc",
+		n.path("containerd", "opt"), sandbox, n.path("cni"))
+	if err := writeFileAtomic(n.path("containerd.toml"), []byte(conf), 0o644); err != nil {
+		return err
+	}
+	// Each pod gets its own network namespace on a bridge that exists only
+	// on this machine (no masquerade, no route out); the bridge's address is
+	// where pods reach the apiserver.
+	cni := fmt.Sprintf(`{"cniVersion": "0.4.0", "name": "hugepool-node", "plugins": [{
+  "type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": false,
+  "ipam": {"type": "host-local", "ranges": [[{"subnet": %q, "gateway": %q}]], "dataDir": %q}
+}]}
+`, podBridge, podSubnet, podGateway, n.path("cni-ipam"))
+	return writeFileAtomic(n.path("cni", "10-hugepool-node.conflist"), []byte(cni), 0o644)
+}
+
+func (n *node) writeKubeletConfig() error {
+	conf := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+# This machine has cgroup v1 (hybrid); kubelet v1.37 refuses it unless told.
+failCgroupV1: false
+cgroupDriver: cgroupfs
+containerRuntimeEndpoint: unix://%[1]s
+# Everything on loopback: the kubelet's API, healthz, no read-only port.
+address: 127.0.0.1
+port: %[2]d
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: %[3]d
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: false}
+  x509: {clientCAFile: %[4]q}
+authorization: {mode: AlwaysAllow}
+staticPodPath: %[5]q
+podLogsDir: %[6]q
+failSwapOn: false
+# Images come from make images; never collect them.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: 100Mi, nodefs.available: 1%%, imagefs.available: 1%%, nodefs.inodesFree: 1%%}
+serializeImagePulls: false
+syncFrequency: 10s
+fileCheckFrequency: 5s
+nodeStatusUpdateFrequency: 5s
+shutdownGracePeriod: 0s
+`, n.socket(), n.ports.Kubelet, n.ports.KubeletHealthz, n.pki.path(caName, "crt"), n.path("manifests"), n.path("pod-logs"))
+	return writeFileAtomic(n.path("kubelet.yaml"), []byte(conf), 0o644)
+}
+
+// sandboxImage is the pause image: hugepool-e2e from `make images`, named
+// with the version in the archive's file name.
+func sandboxImage(images string) (string, error) {
+	matches, _ := filepath.Glob(filepath.Join(images, "hugepool-e2e-*.tar"))
+	if len(matches) != 1 {
+		return "", fmt.Errorf("--images %q must hold exactly one hugepool-e2e-VERSION.tar (the pause image; run `make images`), found %d", images, len(matches))
+	}
+	version := strings.TrimSuffix(strings.TrimPrefix(filepath.Base(matches[0]), "hugepool-e2e-"), ".tar")
+	return "localhost/hugepool-e2e:" + version, nil
+}
+
+func siblingBinary(name string) (string, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(filepath.Dir(self), name)
+	if _, err := os.Stat(path); err != nil {
+		return "", fmt.Errorf("%s missing beside %s: run e2e/controlplane/build.sh", name, self)
+	}
+	return path, nil
+}
+
+// killPods SIGKILLs every process in the kubelet's pod cgroups and, when
+// socket is set, the containerd shims serving it (or every shim of a
+// hugepool node when socket is empty). Returns how many it killed.
+func killPods(socket string) int {
+	killed := 0
+	kill := func(pid int) {
+		if pid > 1 && pid != os.Getpid() && syscall.Kill(pid, syscall.SIGKILL) == nil {
+			killed++
+		}
+	}
+	for _, hierarchy := range []string{"pids", "memory", "cpu"} {
+		root := filepath.Join("/sys/fs/cgroup", hierarchy, "kubepods")
+		_ = filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
+				return nil
+			}
+			data, _ := os.ReadFile(path)
+			for _, f := range strings.Fields(string(data)) {
+				if pid, err := strconv.Atoi(f); err == nil {
+					kill(pid)
+				}
+			}
+			return nil
+		})
+	}
+	procs, _ := os.ReadDir("/proc")
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil {
+			continue
+		}
+		cmdline, _ := os.ReadFile(filepath.Join("/proc", p.Name(), "cmdline"))
+		args := strings.Split(string(cmdline), "\x00")
+		if len(args) == 0 || filepath.Base(args[0]) != "containerd-shim-runc-v2" {
+			continue
+		}
+		for i, a := range args {
+			if a == "-address" && i+1 < len(args) {
+				if (socket == "" && strings.HasSuffix(args[i+1], "/node/containerd.sock")) || args[i+1] == socket {
+					kill(pid)
+				}
+			}
+		}
+	}
+	return killed
+}
+
+func lastLine(s string) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return lines[len(lines)-1]
+}
