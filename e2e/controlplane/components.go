@@ -34,10 +34,13 @@ var controllers = []string{
 }
 
 // nodeControllers are added with --node, for the workloads a kubelet runs:
-// Deployments, DaemonSets and the kube-root-ca.crt ConfigMap that every
-// pod's service-account volume mounts. nodelifecycle stays off: the e2e
-// tests create Nodes that no kubelet heartbeats.
+// Deployments, DaemonSets, the kube-root-ca.crt ConfigMap that every pod's
+// service-account volume mounts, and node lifecycle, which lifts the
+// not-ready taint a kubelet registers with. Without --node it stays off: the
+// e2e tests create Nodes that no kubelet heartbeats. Taint-based eviction
+// stays off in both modes.
 var nodeControllers = []string{
+	"node-lifecycle-controller",
 	"deployment-controller",
 	"replicaset-controller",
 	"daemonset-controller",

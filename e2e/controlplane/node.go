@@ -10,8 +10,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -54,8 +56,16 @@ type node struct {
 	admin                     *http.Client
 	timeout                   time.Duration
 
-	containerd, kubelet *child
-	children            []*child
+	containerd *child
+	children   []*child // exiting ends `up`: containerd
+
+	// The kubelet is supervised as systemd would (Restart=always): when it
+	// exits, it is started again, and DIR/node/kubelet.pid names the current
+	// one. Killing it is how a test restarts the kubelet.
+	mu           sync.Mutex
+	kubelet      *child
+	stopping     bool
+	startKubelet func() (*child, error)
 }
 
 func defaultNodeName() string {
@@ -91,6 +101,9 @@ func (n *node) prepare(phase func(string, ...any)) (func(), error) {
 	}
 	if killed := killPods(""); killed > 0 {
 		phase("killed %d processes a previous node left in kubepods", killed)
+	}
+	if unmounted := unmountUnder(n.path()); unmounted > 0 {
+		phase("removed %d mounts a previous node left in %s", unmounted, n.path())
 	}
 	return func() { f.Close() }, nil
 }
@@ -178,17 +191,25 @@ func (n *node) start(ctx context.Context, phase func(string, ...any)) error {
 	if err != nil {
 		return err
 	}
-	k, err := startProcess(n.dir, "kubelet", kubeletBin, []string{"kubelet",
-		"--config=" + n.path("kubelet.yaml"),
-		"--kubeconfig=" + kubeconfig,
-		"--root-dir=" + n.path("kubelet"),
-		"--hostname-override=" + n.name,
-	})
+	n.startKubelet = func() (*child, error) {
+		k, err := startProcess(n.dir, "kubelet", kubeletBin, []string{"kubelet",
+			"--config=" + n.path("kubelet.yaml"),
+			"--kubeconfig=" + kubeconfig,
+			"--root-dir=" + n.path("kubelet"),
+			"--hostname-override=" + n.name,
+		})
+		if err != nil {
+			return nil, err
+		}
+		pid := fmt.Sprintf("%d\n", k.cmd.Process.Pid)
+		return k, writeFileAtomic(n.path("kubelet.pid"), []byte(pid), 0o644)
+	}
+	k, err := n.startKubelet()
 	if err != nil {
 		return err
 	}
 	n.kubelet = k
-	n.children = append(n.children, k)
+	go n.superviseKubelet(phase)
 	nodeURL := n.apiURL + "/api/v1/nodes/" + n.name
 	if err := k.waitUntil(ctx, n.timeout, n.nodeReady(nodeURL)); err != nil {
 		return fmt.Errorf("kubelet: %w\n%s", err, k.logTail(40))
@@ -198,19 +219,75 @@ func (n *node) start(ctx context.Context, phase func(string, ...any)) error {
 	return writeFileAtomic(filepath.Join(n.dir, podAPIServerFile), []byte(podAPI), 0o644)
 }
 
+// superviseKubelet starts the kubelet again whenever it exits, a second
+// after (systemd's RestartSec), until the node stops.
+func (n *node) superviseKubelet(phase func(string, ...any)) {
+	for {
+		n.mu.Lock()
+		k := n.kubelet
+		n.mu.Unlock()
+		<-k.done
+		time.Sleep(time.Second)
+		n.mu.Lock()
+		if n.stopping {
+			n.mu.Unlock()
+			return
+		}
+		next, err := n.startKubelet()
+		if err != nil {
+			n.mu.Unlock()
+			phase("kubelet could not be restarted: %v", err)
+			return
+		}
+		n.kubelet = next
+		n.mu.Unlock()
+		phase("kubelet exited (%v) and was restarted", k.err)
+	}
+}
+
 // stop ends the kubelet, then every pod process and containerd shim of this
 // node (containers outlive both the kubelet and containerd), then containerd.
 func (n *node) stop(phase func(string, ...any)) {
-	if n.kubelet != nil {
-		n.kubelet.stop(30 * time.Second)
+	n.mu.Lock()
+	n.stopping = true
+	k := n.kubelet
+	n.mu.Unlock()
+	if k != nil {
+		k.stop(30 * time.Second)
 	}
 	killed := killPods(n.socket())
 	if n.containerd != nil {
 		n.containerd.stop(30 * time.Second)
 	}
-	if n.kubelet != nil || n.containerd != nil {
-		phase("node stopped (%d pod and shim processes killed)", killed)
+	unmounted := unmountUnder(n.path())
+	if k != nil || n.containerd != nil {
+		phase("node stopped (%d pod and shim processes killed, %d mounts removed)", killed, unmounted)
 	}
+}
+
+// unmountUnder detaches every mount below dir (pod volumes, container root
+// filesystems), deepest first, so the directory can be removed.
+func unmountUnder(dir string) int {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return 0
+	}
+	var points []string
+	for _, line := range strings.Split(string(data), "\n") {
+		// "36 35 98:0 /mnt1 /mnt/parent rw,noatime master:1 - ext3 ..."
+		fields := strings.Fields(line)
+		if len(fields) > 4 && strings.HasPrefix(fields[4], dir+"/") {
+			points = append(points, fields[4])
+		}
+	}
+	sort.Slice(points, func(i, j int) bool { return len(points[i]) > len(points[j]) })
+	unmounted := 0
+	for _, p := range points {
+		if unix.Unmount(p, unix.MNT_DETACH) == nil {
+			unmounted++
+		}
+	}
+	return unmounted
 }
 
 func (n *node) nodeReady(url string) func(context.Context) error {
@@ -283,6 +360,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   enable_cdi = false
+  # This machine's root lacks CAP_SYS_RESOURCE, so no process may lower its
+  # oom_score_adj (the kubelet asks -998 for sandboxes): clamp instead.
+  restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"

@@ -135,33 +135,56 @@ fn chart_default(component: &str) -> String {
         "the chart's appVersion is the crate version that `make images` tags"
     );
     let repository = values[component]["image"]["repository"].as_str().unwrap();
-    let tag = values[component]["image"]["tag"].as_str().unwrap_or_default();
-    format!("{repository}:{}", if tag.is_empty() { app_version } else { tag })
+    let tag = values[component]["image"]["tag"]
+        .as_str()
+        .unwrap_or_default();
+    format!(
+        "{repository}:{}",
+        if tag.is_empty() { app_version } else { tag }
+    )
 }
 
 #[test]
 fn the_operator_image_is_its_static_binary_and_ca_certificates_run_as_65532() {
-    let Some(image) = Archive::open("hugepool-operator") else { return };
+    let Some(image) = Archive::open("hugepool-operator") else {
+        return;
+    };
     assert_eq!(image.name(), chart_default("operator"));
     let config = &image.config["config"];
     assert_eq!(config["User"], "65532:65532");
-    assert_eq!(config["Entrypoint"], serde_json::json!(["/hugepool-operator"]));
-    assert_eq!(image.config["architecture"], std::env::consts::ARCH.replace("x86_64", "amd64").replace("aarch64", "arm64"));
+    assert_eq!(
+        config["Entrypoint"],
+        serde_json::json!(["/hugepool-operator"])
+    );
+    assert_eq!(
+        image.config["architecture"],
+        std::env::consts::ARCH
+            .replace("x86_64", "amd64")
+            .replace("aarch64", "arm64")
+    );
     let (files, layers) = image.files();
     assert_eq!(layers, 1, "one layer on an empty base");
     let expected: BTreeSet<String> = ["etc/ssl/certs/ca-certificates.crt", "hugepool-operator"]
         .map(String::from)
         .into();
     assert_eq!(files, expected);
-    assert!(!is_dynamic(&image.extract("hugepool-operator")), "the operator binary is static");
+    assert!(
+        !is_dynamic(&image.extract("hugepool-operator")),
+        "the operator binary is static"
+    );
 }
 
 #[test]
 fn the_agent_image_is_its_static_binary_certificates_and_a_static_nsenter() {
-    let Some(image) = Archive::open("hugepool-agent") else { return };
+    let Some(image) = Archive::open("hugepool-agent") else {
+        return;
+    };
     assert_eq!(image.name(), chart_default("agent"));
     assert_eq!(image.config["config"]["User"], "0:0");
-    assert_eq!(image.config["config"]["Entrypoint"], serde_json::json!(["/hugepool-agent"]));
+    assert_eq!(
+        image.config["config"]["Entrypoint"],
+        serde_json::json!(["/hugepool-agent"])
+    );
     let (files, layers) = image.files();
     assert_eq!(layers, 1, "one layer on an empty base");
     let expected: BTreeSet<String> = [

@@ -245,7 +245,6 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
             {"name": "sys-node", "mountPath": "/host/sys/devices/system/node"},
             {"name": "proc-sys-vm", "mountPath": "/host/proc/sys/vm"},
             {"name": "proc-meminfo", "mountPath": "/host/proc/meminfo", "readOnly": true},
-            {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": true},
         ]),
         "agent volumeMounts"
     );
@@ -256,7 +255,6 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
             {"name": "sys-node", "hostPath": {"path": "/sys/devices/system/node", "type": "Directory"}},
             {"name": "proc-sys-vm", "hostPath": {"path": "/proc/sys/vm", "type": "Directory"}},
             {"name": "proc-meminfo", "hostPath": {"path": "/proc/meminfo", "type": "File"}},
-            {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}},
         ]),
         "agent hostPath volumes"
     );

@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use hugepool_crds::{HugePageNode, HugePagePool};
@@ -60,7 +61,10 @@ impl Node {
                 return unavailable(format!("{} missing: run `make images`", archive.display()));
             }
         }
-        let helm = match Command::new("bash").arg(repo().join("hack/helm.sh")).output() {
+        let helm = match Command::new("bash")
+            .arg(repo().join("hack/helm.sh"))
+            .output()
+        {
             Ok(out) if out.status.success() => {
                 PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
             }
@@ -179,6 +183,25 @@ fn read_sys(file: &str) -> u64 {
         .expect("a number")
 }
 
+/// A plain HTTP/1.0 GET of `path` from `addr` (a pod address on the node's
+/// own bridge); the body.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
+    assert!(
+        head.starts_with("HTTP/1.") && head.contains(" 200 "),
+        "{head}"
+    );
+    body.to_string()
+}
+
 /// Polls `check` until it returns Some, or panics after `timeout` with the
 /// last state it saw.
 async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
@@ -207,9 +230,19 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
 
     // The operator: two replicas Ready, exactly one of them holds the Lease.
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), NAMESPACE);
-    let operator = deployments.get("hugepool-operator").await.expect("operator Deployment");
-    let ready = operator.status.as_ref().and_then(|s| s.ready_replicas).unwrap_or(0);
-    assert_eq!(ready, 2, "helm --wait returned with {ready}/2 operator replicas ready");
+    let operator = deployments
+        .get("hugepool-operator")
+        .await
+        .expect("operator Deployment");
+    let ready = operator
+        .status
+        .as_ref()
+        .and_then(|s| s.ready_replicas)
+        .unwrap_or(0);
+    assert_eq!(
+        ready, 2,
+        "helm --wait returned with {ready}/2 operator replicas ready"
+    );
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let operator_pods: Vec<String> = pods
         .list(&ListParams::default().labels("app.kubernetes.io/component=operator"))
@@ -222,7 +255,10 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
     assert_eq!(operator_pods.len(), 2, "operator pods: {operator_pods:?}");
     let leases: Api<Lease> = Api::namespaced(client.clone(), NAMESPACE);
     let holder = wait_for("a leader", Duration::from_secs(120), || async {
-        let lease = leases.get_opt("hugepool-operator").await.map_err(|e| e.to_string())?;
+        let lease = leases
+            .get_opt("hugepool-operator")
+            .await
+            .map_err(|e| e.to_string())?;
         lease
             .and_then(|l| l.spec?.holder_identity)
             .filter(|h| !h.is_empty())
@@ -236,7 +272,10 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
 
     // The agent: one pod on this node, Ready.
     let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), NAMESPACE);
-    let agent = daemonsets.get("hugepool-agent").await.expect("agent DaemonSet");
+    let agent = daemonsets
+        .get("hugepool-agent")
+        .await
+        .expect("agent DaemonSet");
     let status = agent.status.expect("DaemonSet status");
     assert_eq!(
         (status.desired_number_scheduled, status.number_ready),
@@ -246,7 +285,11 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
 
     // The example pool, applied as a user would.
     node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
-    node.kubectl(&["apply", "-f", repo().join("examples/pool-2mi.yaml").to_str().unwrap()]);
+    node.kubectl(&[
+        "apply",
+        "-f",
+        repo().join("examples/pool-2mi.yaml").to_str().unwrap(),
+    ]);
     node.kubectl(&[
         "wait",
         "--for=condition=Available",
@@ -267,11 +310,367 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
     let sys = |file| i64::try_from(read_sys(file)).expect("fits");
     assert_eq!(reported.total, sys("nr_hugepages"), "status total vs /sys");
     assert_eq!(reported.free, sys("free_hugepages"), "status free vs /sys");
-    assert_eq!(reported.surplus, sys("surplus_hugepages"), "status surplus vs /sys");
+    assert_eq!(
+        reported.surplus,
+        sys("surplus_hugepages"),
+        "status surplus vs /sys"
+    );
+
+    // The kernel log, measured in the container: the device cgroup refuses
+    // /dev/kmsg (the chart mounts none), CAP_SYSLOG allows syslog(2).
+    let kernel_log = hpn
+        .status
+        .as_ref()
+        .and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "KernelLogUnavailable")
+        })
+        .cloned()
+        .expect("KernelLogUnavailable condition");
+    assert_eq!(
+        (kernel_log.status.as_str(), kernel_log.reason.as_str()),
+        ("False", "KernelLogWatched"),
+        "{}",
+        kernel_log.message
+    );
+    assert!(
+        kernel_log.message.contains("syslog(2)"),
+        "{}",
+        kernel_log.message
+    );
+    let agent_pod = pods
+        .list(&ListParams::default().labels("app.kubernetes.io/component=agent"))
+        .await
+        .expect("agent pods")
+        .items
+        .pop()
+        .expect("an agent pod");
+    let pod_ip = agent_pod
+        .status
+        .and_then(|s| s.pod_ip)
+        .expect("agent pod IP");
+    let metrics = http_get(&format!("{pod_ip}:9478"), "/metrics");
+    assert!(
+        metrics.contains("hugepool_kernel_log_watching 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"hugepool_pages{size="2Mi",numa="all",state="total"} 256"#),
+        "{metrics}"
+    );
 
     // Release: deleting the pool returns the pages, through the agent.
-    node.kubectl(&["delete", "hugepagepool", "demo-2mi", "--wait=true", "--timeout=300s"]);
+    node.kubectl(&[
+        "delete",
+        "hugepagepool",
+        "demo-2mi",
+        "--wait=true",
+        "--timeout=300s",
+    ]);
     let pools: Api<HugePagePool> = Api::all(client.clone());
     assert!(pools.get_opt("demo-2mi").await.expect("get pool").is_none());
     assert_eq!(read_sys("nr_hugepages"), 0, "Release returned every page");
+}
+
+impl Node {
+    /// Installs the chart, labels the node and applies a 2Mi pool of `pages`
+    /// with a short drain timeout; waits for it to be Available.
+    async fn with_pool(&self, pages: u32, drain_timeout: &str) {
+        self.helm_install();
+        self.kubectl(&["label", "node", &self.name, "hugepool.dev/demo=true"]);
+        self.apply(&format!(
+            r#"
+apiVersion: hugepool.dev/v1alpha1
+kind: HugePagePool
+metadata: {{name: consumers-2mi}}
+spec:
+  nodeSelector: {{matchLabels: {{hugepool.dev/demo: "true"}}}}
+  pageSize: 2Mi
+  pages: {pages}
+  drain: {{policy: IfNeeded, timeout: {drain_timeout}}}
+  deletionPolicy: Release
+"#
+        ));
+        self.kubectl(&[
+            "wait",
+            "--for=condition=Available",
+            "hugepagepool/consumers-2mi",
+            "--timeout=300s",
+        ]);
+    }
+
+    fn apply(&self, yaml: &str) {
+        let file = tempfile::NamedTempFile::new().expect("temp file");
+        std::fs::write(file.path(), yaml).expect("write manifest");
+        self.kubectl(&["apply", "-f", file.path().to_str().expect("utf-8")]);
+    }
+
+    /// The Node's `hugepages-2Mi` capacity as the kubelet reports it.
+    async fn kubelet_capacity_2mi(&self, client: &Client) -> String {
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+        let node = nodes.get(&self.name).await.expect("Node");
+        node.status
+            .and_then(|s| s.capacity)
+            .and_then(|c| c.get("hugepages-2Mi").map(|q| q.0.clone()))
+            .unwrap_or_default()
+    }
+
+    /// Kills the kubelet; the harness starts it again as systemd would.
+    async fn restart_kubelet(&self) {
+        let pid_file = self.cp.dir.join("node").join("kubelet.pid");
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .expect("kubelet.pid")
+            .trim()
+            .parse()
+            .expect("a pid");
+        // SAFETY: signalling the kubelet the harness started.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0, "kill kubelet");
+        wait_for("a new kubelet", Duration::from_secs(60), || async {
+            let now = std::fs::read_to_string(&pid_file).unwrap_or_default();
+            if now.trim() != pid.to_string() {
+                Ok(())
+            } else {
+                Err(format!("still pid {pid}"))
+            }
+        })
+        .await;
+    }
+
+    /// A bare pod holding `pages` x 2Mi through MAP_HUGETLB, with the
+    /// `hugepages-2Mi` limit the kubelet admits it by.
+    fn start_holder(&self, name: &str, pages: u32) {
+        self.apply(&format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default, labels: {{app: hugepage-holder}}}}
+spec:
+  terminationGracePeriodSeconds: 5
+  containers:
+  - name: holder
+    image: localhost/hugepool-e2e:{version}
+    command: [/hugepage-holder, "{pages}"]
+    resources:
+      limits: {{hugepages-2Mi: {bytes}Mi, memory: 64Mi, cpu: 100m}}
+"#,
+            version = env!("CARGO_PKG_VERSION"),
+            bytes = pages * 2,
+        ));
+    }
+}
+
+/// The HugePageNode condition `type_`, as (status, reason, message).
+async fn node_condition(
+    client: &Client,
+    node: &str,
+    type_: &str,
+) -> Option<(String, String, String)> {
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    let hpn = hpns.get_opt(node).await.ok()??;
+    hpn.status?
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status, c.reason, c.message))
+}
+
+fn node_tainted_draining(node: &k8s_openapi::api::core::v1::Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == hugepool_crds::DRAINING_TAINT))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    node.with_pool(64, "2m").await;
+
+    // What this kubelet reports: its hugepages capacity is read at start, so
+    // a grow is not seen until the kubelet restarts.
+    let stale = node.kubelet_capacity_2mi(&client).await;
+    assert_eq!(stale, "0", "capacity before a kubelet restart");
+    node.restart_kubelet().await;
+    wait_for(
+        "capacity after the restart",
+        Duration::from_secs(120),
+        || async {
+            match node.kubelet_capacity_2mi(&client).await.as_str() {
+                "128Mi" => Ok(()),
+                other => Err(other.to_string()),
+            }
+        },
+    )
+    .await;
+
+    // A consumer holds 16 pages; shrinking to 8 is blocked by them.
+    node.start_holder("holder", 16);
+    wait_for("16 pages in use", Duration::from_secs(120), || async {
+        let free = read_sys("free_hugepages");
+        if read_sys("nr_hugepages") == 64 && free == 48 {
+            Ok(())
+        } else {
+            Err(format!("free {free}"))
+        }
+    })
+    .await;
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "consumers-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"pages":8}}"#,
+    ]);
+
+    // The operator drains under its taint through the Eviction API; the
+    // holder's pages come back and the shrink completes.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let saw_blocked = AtomicBool::new(false);
+    let saw_taint = AtomicBool::new(false);
+    wait_for("the shrink to 8 pages", Duration::from_secs(300), || {
+        let (nodes, pods, client) = (nodes.clone(), pods.clone(), client.clone());
+        let name = node.name.clone();
+        let (saw_blocked, saw_taint) = (&saw_blocked, &saw_taint);
+        async move {
+            if let Some((status, _, _)) = node_condition(&client, &name, "ShrinkBlocked").await
+                && status == "True"
+            {
+                saw_blocked.store(true, Ordering::Relaxed);
+            }
+            let n = nodes.get(&name).await.map_err(|e| e.to_string())?;
+            if node_tainted_draining(&n) {
+                saw_taint.store(true, Ordering::Relaxed);
+            }
+            let holder_gone = pods
+                .get_opt("holder")
+                .await
+                .map_err(|e| e.to_string())?
+                .is_none();
+            let total = read_sys("nr_hugepages");
+            if holder_gone && total == 8 {
+                Ok(())
+            } else {
+                Err(format!("holder gone {holder_gone}, pool {total}"))
+            }
+        }
+    })
+    .await;
+    assert!(
+        saw_blocked.into_inner(),
+        "the agent reported ShrinkBlocked while the holder ran"
+    );
+    assert!(
+        saw_taint.into_inner(),
+        "the node was tainted {} while draining",
+        hugepool_crds::DRAINING_TAINT
+    );
+    node.kubectl(&[
+        "wait",
+        "--for=condition=Available",
+        "hugepagepool/consumers-2mi",
+        "--timeout=300s",
+    ]);
+    let n = nodes.get(&node.name).await.expect("Node");
+    assert!(
+        !node_tainted_draining(&n),
+        "the draining taint is gone once converged"
+    );
+    let events = node.kubectl(&[
+        "get",
+        "events",
+        "-n",
+        "default",
+        "--field-selector",
+        "involvedObject.name=holder",
+        "-o",
+        "name",
+    ]);
+    assert!(!events.is_empty(), "the holder pod has events");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_disruption_budget_holds_the_drain_until_it_times_out() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    node.with_pool(64, "20s").await;
+    node.restart_kubelet().await;
+    wait_for(
+        "capacity after the restart",
+        Duration::from_secs(120),
+        || async {
+            match node.kubelet_capacity_2mi(&client).await.as_str() {
+                "128Mi" => Ok(()),
+                other => Err(other.to_string()),
+            }
+        },
+    )
+    .await;
+    node.apply(
+        r#"
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata: {name: holder, namespace: default}
+spec:
+  maxUnavailable: 0
+  selector: {matchLabels: {app: hugepage-holder}}
+"#,
+    );
+    node.start_holder("holder", 16);
+    wait_for("16 pages in use", Duration::from_secs(120), || async {
+        let free = read_sys("free_hugepages");
+        if free == 48 {
+            Ok(())
+        } else {
+            Err(format!("free {free}"))
+        }
+    })
+    .await;
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "consumers-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"pages":8}}"#,
+    ]);
+
+    let reason = wait_for("DrainTimeout", Duration::from_secs(300), || async {
+        match node_condition(&client, &node.name, "Draining").await {
+            Some((status, reason, message)) if reason == "DrainTimeout" => Ok((status, message)),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(
+        reason.0, "False",
+        "Draining=False/DrainTimeout: {}",
+        reason.1
+    );
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    assert!(
+        pods.get_opt("holder").await.expect("get holder").is_some(),
+        "the PDB kept the holder"
+    );
+    // The agent shrank to what is in use, never below it (no surplus).
+    assert_eq!(
+        (read_sys("nr_hugepages"), read_sys("surplus_hugepages")),
+        (16, 0),
+        "pool and surplus while the PDB holds the consumer"
+    );
+    let pools: Api<HugePagePool> = Api::all(client.clone());
+    let pool = pools.get("consumers-2mi").await.expect("pool");
+    let degraded = pool
+        .status
+        .and_then(|s| s.conditions.into_iter().find(|c| c.type_ == "Degraded"))
+        .expect("Degraded condition");
+    assert_eq!(
+        (degraded.status.as_str(), degraded.reason.as_str()),
+        ("True", "DrainTimeout"),
+        "{}",
+        degraded.message
+    );
 }

@@ -1,6 +1,8 @@
 //! The kernel log watcher: reads `/dev/kmsg` records and recognises the
 //! reports that mean a node is stalling: soft lockups, RCU stalls and hung
-//! tasks. Recognition is pure ([`parse_record`]); [`watch`] is the reader.
+//! tasks. Recognition is pure ([`parse_record`], [`parse_syslog_line`]);
+//! [`watch`] reads the device and [`watch_syslog`] polls syslog(2), which a
+//! container may use where its runtime's device cgroup refuses `/dev/kmsg`.
 
 use std::fs::File;
 use std::io::{ErrorKind, Read, Seek, SeekFrom};
@@ -165,6 +167,113 @@ pub fn read_lines(
     }
 }
 
+/// Splits a line of syslog(2)'s `SYSLOG_ACTION_READ_ALL` text,
+/// `<priority>[seconds.micros] message` (the timestamp is there unless
+/// `printk.time` is off), into priority, microseconds since boot and message.
+pub fn split_syslog_line(line: &str) -> Option<(u32, Option<u64>, &str)> {
+    let rest = line.strip_prefix('<')?;
+    let (priority, rest) = rest.split_once('>')?;
+    let priority = priority.parse().ok()?;
+    let Some(stamped) = rest.strip_prefix('[') else {
+        return Some((priority, None, rest));
+    };
+    let (stamp, message) = stamped.split_once(']')?;
+    let (seconds, micros) = stamp.trim().split_once('.')?;
+    let micros: u64 = format!("{micros:0<6}").get(..6)?.parse().ok()?;
+    let timestamp_us = seconds.parse::<u64>().ok()? * 1_000_000 + micros;
+    Some((
+        priority,
+        Some(timestamp_us),
+        message.strip_prefix(' ').unwrap_or(message),
+    ))
+}
+
+/// One syslog(2) line as an event, if it reports a stall.
+pub fn parse_syslog_line(line: &str) -> Option<KernelLogEvent> {
+    let (_, timestamp_us, message) = split_syslog_line(line)?;
+    Some(KernelLogEvent {
+        kind: classify(message)?,
+        message: message.to_string(),
+        sequence: None,
+        timestamp_us,
+    })
+}
+
+/// The whole kernel log buffer through syslog(2) (needs CAP_SYSLOG while
+/// `kernel.dmesg_restrict=1`; not subject to the device cgroup).
+fn read_syslog_buffer() -> std::io::Result<String> {
+    const SYSLOG_ACTION_READ_ALL: libc::c_int = 3;
+    const SYSLOG_ACTION_SIZE_BUFFER: libc::c_int = 10;
+    // SAFETY: SIZE_BUFFER takes no buffer.
+    let size = unsafe { libc::klogctl(SYSLOG_ACTION_SIZE_BUFFER, std::ptr::null_mut(), 0) };
+    if size < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut buffer = vec![0u8; size.max(4096) as usize];
+    // SAFETY: the kernel writes at most buffer.len() bytes into buffer.
+    let read = unsafe {
+        libc::klogctl(
+            SYSLOG_ACTION_READ_ALL,
+            buffer.as_mut_ptr().cast(),
+            buffer.len() as libc::c_int,
+        )
+    };
+    if read < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    buffer.truncate(read as usize);
+    Ok(String::from_utf8_lossy(&buffer).into_owned())
+}
+
+/// Polls the kernel log through syslog(2) every `poll` and calls `on_event`
+/// for each recognised record newer than the newest one seen (records
+/// already in the log at the start are skipped), until `on_event` returns
+/// false. Fails at once if syslog(2) is refused, and when the log has no
+/// timestamps (`printk.time` off), since new records could not be told from
+/// old ones. Blocks: run it on its own thread.
+pub fn watch_syslog(
+    poll: std::time::Duration,
+    mut on_event: impl FnMut(KernelLogEvent) -> bool,
+) -> Result<()> {
+    let read_err = |source| Error::Read {
+        path: PathBuf::from("syslog(2)"),
+        source,
+    };
+    let newest = |text: &str| {
+        text.lines()
+            .filter_map(|l| split_syslog_line(l).and_then(|(_, stamp, _)| stamp))
+            .max()
+    };
+    let first = read_syslog_buffer().map_err(read_err)?;
+    let mut seen_up_to = match newest(&first) {
+        Some(stamp) => stamp,
+        None if first.trim().is_empty() => 0,
+        None => {
+            return Err(read_err(std::io::Error::other(
+                "kernel log lines carry no timestamps (printk.time is off)",
+            )));
+        }
+    };
+    loop {
+        std::thread::sleep(poll);
+        let text = read_syslog_buffer().map_err(read_err)?;
+        for line in text.lines() {
+            let Some((_, Some(stamp), _)) = split_syslog_line(line) else {
+                continue;
+            };
+            if stamp <= seen_up_to {
+                continue;
+            }
+            seen_up_to = stamp;
+            if let Some(event) = parse_syslog_line(line)
+                && !on_event(event)
+            {
+                return Ok(());
+            }
+        }
+    }
+}
+
 /// Watches the log on its own thread (from now on with `from_end`, as the
 /// agent does; from the start for a file of records in tests); recognised
 /// records arrive on the returned channel. The thread ends when the receiver is
@@ -211,6 +320,42 @@ mod tests {
 4,1600,130000000,-;hugetlb: allocating 1024 of page size 2.00 MiB failed.  Only allocated 980 hugepages.
 6,1700,130000001,-;a user wrote: the task blocked for a while
 ";
+
+    #[test]
+    fn syslog_lines_give_priority_timestamp_and_message() {
+        assert_eq!(
+            split_syslog_line(
+                "<4>[ 5678.901234] watchdog: BUG: soft lockup - CPU#16 stuck for 67s!"
+            ),
+            Some((
+                4,
+                Some(5_678_901_234),
+                "watchdog: BUG: soft lockup - CPU#16 stuck for 67s!"
+            ))
+        );
+        // Facility 1 (user) is in the priority: 1 << 3 | 4.
+        assert_eq!(
+            split_syslog_line("<12>[    0.5] x"),
+            Some((12, Some(500_000), "x"))
+        );
+        assert_eq!(
+            split_syslog_line("<6>no timestamp"),
+            Some((6, None, "no timestamp"))
+        );
+        assert_eq!(split_syslog_line("plain text"), None);
+        let event = parse_syslog_line(
+            "<3>[  125.000001] INFO: task khugepaged:89 blocked for more than 122 seconds.",
+        )
+        .expect("a hung task");
+        assert_eq!(
+            (event.kind, event.timestamp_us, event.sequence),
+            (KernelLogKind::HungTask, Some(125_000_001), None)
+        );
+        assert_eq!(
+            parse_syslog_line("<6>[ 1.000000] rcu: Hierarchical RCU implementation."),
+            None
+        );
+    }
 
     #[test]
     fn recognises_lockups_stalls_and_hung_tasks_in_real_records() {

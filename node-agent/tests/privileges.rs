@@ -110,4 +110,16 @@ fn reading_the_kernel_log_is_what_needs_cap_syslog() {
         "read /dev/kmsg with CAP_SYSLOG: {}",
         String::from_utf8_lossy(&with.stderr)
     );
+    // In a container the device cgroup refuses /dev/kmsg whatever the
+    // capabilities (e2e/tests/node.rs); the agent then reads syslog(2), which
+    // the same capability governs.
+    let syslog = ["dmesg", "--syslog", "--raw"];
+    let without = with_caps("-all", &syslog);
+    assert!(!without.status.success(), "syslog(2) without CAP_SYSLOG");
+    let with = with_caps("-all,+syslog", &syslog);
+    assert!(
+        with.status.success() && !with.stdout.is_empty(),
+        "syslog(2) with CAP_SYSLOG: {}",
+        String::from_utf8_lossy(&with.stderr)
+    );
 }

@@ -866,7 +866,10 @@ async fn publish_events(
     }
 }
 
-/// Reads `/dev/kmsg` on its own thread; stalls the kernel reports while a
+/// How often syslog(2) is read when `/dev/kmsg` cannot be opened.
+const KERNEL_LOG_POLL: Duration = Duration::from_secs(1);
+
+/// Reads `/dev/kmsg` (or polls syslog(2)) on its own thread; stalls the kernel reports while a
 /// resize runs set Stalled with the kernel's line.
 fn watch_kernel_log(
     path: PathBuf,
@@ -874,18 +877,17 @@ fn watch_kernel_log(
     events: mpsc::UnboundedSender<PendingEvent>,
 ) {
     let set_state = |shared: &Shared, state: KernelLogState| {
-        let watching = state == KernelLogState::Watching;
+        let watching = matches!(state, KernelLogState::Watching(_));
         shared.metrics.kernel_log_watching.set(i64::from(watching));
         shared.memory().kernel_log = state;
         shared.touch(!watching);
     };
-    set_state(&shared, KernelLogState::Watching);
     let thread_shared = Arc::clone(&shared);
     let spawned = std::thread::Builder::new()
         .name("kmsg".into())
         .spawn(move || {
             let shared = thread_shared;
-            let result = crate::kmsg::watch(&path, true, |record: KernelLogEvent| {
+            let on_record = |record: KernelLogEvent| {
                 let reason = Reason::parse(record.kind.as_str()).unwrap_or(Reason::SoftLockup);
                 shared
                     .metrics
@@ -922,9 +924,30 @@ fn watch_kernel_log(
                     shared.touch(true);
                 }
                 true
-            });
+            };
+            // A container runtime's device cgroup refuses opening /dev/kmsg
+            // even with CAP_SYSLOG; syslog(2) needs only the capability.
+            let result = match std::fs::File::open(&path) {
+                Ok(_) => {
+                    set_state(
+                        &shared,
+                        KernelLogState::Watching(path.display().to_string()),
+                    );
+                    crate::kmsg::watch(&path, true, on_record).map_err(|err| err.to_string())
+                }
+                Err(open_error) => {
+                    let refused = format!("cannot open {}: {open_error}", path.display());
+                    info!(%refused, "reading the kernel log through syslog(2) instead");
+                    set_state(
+                        &shared,
+                        KernelLogState::Watching(format!("syslog(2) ({refused})")),
+                    );
+                    crate::kmsg::watch_syslog(KERNEL_LOG_POLL, on_record)
+                        .map_err(|err| format!("{refused}; {err}"))
+                }
+            };
             let error = match result {
-                Err(err) => err.to_string(),
+                Err(error) => error,
                 Ok(()) => format!("{} ended", path.display()),
             };
             warn!(%error, "kernel log watcher stopped");
@@ -932,7 +955,10 @@ fn watch_kernel_log(
         });
     if let Err(err) = spawned {
         warn!(error = %err, "cannot start the kernel log watcher");
-        set_state(&shared, KernelLogState::Unavailable(format!("no watcher thread: {err}")));
+        set_state(
+            &shared,
+            KernelLogState::Unavailable(format!("no watcher thread: {err}")),
+        );
     }
 }
 

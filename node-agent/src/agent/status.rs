@@ -70,8 +70,8 @@ pub enum KernelLogState {
     /// Turned off (`--no-kmsg`).
     #[default]
     Disabled,
-    /// Records are being read.
-    Watching,
+    /// Records are being read; from where (`/dev/kmsg`, or syslog(2) and why).
+    Watching(String),
     /// Opening or reading failed; the error.
     Unavailable(String),
 }
@@ -342,11 +342,11 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
 fn kernel_log_condition(state: &KernelLogState) -> ConditionUpdate {
     const UNSEEN: &str = "kernel-reported soft lockups, RCU stalls and hung tasks are not seen";
     match state {
-        KernelLogState::Watching => ConditionUpdate::new(
+        KernelLogState::Watching(source) => ConditionUpdate::new(
             Type::KernelLogUnavailable,
             false,
             Reason::KernelLogWatched,
-            "reading the kernel log",
+            format!("reading the kernel log from {source}"),
         ),
         KernelLogState::Disabled => ConditionUpdate::new(
             Type::KernelLogUnavailable,
@@ -525,12 +525,20 @@ mod tests {
     fn an_unreadable_kernel_log_is_reported_with_the_error_never_silently() {
         let snapshot = snapshot(0, 0, 0, 0);
         let mut memory = memory(vec![]);
-        memory.kernel_log = KernelLogState::Watching;
+        memory.kernel_log = KernelLogState::Watching("syslog(2)".into());
         let watching = built(&snapshot, &memory);
         let condition = cond(&watching, NodeConditionType::KernelLogUnavailable);
         assert_eq!(
-            (condition.status.as_str(), condition.reason.as_str()),
-            ("False", "KernelLogWatched")
+            (
+                condition.status.as_str(),
+                condition.reason.as_str(),
+                condition.message.as_str()
+            ),
+            (
+                "False",
+                "KernelLogWatched",
+                "reading the kernel log from syslog(2)"
+            )
         );
 
         memory.kernel_log =
@@ -542,7 +550,9 @@ mod tests {
             ("True", "KernelLogUnreadable")
         );
         assert!(
-            condition.message.starts_with("reading /dev/kmsg: Operation not permitted: "),
+            condition
+                .message
+                .starts_with("reading /dev/kmsg: Operation not permitted: "),
             "{}",
             condition.message
         );
