@@ -1,82 +1,79 @@
 #!/usr/bin/env bash
-# `make demo`: a local control plane, the operator and an agent on this
-# machine's real kernel. Applies examples/pool-2mi.yaml, waits for it to
-# converge, shows what the cluster and the kernel report, then deletes the
-# pool (Release: the pages go back) and stops everything.
+# `make demo`: hugepool as users run it, on a one-node cluster of this
+# machine. Builds what it needs (the control plane and kubelet, the images,
+# helm), starts a real control plane with a real kubelet and containerd
+# (`controlplane up --node`), installs charts/hugepool with `helm install`
+# from the local images, applies examples/pool-2mi.yaml and shows it
+# converge on this machine's kernel; then deletes the pool (Release: the
+# pages go back), uninstalls the chart and stops everything. Root only.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 dir="$root/target/demo"
-bin="$root/target/debug"
 kubectl="$root/e2e/controlplane/bin/kubectl"
 sysfs=/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages
-node="$(hostname | tr '[:upper:]_' '[:lower:]-')"
+start=$SECONDS
 
-say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-[[ $(id -u) == 0 ]] || { echo "demo: the agent writes the kernel's hugetlb pools: run as root" >&2; exit 1; }
+say() { printf '\n\033[1m== [%4ss] %s\033[0m\n' "$((SECONDS - start))" "$*"; }
+[[ $(id -u) == 0 ]] || { echo "demo: containerd, the kubelet and the agent need root" >&2; exit 1; }
 
-say "building (first run: several minutes)"
+say "building the control plane, kubelet and kubectl v1.37.2 (first run: several minutes)"
 bash e2e/controlplane/build.sh
-cargo build -q -p hugepool-agent -p hugepool-operator -p hugepool-crds
+say "building the images (make images: static binaries, nothing pulled)"
+bash hack/images.sh
+say "building helm"
+helm="$(bash hack/helm.sh)"
 
 # Real-kernel tests take this lock too: never write the pools at the same time.
 exec 8>"${TMPDIR:-/tmp}/hugepool-real-kernel.lock"
 flock 8
 
-pids=()
+cp_pid=""
 original="$(cat "$sysfs")"
 cleanup() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  [[ -n "$cp_pid" ]] && kill -TERM "$cp_pid" 2>/dev/null && wait "$cp_pid" 2>/dev/null
   echo "$original" >"$sysfs" 2>/dev/null || true
 }
 trap cleanup EXIT
 
-say "starting a control plane (kube-apiserver, etcd, controller-manager v1.37.2) in $dir"
+say "starting a control plane and a node on this machine (containerd, runc, kubelet) in $dir"
+# A demo that was killed may have left pod volumes mounted under $dir.
+awk -v d="$dir/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r | xargs -r -n1 umount -l
 rm -rf "$dir" && mkdir -p "$dir"
-e2e/controlplane/bin/controlplane up --data-dir "$dir/cp" >"$dir/controlplane.log" 2>&1 &
-pids+=($!)
-until [[ -f "$dir/cp/ready" ]]; do sleep 0.2; done
-export KUBECONFIG="$dir/cp/kubeconfig"
-
-say "installing the CRDs; this machine joins as Node $node"
-"$kubectl" apply -f crds/ >/dev/null
-"$kubectl" wait --for=condition=Established crd --all --timeout=60s >/dev/null
-"$kubectl" create namespace hugepool-system >/dev/null
-"$kubectl" create -f - >/dev/null <<YAML
-apiVersion: v1
-kind: Node
-metadata: {name: $node, labels: {hugepool.dev/demo: "true"}}
-YAML
-
-say "starting the operator and the node agent (logs in $dir)"
-RUST_LOG="${RUST_LOG:-info,kube_runtime=debug}" "$bin/hugepool-operator" run --listen 127.0.0.1:18080 >"$dir/operator.log" 2>&1 &
-pids+=($!)
-NODE_NAME="$node" "$bin/hugepool-agent" run --metrics-addr 127.0.0.1:19478 >"$dir/agent.log" 2>&1 &
-pids+=($!)
-
-show_logs() {
-  for log in operator agent; do echo "--- last lines of $dir/$log.log"; tail -n 15 "$dir/$log.log"; done
-}
-for _ in $(seq 300); do
-  curl -sf http://127.0.0.1:18080/readyz >/dev/null 2>&1 && break
+e2e/controlplane/bin/controlplane up --data-dir "$dir/cp" --node --images target/images >"$dir/controlplane.log" 2>&1 &
+cp_pid=$!
+until [[ -f "$dir/cp/ready" ]]; do
+  kill -0 "$cp_pid" 2>/dev/null || { tail -n 30 "$dir/controlplane.log"; exit 1; }
   sleep 0.2
 done
+sed -n 's/^controlplane: /  /p' "$dir/controlplane.log"
+export KUBECONFIG="$dir/cp/kubeconfig"
+node="$("$kubectl" get nodes -o jsonpath='{.items[0].metadata.name}')"
+IFS=: read -r api_host api_port <"$dir/cp/pod-apiserver"
 
-say "kernel before: $(cat "$sysfs") x 2Mi pages; applying examples/pool-2mi.yaml"
+say "helm install hugepool charts/hugepool (images ghcr.io/hugepool-dev/hugepool-{operator,agent}:$(sed -n 's/^appVersion: "\(.*\)"/\1/p' charts/hugepool/Chart.yaml))"
+"$helm" install hugepool charts/hugepool --namespace hugepool-system --create-namespace \
+  --set apiServer.host="$api_host" --set apiServer.port="$api_port" --wait --timeout 5m >/dev/null
+"$kubectl" get pods -n hugepool-system -o wide
+
+say "kernel before: $(cat "$sysfs") x 2Mi pages; labelling node $node and applying examples/pool-2mi.yaml"
+"$kubectl" label node "$node" hugepool.dev/demo=true >/dev/null
 "$kubectl" apply -f examples/pool-2mi.yaml
-"$kubectl" wait --for=condition=Available hugepagepool/demo-2mi --timeout=120s || { show_logs; exit 1; }
+"$kubectl" wait --for=condition=Available hugepagepool/demo-2mi --timeout=300s || {
+  "$kubectl" get hpp,hpn -o wide
+  exit 1
+}
 
 say "converged"
 "$kubectl" get hugepagepools
 "$kubectl" get hugepagenodes
-echo "kernel now: $(cat "$sysfs") x 2Mi pages"
+echo "kernel now: $(cat "$sysfs") x 2Mi pages (written by the agent in its container)"
 "$kubectl" get hugepagenode "$node" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
 echo "last resize: $("$kubectl" get hugepagenode "$node" -o jsonpath='{.status.pageSizes[0].lastResize}')"
-say "agent metrics"
-curl -s http://127.0.0.1:19478/metrics | grep -E '^hugepool_(pages\{size="2Mi",numa="all"|resize_pages_total|mem_available)' || true
 
 say "deleting the pool (deletionPolicy Release: the operator shrinks the node to 0 first)"
-"$kubectl" delete -f examples/pool-2mi.yaml --wait=true --timeout=120s
+"$kubectl" delete -f examples/pool-2mi.yaml --wait=true --timeout=300s
 echo "kernel after: $(cat "$sysfs") x 2Mi pages"
-say "done; stopping"
+say "helm uninstall"
+"$helm" uninstall hugepool --namespace hugepool-system --wait --timeout 2m >/dev/null
+say "done in $((SECONDS - start))s; stopping (logs in $dir)"
