@@ -95,6 +95,10 @@ func (n *node) prepare(phase func(string, ...any)) (func(), error) {
 		f.Close()
 		return nil, fmt.Errorf("another controlplane up --node holds %s", nodeLockPath)
 	}
+	if pid := runningKubelet(); pid != 0 {
+		f.Close()
+		return nil, fmt.Errorf("a kubelet (pid %d) already runs on this machine: --node needs its pod cgroups to itself", pid)
+	}
 	if err := ensureNodePackages(phase); err != nil {
 		f.Close()
 		return nil, err
@@ -492,6 +496,21 @@ func killPods(socket string) int {
 		}
 	}
 	return killed
+}
+
+// runningKubelet returns the pid of a kubelet process on this machine, or 0.
+func runningKubelet() int {
+	procs, _ := os.ReadDir("/proc")
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil {
+			continue
+		}
+		if comm, _ := os.ReadFile(filepath.Join("/proc", p.Name(), "comm")); strings.TrimSpace(string(comm)) == "kubelet" {
+			return pid
+		}
+	}
+	return 0
 }
 
 func lastLine(s string) string {

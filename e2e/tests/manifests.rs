@@ -245,6 +245,7 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
             {"name": "sys-node", "mountPath": "/host/sys/devices/system/node"},
             {"name": "proc-sys-vm", "mountPath": "/host/proc/sys/vm"},
             {"name": "proc-meminfo", "mountPath": "/host/proc/meminfo", "readOnly": true},
+            {"name": "run-hugepool", "mountPath": "/host/run/hugepool"},
         ]),
         "agent volumeMounts"
     );
@@ -255,6 +256,7 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
             {"name": "sys-node", "hostPath": {"path": "/sys/devices/system/node", "type": "Directory"}},
             {"name": "proc-sys-vm", "hostPath": {"path": "/proc/sys/vm", "type": "Directory"}},
             {"name": "proc-meminfo", "hostPath": {"path": "/proc/meminfo", "type": "File"}},
+            {"name": "run-hugepool", "hostPath": {"path": "/run/hugepool", "type": "DirectoryOrCreate"}},
         ]),
         "agent hostPath volumes"
     );
@@ -265,8 +267,13 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         .map(|a| a.as_str().expect("string arg"))
         .collect();
     assert_eq!(
-        args[..3],
-        ["run", "--sys-root=/host/sys", "--proc-root=/host/proc"]
+        args[..4],
+        [
+            "run",
+            "--sys-root=/host/sys",
+            "--proc-root=/host/proc",
+            "--writer-lock=/host/run/hugepool/agent.lock"
+        ]
     );
     assert_eq!(
         pod.get("hostPID").cloned(),

@@ -674,3 +674,213 @@ spec:
         degraded.message
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn helm_upgrade_replaces_agent_and_operator_with_one_writer_at_a_time() {
+    use futures::StreamExt;
+    use kube::runtime::watcher;
+
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    node.with_pool(32, "2m").await;
+
+    // The new version's images: the same archives under another tag.
+    let socket = node.cp.dir.join("node").join("containerd.sock");
+    let version = env!("CARGO_PKG_VERSION");
+    for image in ["hugepool-operator", "hugepool-agent"] {
+        let from = format!("ghcr.io/hugepool-dev/{image}:{version}");
+        let to = format!("ghcr.io/hugepool-dev/{image}:upgrade");
+        node.run(
+            Path::new("ctr"),
+            &[
+                "--address",
+                socket.to_str().unwrap(),
+                "--namespace",
+                "k8s.io",
+                "images",
+                "tag",
+                &from,
+                &to,
+            ],
+        );
+    }
+
+    // Through the upgrade, sample the agent processes and the holders of
+    // the writer lock on the host.
+    let sampler = LockSampler::start();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), NAMESPACE);
+    let lease_events = watcher(
+        leases,
+        watcher::Config::default().fields("metadata.name=hugepool-operator"),
+    );
+    let holders = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let record = std::sync::Arc::clone(&holders);
+    let lease_watch = tokio::spawn(async move {
+        let mut stream = std::pin::pin!(lease_events);
+        while let Some(Ok(event)) = stream.next().await {
+            if let watcher::Event::Apply(l) | watcher::Event::InitApply(l) = event {
+                let holder = l.spec.and_then(|s| s.holder_identity).unwrap_or_default();
+                let mut list = record.lock().unwrap();
+                if list.last() != Some(&holder) {
+                    list.push(holder);
+                }
+            }
+        }
+    });
+
+    let chart = repo().join("charts").join("hugepool");
+    node.run(
+        &node.helm,
+        &[
+            "upgrade",
+            "hugepool",
+            chart.to_str().unwrap(),
+            "--namespace",
+            NAMESPACE,
+            "--reuse-values",
+            "--set",
+            "operator.image.tag=upgrade",
+            "--set",
+            "agent.image.tag=upgrade",
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
+    );
+    // Every pod now runs the new images and the pool is still at target.
+    let running = wait_for("only new pods", Duration::from_secs(180), || async {
+        let list = pods
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let images: Vec<String> = list
+            .items
+            .iter()
+            .flat_map(|p| {
+                p.spec
+                    .iter()
+                    .flat_map(|s| s.containers.iter().filter_map(|c| c.image.clone()))
+            })
+            .collect();
+        if images.len() == 3 && images.iter().all(|i| i.ends_with(":upgrade")) {
+            Ok(list.items)
+        } else {
+            Err(format!("{images:?}"))
+        }
+    })
+    .await;
+    let new_operators: Vec<String> = running
+        .iter()
+        .filter(|p| {
+            p.metadata.labels.as_ref().is_some_and(|l| {
+                l.get("app.kubernetes.io/component").map(String::as_str) == Some("operator")
+            })
+        })
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    let leader = wait_for("a new leader", Duration::from_secs(120), || async {
+        let holder = holders.lock().unwrap().last().cloned().unwrap_or_default();
+        if new_operators.contains(&holder) {
+            Ok(holder)
+        } else {
+            Err(format!("holder {holder}, new pods {new_operators:?}"))
+        }
+    })
+    .await;
+    lease_watch.abort();
+    let samples = sampler.stop();
+    for (alive, holders) in &samples {
+        assert!(
+            holders.len() <= 1,
+            "one writer-lock holder at a time: {holders:?}"
+        );
+        assert!(
+            alive.len() < 2 || holders.len() == 1 && alive.contains(&holders[0]),
+            "two agents alive ({alive:?}) while the lock holders were {holders:?}"
+        );
+    }
+    let overlapped = samples.iter().filter(|(alive, _)| alive.len() > 1).count();
+    eprintln!(
+        "{overlapped} of {} samples saw two agent processes at once",
+        samples.len()
+    );
+    let (alive, lock_holders) = samples.last().cloned().expect("samples");
+    assert_eq!(
+        (alive.len(), lock_holders.len()),
+        (1, 1),
+        "one agent, holding the lock, after the upgrade"
+    );
+    let history = holders.lock().unwrap().clone();
+    let leaders: Vec<&String> = history.iter().filter(|h| !h.is_empty()).collect();
+    assert!(
+        leaders.len() <= 4 && leaders.last() == Some(&&leader),
+        "Lease holders over the upgrade (one at a time by construction): {history:?}"
+    );
+    node.kubectl(&[
+        "wait",
+        "--for=condition=Available",
+        "hugepagepool/consumers-2mi",
+        "--timeout=300s",
+    ]);
+    assert_eq!(
+        read_sys("nr_hugepages"),
+        32,
+        "the pool stayed at target through the upgrade"
+    );
+}
+
+/// Samples, every few milliseconds, the PIDs of the agent processes on this
+/// machine and the PIDs holding the agents' writer lock (/proc/locks).
+struct LockSampler {
+    stop: std::sync::Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(Vec<u32>, Vec<u32>)>>,
+}
+
+impl LockSampler {
+    fn start() -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let inode = std::fs::metadata("/run/hugepool/agent.lock")
+            .expect("the agent created its writer lock")
+            .ino();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = std::sync::Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                let mut alive: Vec<u32> = std::fs::read_dir("/proc")
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                    .filter(|pid| {
+                        std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                            .is_ok_and(|c| c.trim() == "hugepool-agent")
+                    })
+                    .collect();
+                alive.sort_unstable();
+                // "1: FLOCK  ADVISORY  WRITE 4242 00:1a:123456 0 EOF"
+                let holders: Vec<u32> = std::fs::read_to_string("/proc/locks")
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|line| {
+                        let fields: Vec<&str> = line.split_whitespace().collect();
+                        let file_inode = fields.get(5)?.rsplit(':').next()?.parse::<u64>().ok()?;
+                        (fields.get(1) == Some(&"FLOCK") && file_inode == inode)
+                            .then(|| fields.get(4)?.parse().ok())
+                            .flatten()
+                    })
+                    .collect();
+                samples.push((alive, holders));
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            samples
+        });
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> Vec<(Vec<u32>, Vec<u32>)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("sampler")
+    }
+}

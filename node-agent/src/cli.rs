@@ -95,6 +95,11 @@ pub struct RunArgs {
     /// Do not watch the kernel log for lockups.
     #[arg(long)]
     pub no_kmsg: bool,
+    /// A file on the host to hold an exclusive lock on before writing any
+    /// pool, so that two agents on one node never write at once (the chart
+    /// sets it; a DaemonSet update overlaps the old and the new pod).
+    #[arg(long, env = "HUGEPOOL_WRITER_LOCK")]
+    pub writer_lock: Option<PathBuf>,
     /// How often a blocked shrink is re-checked.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub blocked_poll: Duration,

@@ -117,6 +117,30 @@ async fn run_agent(kernel_args: &KernelArgs, args: &RunArgs) -> anyhow::Result<(
         tracing::info!("signal received; finishing the write in flight");
         let _ = shutdown_tx.send(true);
     });
+    // Held until this process exits: one writer of this node's pools.
+    let _lock = match &args.writer_lock {
+        Some(path) => {
+            let path = path.clone();
+            let stop = shutdown_rx.clone();
+            let lock = tokio::task::spawn_blocking(move || {
+                agent::writer_lock::acquire(
+                    &path,
+                    std::time::Duration::from_millis(200),
+                    || tracing::info!(lock = %path.display(), "another agent holds the writer lock; waiting for it to exit"),
+                    || *stop.borrow(),
+                )
+            })
+            .await??;
+            match lock {
+                Some(lock) => {
+                    tracing::info!(lock = %lock.path.display(), "writer lock held");
+                    Some(lock)
+                }
+                None => return Ok(()),
+            }
+        }
+        None => None,
+    };
     agent::run(client, kernel, config, shared, shutdown_rx).await?;
     Ok(())
 }

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod server;
 pub mod snapshot;
 pub mod status;
+pub mod writer_lock;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
