@@ -884,3 +884,105 @@ impl LockSampler {
         self.thread.join().expect("sampler")
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_static_pod_holding_hugepages_is_never_evicted_and_the_node_names_it() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    node.with_pool(64, "2m").await;
+    node.restart_kubelet().await;
+    wait_for(
+        "capacity after the restart",
+        Duration::from_secs(120),
+        || async {
+            match node.kubelet_capacity_2mi(&client).await.as_str() {
+                "128Mi" => Ok(()),
+                other => Err(other.to_string()),
+            }
+        },
+    )
+    .await;
+    // A static pod: the kubelet runs it from its manifest directory.
+    let manifest = node
+        .cp
+        .dir
+        .join("node")
+        .join("manifests")
+        .join("holder.yaml");
+    std::fs::write(
+        &manifest,
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: holder, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 5
+  containers:
+  - name: holder
+    image: localhost/hugepool-e2e:{}
+    command: [/hugepage-holder, "16"]
+    resources:
+      limits: {{hugepages-2Mi: 32Mi, memory: 64Mi, cpu: 100m}}
+"#,
+            env!("CARGO_PKG_VERSION")
+        ),
+    )
+    .expect("static pod manifest");
+    wait_for("16 pages in use", Duration::from_secs(120), || async {
+        let free = read_sys("free_hugepages");
+        if free == 48 {
+            Ok(())
+        } else {
+            Err(format!("free {free}"))
+        }
+    })
+    .await;
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "consumers-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"pages":8}}"#,
+    ]);
+
+    let mirror = format!("holder-{}", node.name);
+    let named = format!("default/{mirror} (static pod)");
+    let message = wait_for(
+        "the node names its static pod",
+        Duration::from_secs(300),
+        || async {
+            match node_condition(&client, &node.name, "Draining").await {
+                Some((_, _, message)) if message.contains(&named) => Ok(message),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    eprintln!("Draining: {message}");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    assert!(
+        pods.get_opt(&mirror)
+            .await
+            .expect("get mirror pod")
+            .is_some(),
+        "never evicted"
+    );
+    assert_eq!(
+        read_sys("free_hugepages"),
+        0,
+        "the static pod still holds its pages"
+    );
+    assert_eq!(read_sys("nr_hugepages"), 16, "shrunk to what is in use");
+
+    // Its owner, the manifest, is the only way: then the shrink completes.
+    std::fs::remove_file(&manifest).expect("remove manifest");
+    node.kubectl(&[
+        "wait",
+        "--for=condition=Available",
+        "hugepagepool/consumers-2mi",
+        "--timeout=300s",
+    ]);
+    assert_eq!(read_sys("nr_hugepages"), 8);
+}

@@ -472,7 +472,28 @@ async fn carry_out_drain(
 ) -> Result<bool> {
     let drain = &plan.drain;
     let name = node.name_any();
-    if let (Some(update), Some(state)) = (&drain.condition, node_state) {
+    let on_node = if drain.evict.is_empty() {
+        Vec::new()
+    } else {
+        let pods: Api<Pod> = Api::all(ctx.client.clone());
+        pods.list(&ListParams::default().fields(&format!("spec.nodeName={name}")))
+            .await
+            .map_err(|source| Error::ListPods {
+                node: name.clone(),
+                source,
+            })?
+            .items
+    };
+    // Pods that eviction cannot move are named in the condition, so the
+    // node says what blocks its shrink.
+    let kept = drain::unevictable_consumers(&on_node, &drain.evict);
+    let condition_update = drain.condition.clone().map(|mut update| {
+        if !kept.is_empty() {
+            update.message = format!("{}; not evicted: {}", update.message, kept.join(", "));
+        }
+        update
+    });
+    if let (Some(update), Some(state)) = (&condition_update, node_state) {
         let mut conditions = state
             .status
             .as_ref()
@@ -513,16 +534,8 @@ async fn carry_out_drain(
     if drain.evict.is_empty() {
         return Ok(false);
     }
-    let pods: Api<Pod> = Api::all(ctx.client.clone());
-    let on_node = pods
-        .list(&ListParams::default().fields(&format!("spec.nodeName={name}")))
-        .await
-        .map_err(|source| Error::ListPods {
-            node: name.clone(),
-            source,
-        })?;
     let pool = drain.pools.first().cloned().unwrap_or_default();
-    for pod in drain::hugepage_consumers(&on_node.items, &drain.evict) {
+    for pod in drain::hugepage_consumers(&on_node, &drain.evict) {
         let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
         if written
             .evictions

@@ -39,20 +39,80 @@ pub fn requests_hugepages(pod: &Pod, sizes: &[PageSize]) -> bool {
             .any(|c| asks(&c.resources))
 }
 
-/// Pods to evict: those that request one of `sizes`, not already going and
-/// not finished (their pages are already free).
-pub fn hugepage_consumers<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> Vec<&'a Pod> {
-    let mut consumers: Vec<&Pod> = pods
-        .iter()
+/// Why a consumer is never evicted: its pages would not come back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unevictable {
+    /// A DaemonSet recreates it on the same node at once (and tolerates the
+    /// draining taint, as DaemonSet pods tolerate NoSchedule taints they ask for).
+    DaemonSet,
+    /// A static pod: the kubelet runs it from a file; its API object is a
+    /// mirror that the Eviction API cannot stop.
+    Static,
+}
+
+impl Unevictable {
+    pub fn of(pod: &Pod) -> Option<Self> {
+        let mirror = pod
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key("kubernetes.io/config.mirror"));
+        if mirror {
+            return Some(Self::Static);
+        }
+        pod.metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.controller == Some(true) && o.kind == "DaemonSet")
+            .then_some(Self::DaemonSet)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unevictable::DaemonSet => "DaemonSet-owned",
+            Unevictable::Static => "static pod",
+        }
+    }
+}
+
+/// Pods that hold one of `sizes` now: they request it, are not already going
+/// and not finished (a finished pod's pages are already free).
+fn holding<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> impl Iterator<Item = &'a Pod> {
+    pods.iter()
         .filter(|pod| pod.metadata.deletion_timestamp.is_none())
         .filter(|pod| {
             let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
             !matches!(phase, Some("Succeeded" | "Failed"))
         })
-        .filter(|pod| requests_hugepages(pod, sizes))
+        .filter(move |pod| requests_hugepages(pod, sizes))
+}
+
+/// Pods to evict: the holders of `sizes` that eviction can move.
+pub fn hugepage_consumers<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> Vec<&'a Pod> {
+    let mut consumers: Vec<&Pod> = holding(pods, sizes)
+        .filter(|pod| Unevictable::of(pod).is_none())
         .collect();
     consumers.sort_by_key(|pod| (pod.namespace(), pod.name_any()));
     consumers
+}
+
+/// The holders of `sizes` that are never evicted, as `namespace/name (why)`,
+/// for the node's Draining condition.
+pub fn unevictable_consumers(pods: &[Pod], sizes: &[PageSize]) -> Vec<String> {
+    let mut found: Vec<String> = holding(pods, sizes)
+        .filter_map(|pod| {
+            let why = Unevictable::of(pod)?;
+            Some(format!(
+                "{}/{} ({})",
+                pod.namespace().unwrap_or_default(),
+                pod.name_any(),
+                why.as_str()
+            ))
+        })
+        .collect();
+    found.sort();
+    found
 }
 
 /// Retry state of one pod whose eviction was refused.
@@ -116,7 +176,7 @@ mod tests {
 
     use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 
     use super::*;
 
@@ -171,6 +231,44 @@ mod tests {
         assert_eq!(names, ["dpdk"]);
         let both = hugepage_consumers(&pods, &[PageSize::SIZE_2MI, PageSize::SIZE_1GI]);
         assert_eq!(both.len(), 2);
+    }
+
+    #[test]
+    fn daemonset_and_static_pods_are_never_evicted_but_named() {
+        let mut daemon = pod("agent-x", &[("hugepages-2Mi", "4Mi")]);
+        daemon.metadata.owner_references = Some(vec![OwnerReference {
+            api_version: "apps/v1".into(),
+            kind: "DaemonSet".into(),
+            name: "agent".into(),
+            uid: "1".into(),
+            controller: Some(true),
+            ..OwnerReference::default()
+        }]);
+        let mut mirror = pod("holder-vm", &[("hugepages-2Mi", "4Mi")]);
+        mirror.metadata.annotations =
+            Some([("kubernetes.io/config.mirror".to_string(), "abc".to_string())].into());
+        let mut replica = pod("dpdk-7f9", &[("hugepages-2Mi", "4Mi")]);
+        replica.metadata.owner_references = Some(vec![OwnerReference {
+            api_version: "apps/v1".into(),
+            kind: "ReplicaSet".into(),
+            name: "dpdk-7f".into(),
+            uid: "2".into(),
+            controller: Some(true),
+            ..OwnerReference::default()
+        }]);
+        let pods = vec![daemon, mirror, replica];
+        let evict: Vec<String> = hugepage_consumers(&pods, &[PageSize::SIZE_2MI])
+            .iter()
+            .map(|p| p.name_any())
+            .collect();
+        assert_eq!(evict, ["dpdk-7f9"]);
+        assert_eq!(
+            unevictable_consumers(&pods, &[PageSize::SIZE_2MI]),
+            [
+                "apps/agent-x (DaemonSet-owned)",
+                "apps/holder-vm (static pod)"
+            ]
+        );
     }
 
     #[test]

@@ -92,13 +92,15 @@ impl ApiServerVerifier {
                         .await;
                 }
                 Scenario::BlockedShrink { pool, node } => {
-                    self.expect_draining_condition("w-1", "True", "EvictingPods")
+                    // The node's pods first: the condition names those
+                    // eviction cannot move.
+                    self.expect_pod_list("w-1")
+                        .await
+                        .expect_draining_condition("w-1", "True", "EvictingPods")
                         .await
                         .expect_event("DrainStarted")
                         .await
                         .expect_taint(&node, true)
-                        .await
-                        .expect_pod_list("w-1")
                         .await
                         .expect_eviction_refused("apps", "dpdk")
                         .await
