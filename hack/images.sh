@@ -33,7 +33,7 @@ say() { printf 'images.sh: %-58s %4ss\n' "$1" "$((SECONDS - start))"; }
 need_pkgs=()
 command -v umoci >/dev/null || need_pkgs+=(umoci)
 command -v musl-gcc >/dev/null || need_pkgs+=(musl-tools)
-[[ -x /bin/busybox ]] && /bin/busybox --list | grep -qx nsenter || need_pkgs+=(busybox-static)
+[[ -x /bin/busybox ]] && /bin/busybox --list | grep -x nsenter >/dev/null || need_pkgs+=(busybox-static)
 [[ -f /etc/ssl/certs/ca-certificates.crt ]] || need_pkgs+=(ca-certificates)
 if ((${#need_pkgs[@]})); then
   say "apt-get install ${need_pkgs[*]}"
