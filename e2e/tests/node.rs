@@ -437,6 +437,47 @@ spec:
         .await;
     }
 
+    /// Restarts the kubelet and waits until it reports `capacity` of 2Mi pages.
+    async fn restart_kubelet_until(&self, client: &Client, capacity: &str) {
+        self.restart_kubelet().await;
+        wait_for(
+            "capacity after the restart",
+            Duration::from_secs(120),
+            || async {
+                match self.kubelet_capacity_2mi(client).await.as_str() {
+                    c if c == capacity => Ok(()),
+                    other => Err(other.to_string()),
+                }
+            },
+        )
+        .await;
+    }
+
+    /// Waits until the 2Mi pool is `total` pages of which `in_use` are held.
+    async fn wait_in_use(&self, total: u64, in_use: u64) {
+        wait_for("pages in use", Duration::from_secs(120), || async {
+            let (nr, free) = (read_sys("nr_hugepages"), read_sys("free_hugepages"));
+            if nr == total && free == total - in_use {
+                Ok(())
+            } else {
+                Err(format!("pool {nr}, free {free}"))
+            }
+        })
+        .await;
+    }
+
+    fn set_pool_pages(&self, pages: u32) {
+        let patch = format!(r#"{{"spec":{{"pages":{pages}}}}}"#);
+        self.kubectl(&[
+            "patch",
+            "hugepagepool",
+            "consumers-2mi",
+            "--type=merge",
+            "-p",
+            &patch,
+        ]);
+    }
+
     /// A bare pod holding `pages` x 2Mi through MAP_HUGETLB, with the
     /// `hugepages-2Mi` limit the kubelet admits it by.
     fn start_holder(&self, name: &str, pages: u32) {
@@ -497,38 +538,12 @@ async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it(
         pages => format!("{}Mi", pages * 2),
     };
     assert_eq!(stale, at_start, "capacity before a kubelet restart");
-    node.restart_kubelet().await;
-    wait_for(
-        "capacity after the restart",
-        Duration::from_secs(120),
-        || async {
-            match node.kubelet_capacity_2mi(&client).await.as_str() {
-                "128Mi" => Ok(()),
-                other => Err(other.to_string()),
-            }
-        },
-    )
-    .await;
+    node.restart_kubelet_until(&client, "128Mi").await;
 
     // A consumer holds 16 pages; shrinking to 8 is blocked by them.
     node.start_holder("holder", 16);
-    wait_for("16 pages in use", Duration::from_secs(120), || async {
-        let free = read_sys("free_hugepages");
-        if read_sys("nr_hugepages") == 64 && free == 48 {
-            Ok(())
-        } else {
-            Err(format!("free {free}"))
-        }
-    })
-    .await;
-    node.kubectl(&[
-        "patch",
-        "hugepagepool",
-        "consumers-2mi",
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"pages":8}}"#,
-    ]);
+    node.wait_in_use(64, 16).await;
+    node.set_pool_pages(8);
 
     // The operator drains under its taint through the Eviction API; the
     // holder's pages come back and the shrink completes.
@@ -602,18 +617,7 @@ async fn a_pod_disruption_budget_holds_the_drain_until_it_times_out() {
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
     node.with_pool(64, "20s").await;
-    node.restart_kubelet().await;
-    wait_for(
-        "capacity after the restart",
-        Duration::from_secs(120),
-        || async {
-            match node.kubelet_capacity_2mi(&client).await.as_str() {
-                "128Mi" => Ok(()),
-                other => Err(other.to_string()),
-            }
-        },
-    )
-    .await;
+    node.restart_kubelet_until(&client, "128Mi").await;
     node.apply(
         r#"
 apiVersion: policy/v1
@@ -625,23 +629,8 @@ spec:
 "#,
     );
     node.start_holder("holder", 16);
-    wait_for("16 pages in use", Duration::from_secs(120), || async {
-        let free = read_sys("free_hugepages");
-        if free == 48 {
-            Ok(())
-        } else {
-            Err(format!("free {free}"))
-        }
-    })
-    .await;
-    node.kubectl(&[
-        "patch",
-        "hugepagepool",
-        "consumers-2mi",
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"pages":8}}"#,
-    ]);
+    node.wait_in_use(64, 16).await;
+    node.set_pool_pages(8);
 
     let reason = wait_for("DrainTimeout", Duration::from_secs(300), || async {
         match node_condition(&client, &node.name, "Draining").await {
@@ -895,18 +884,7 @@ async fn a_static_pod_holding_hugepages_is_never_evicted_and_the_node_names_it()
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
     node.with_pool(64, "2m").await;
-    node.restart_kubelet().await;
-    wait_for(
-        "capacity after the restart",
-        Duration::from_secs(120),
-        || async {
-            match node.kubelet_capacity_2mi(&client).await.as_str() {
-                "128Mi" => Ok(()),
-                other => Err(other.to_string()),
-            }
-        },
-    )
-    .await;
+    node.restart_kubelet_until(&client, "128Mi").await;
     // A static pod: the kubelet runs it from its manifest directory.
     let manifest = node
         .cp
@@ -934,23 +912,8 @@ spec:
         ),
     )
     .expect("static pod manifest");
-    wait_for("16 pages in use", Duration::from_secs(120), || async {
-        let free = read_sys("free_hugepages");
-        if free == 48 {
-            Ok(())
-        } else {
-            Err(format!("free {free}"))
-        }
-    })
-    .await;
-    node.kubectl(&[
-        "patch",
-        "hugepagepool",
-        "consumers-2mi",
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"pages":8}}"#,
-    ]);
+    node.wait_in_use(64, 16).await;
+    node.set_pool_pages(8);
 
     let mirror = format!("holder-{}", node.name);
     let named = format!("default/{mirror} (static pod)");
