@@ -102,7 +102,6 @@ func apiserverArgs(dir string, p ports, node bool, extra []string) []string {
 }
 
 func controllerManagerArgs(dir string, p ports, node bool, extra []string) []string {
-	pki := filepath.Join(dir, "pki")
 	enabled := controllers
 	if node {
 		enabled = append(append([]string{}, controllers...), nodeControllers...)
@@ -110,30 +109,34 @@ func controllerManagerArgs(dir string, p ports, node bool, extra []string) []str
 	args := []string{
 		"--kubeconfig=" + filepath.Join(dir, "controller-manager.kubeconfig"),
 		"--controllers=" + strings.Join(enabled, ","),
-		// A restart must not wait for a stale leader lease to expire.
-		"--leader-elect=false",
-		"--bind-address=127.0.0.1",
-		fmt.Sprintf("--secure-port=%d", p.ControllerManager),
-		"--tls-cert-file=" + filepath.Join(pki, "serving.crt"),
-		"--tls-private-key-file=" + filepath.Join(pki, "serving.key"),
 		"--kube-api-qps=100",
 		"--kube-api-burst=200",
-		"--profiling=false",
 	}
+	args = append(args, componentArgs(dir, p.ControllerManager)...)
 	return append(args, extra...)
 }
 
-func schedulerArgs(dir string, p ports) []string {
+// componentArgs are the flags the controller-manager and the scheduler share:
+// no leader election (a restart must not wait for a stale lease to expire),
+// the serving certificate on loopback, no profiling.
+func componentArgs(dir string, port int) []string {
 	pki := filepath.Join(dir, "pki")
 	return []string{
-		"--kubeconfig=" + filepath.Join(dir, "scheduler.kubeconfig"),
-		"--authentication-kubeconfig=" + filepath.Join(dir, "scheduler.kubeconfig"),
-		"--authorization-kubeconfig=" + filepath.Join(dir, "scheduler.kubeconfig"),
 		"--leader-elect=false",
 		"--bind-address=127.0.0.1",
-		fmt.Sprintf("--secure-port=%d", p.Scheduler),
+		fmt.Sprintf("--secure-port=%d", port),
 		"--tls-cert-file=" + filepath.Join(pki, "serving.crt"),
 		"--tls-private-key-file=" + filepath.Join(pki, "serving.key"),
 		"--profiling=false",
 	}
+}
+
+func schedulerArgs(dir string, p ports) []string {
+	kubeconfig := filepath.Join(dir, "scheduler.kubeconfig")
+	args := []string{
+		"--kubeconfig=" + kubeconfig,
+		"--authentication-kubeconfig=" + kubeconfig,
+		"--authorization-kubeconfig=" + kubeconfig,
+	}
+	return append(args, componentArgs(dir, p.Scheduler)...)
 }

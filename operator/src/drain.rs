@@ -233,29 +233,26 @@ mod tests {
         assert_eq!(both.len(), 2);
     }
 
+    fn controlled_by(kind: &str, name: &str) -> Option<Vec<OwnerReference>> {
+        Some(vec![OwnerReference {
+            api_version: "apps/v1".into(),
+            kind: kind.into(),
+            name: name.into(),
+            uid: format!("{kind}-{name}"),
+            controller: Some(true),
+            ..OwnerReference::default()
+        }])
+    }
+
     #[test]
     fn daemonset_and_static_pods_are_never_evicted_but_named() {
         let mut daemon = pod("agent-x", &[("hugepages-2Mi", "4Mi")]);
-        daemon.metadata.owner_references = Some(vec![OwnerReference {
-            api_version: "apps/v1".into(),
-            kind: "DaemonSet".into(),
-            name: "agent".into(),
-            uid: "1".into(),
-            controller: Some(true),
-            ..OwnerReference::default()
-        }]);
+        daemon.metadata.owner_references = controlled_by("DaemonSet", "agent");
         let mut mirror = pod("holder-vm", &[("hugepages-2Mi", "4Mi")]);
         mirror.metadata.annotations =
             Some([("kubernetes.io/config.mirror".to_string(), "abc".to_string())].into());
         let mut replica = pod("dpdk-7f9", &[("hugepages-2Mi", "4Mi")]);
-        replica.metadata.owner_references = Some(vec![OwnerReference {
-            api_version: "apps/v1".into(),
-            kind: "ReplicaSet".into(),
-            name: "dpdk-7f".into(),
-            uid: "2".into(),
-            controller: Some(true),
-            ..OwnerReference::default()
-        }]);
+        replica.metadata.owner_references = controlled_by("ReplicaSet", "dpdk-7f");
         let pods = vec![daemon, mirror, replica];
         let evict: Vec<String> = hugepage_consumers(&pods, &[PageSize::SIZE_2MI])
             .iter()
