@@ -50,10 +50,14 @@ sed -n 's/^controlplane: /  /p' "$dir/controlplane.log"
 export KUBECONFIG="$dir/cp/kubeconfig"
 node="$("$kubectl" get nodes -o jsonpath='{.items[0].metadata.name}')"
 IFS=: read -r api_host api_port <"$dir/cp/pod-apiserver"
+# How the agent restarts this node's kubelet (a real node: systemctl via nsenter).
+kubelet_restart="$(cat "$dir/cp/kubelet-restart-command")"
 
 say "helm install hugepool charts/hugepool (images ghcr.io/hugepool-dev/hugepool-{operator,agent}:$(sed -n 's/^appVersion: "\(.*\)"/\1/p' charts/hugepool/Chart.yaml))"
 "$helm" install hugepool charts/hugepool --namespace hugepool-system --create-namespace \
-  --set apiServer.host="$api_host" --set apiServer.port="$api_port" --wait --timeout 5m >/dev/null
+  --set apiServer.host="$api_host" --set apiServer.port="$api_port" \
+  --set agent.kubeletRestart.enabled=true --set agent.kubeletRestart.command="$kubelet_restart" \
+  --wait --timeout 5m >/dev/null
 "$kubectl" get pods -n hugepool-system -o wide
 
 say "kernel before: $(cat "$sysfs") x 2Mi pages; labelling node $node and applying examples/pool-2mi.yaml"
@@ -68,6 +72,7 @@ say "converged"
 "$kubectl" get hugepagepools
 "$kubectl" get hugepagenodes
 echo "kernel now: $(cat "$sysfs") x 2Mi pages (written by the agent in its container)"
+echo "kubelet capacity: $("$kubectl" get node "$node" -o jsonpath='{.status.capacity.hugepages-2Mi}') of hugepages-2Mi (the agent restarted the kubelet)"
 "$kubectl" get hugepagenode "$node" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
 echo "last resize: $("$kubectl" get hugepagenode "$node" -o jsonpath='{.status.pageSizes[0].lastResize}')"
 

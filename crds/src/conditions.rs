@@ -60,7 +60,7 @@ api_enum! {
         // ShrinkBlocked
         NotBlocked,
         // KubeletCapacityStale
-        KubeletRestartRequired, KubeletRestarted, CapacityMatches,
+        KubeletRestartRequired, KubeletRestarted, KubeletRestartFailed, CapacityMatches,
         // KernelLogUnavailable
         KernelLogUnreadable, KernelLogDisabled, KernelLogWatched,
         // Draining
@@ -68,6 +68,7 @@ api_enum! {
         // Pool: Available / Progressing / Degraded
         AllNodesConverged, NodesNotConverged, RollingOut, MaxUnavailableReached, Draining, Paused,
         RolloutComplete, NodesStalled, AllocationFailed, Conflict, NoMatchingNodes, RolloutHalted,
+        KubeletCapacityStale,
         InvalidSpec, AsExpected,
     }
 }

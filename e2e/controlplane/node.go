@@ -41,6 +41,9 @@ const (
 	podGateway = "10.88.0.1"
 	// DIR/pod-apiserver holds host:port of the apiserver as pods reach it.
 	podAPIServerFile = "pod-apiserver"
+	// kubeletRestartFile holds the command an agent with hostPID runs to
+	// restart this node's kubelet (the chart's agent.kubeletRestart.command).
+	kubeletRestartFile = "kubelet-restart-command"
 )
 
 // One node at a time on a machine: its pods live in the kubepods cgroups and
@@ -219,8 +222,43 @@ func (n *node) start(ctx context.Context, phase func(string, ...any)) error {
 		return fmt.Errorf("kubelet: %w\n%s", err, k.logTail(40))
 	}
 	phase("node %s Ready (kubelet on 127.0.0.1:%d)", n.name, n.ports.Kubelet)
+	if err := n.writeKubeletRestart(); err != nil {
+		return err
+	}
 	podAPI := fmt.Sprintf("%s:%d\n", podGateway, n.ports.APIServer)
 	return writeFileAtomic(filepath.Join(n.dir, podAPIServerFile), []byte(podAPI), 0o644)
+}
+
+// writeKubeletRestart writes the restart mechanism of this node. A real node
+// restarts its kubelet with `nsenter --target 1 ... systemctl restart
+// kubelet`: into the namespaces of the process that supervises the kubelet,
+// then ask it. Here that process is this one (the VM's PID 1 refuses
+// setns even to root), so the command enters this process's namespaces and
+// runs DIR/node/restart-kubelet, which stops the kubelet and waits until the
+// supervisor has started the next one, as `systemctl restart` returns once
+// the unit is started again.
+func (n *node) writeKubeletRestart() error {
+	script := fmt.Sprintf(`#!/bin/sh
+# Restarts the kubelet of the node in %[1]s (written by controlplane up --node).
+set -eu
+old=$(cat %[2]s)
+kill -TERM "$old"
+tries=0
+while [ "$(cat %[2]s)" = "$old" ]; do
+	tries=$((tries + 1))
+	if [ "$tries" -gt 600 ]; then
+		echo "the kubelet was not started again within 60 s" >&2
+		exit 1
+	fi
+	sleep 0.1
+done
+`, n.dir, n.path("kubelet.pid"))
+	if err := writeFileAtomic(n.path("restart-kubelet"), []byte(script), 0o755); err != nil {
+		return err
+	}
+	command := fmt.Sprintf("nsenter --target %d --mount --uts --ipc --net --pid -- %s\n",
+		os.Getpid(), n.path("restart-kubelet"))
+	return writeFileAtomic(filepath.Join(n.dir, kubeletRestartFile), []byte(command), 0o644)
 }
 
 // superviseKubelet starts the kubelet again whenever it exits, a second

@@ -280,6 +280,20 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         restart.then_some(Value::Bool(true)),
         "hostPID only with kubeletRestart.enabled"
     );
+    // Without restarts the agent is told it has no restart command, so its
+    // status says it will not restart the kubelet (rather than a failed
+    // nsenter); with them it keeps its default command.
+    let restart_args: Vec<&str> = args
+        .iter()
+        .filter(|a| a.starts_with("--kubelet-restart-command"))
+        .copied()
+        .collect();
+    let expected: &[&str] = if restart {
+        &[]
+    } else {
+        &["--kubelet-restart-command="]
+    };
+    assert_eq!(restart_args, expected, "kubelet restart command");
     for host in ["hostNetwork", "hostIPC"] {
         assert!(pod.get(host).is_none(), "{host} is not needed");
     }

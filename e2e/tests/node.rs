@@ -43,6 +43,9 @@ struct Node {
     helm: PathBuf,
     name: String,
     pod_apiserver: (String, u16),
+    /// How an agent restarts this node's kubelet (the harness's equivalent
+    /// of `nsenter --target 1 ... systemctl restart kubelet`).
+    kubelet_restart: String,
     saved_2mi: u64,
     _kernel: std::fs::File,
 }
@@ -91,12 +94,17 @@ impl Node {
             .trim()
             .rsplit_once(':')
             .expect("pod-apiserver is host:port");
+        let kubelet_restart = std::fs::read_to_string(dir.join("kubelet-restart-command"))
+            .expect("controlplane wrote kubelet-restart-command")
+            .trim()
+            .to_string();
         let name = node_name();
         Some(Node {
             cp,
             helm,
             name,
             pod_apiserver: (host.to_string(), port.parse().expect("port")),
+            kubelet_restart,
             saved_2mi,
             _kernel: kernel,
         })
@@ -136,6 +144,7 @@ impl Node {
         let chart = repo().join("charts").join("hugepool");
         let host = format!("apiServer.host={}", self.pod_apiserver.0);
         let port = format!("apiServer.port={}", self.pod_apiserver.1);
+        let restart = format!("agent.kubeletRestart.command={}", self.kubelet_restart);
         self.run(
             &self.helm,
             &[
@@ -149,6 +158,10 @@ impl Node {
                 &host,
                 "--set",
                 &port,
+                "--set",
+                "agent.kubeletRestart.enabled=true",
+                "--set",
+                &restart,
                 "--wait",
                 "--timeout",
                 "5m",
@@ -284,6 +297,7 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
     );
 
     // The example pool, applied as a user would.
+    let kubelet_before = node.kubelet_pid();
     node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
     node.kubectl(&[
         "apply",
@@ -299,6 +313,15 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
 
     // What the agent reports is what the kernel has, and that is the pool.
     assert_eq!(read_sys("nr_hugepages"), 256, "the kernel's 2Mi pool");
+    // Available waited for the kubelet too: the agent restarted it through
+    // the node's restart command (the example's kubelet.restart is
+    // AfterResize), and it reports the pool.
+    assert_ne!(
+        node.kubelet_pid(),
+        kubelet_before,
+        "the agent restarted the kubelet"
+    );
+    assert_eq!(node.kubelet_capacity_2mi(&client).await, "512Mi");
     let hpns: Api<HugePageNode> = Api::all(client.clone());
     let hpn = hpns.get(&node.name).await.expect("HugePageNode");
     let reported = hpn
@@ -375,8 +398,25 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
 
 impl Node {
     /// Installs the chart, labels the node and applies a 2Mi pool of `pages`
-    /// with a short drain timeout; waits for it to be Available.
+    /// with a short drain timeout and kubelet restarts `AfterResize`; waits
+    /// for it to be Available, which needs the kubelet to report the pool.
     async fn with_pool(&self, pages: u32, drain_timeout: &str) {
+        self.with_pool_restarting(pages, drain_timeout, "AfterResize");
+        self.wait_available("consumers-2mi");
+    }
+
+    fn wait_available(&self, pool: &str) {
+        self.kubectl(&[
+            "wait",
+            "--for=condition=Available",
+            &format!("hugepagepool/{pool}"),
+            "--timeout=300s",
+        ]);
+    }
+
+    /// Installs the chart, labels the node and applies the pool
+    /// `consumers-2mi` with kubelet restarts `restart`.
+    fn with_pool_restarting(&self, pages: u32, drain_timeout: &str, restart: &str) {
         self.helm_install();
         self.kubectl(&["label", "node", &self.name, "hugepool.dev/demo=true"]);
         self.apply(&format!(
@@ -389,15 +429,10 @@ spec:
   pageSize: 2Mi
   pages: {pages}
   drain: {{policy: IfNeeded, timeout: {drain_timeout}}}
+  kubelet: {{restart: {restart}}}
   deletionPolicy: Release
 "#
         ));
-        self.kubectl(&[
-            "wait",
-            "--for=condition=Available",
-            "hugepagepool/consumers-2mi",
-            "--timeout=300s",
-        ]);
     }
 
     fn apply(&self, yaml: &str) {
@@ -416,41 +451,13 @@ spec:
             .unwrap_or_default()
     }
 
-    /// Kills the kubelet; the harness starts it again as systemd would.
-    async fn restart_kubelet(&self) {
+    /// The pid of the kubelet the harness runs now.
+    fn kubelet_pid(&self) -> String {
         let pid_file = self.cp.dir.join("node").join("kubelet.pid");
-        let pid: i32 = std::fs::read_to_string(&pid_file)
+        std::fs::read_to_string(&pid_file)
             .expect("kubelet.pid")
             .trim()
-            .parse()
-            .expect("a pid");
-        // SAFETY: signalling the kubelet the harness started.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0, "kill kubelet");
-        wait_for("a new kubelet", Duration::from_secs(60), || async {
-            let now = std::fs::read_to_string(&pid_file).unwrap_or_default();
-            if now.trim() != pid.to_string() {
-                Ok(())
-            } else {
-                Err(format!("still pid {pid}"))
-            }
-        })
-        .await;
-    }
-
-    /// Restarts the kubelet and waits until it reports `capacity` of 2Mi pages.
-    async fn restart_kubelet_until(&self, client: &Client, capacity: &str) {
-        self.restart_kubelet().await;
-        wait_for(
-            "capacity after the restart",
-            Duration::from_secs(120),
-            || async {
-                match self.kubelet_capacity_2mi(client).await.as_str() {
-                    c if c == capacity => Ok(()),
-                    other => Err(other.to_string()),
-                }
-            },
-        )
-        .await;
+            .to_string()
     }
 
     /// Waits until the 2Mi pool is `total` pages of which `in_use` are held.
@@ -501,6 +508,21 @@ spec:
     }
 }
 
+/// The HugePagePool condition `type_`, as (status, reason, message).
+async fn pool_condition(
+    client: &Client,
+    pool: &str,
+    type_: &str,
+) -> Option<(String, String, String)> {
+    let pools: Api<HugePagePool> = Api::all(client.clone());
+    let pool = pools.get_opt(pool).await.ok()??;
+    pool.status?
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status, c.reason, c.message))
+}
+
 /// The HugePageNode condition `type_`, as (status, reason, message).
 async fn node_condition(
     client: &Client,
@@ -527,18 +549,72 @@ fn node_tainted_draining(node: &k8s_openapi::api::core::v1::Node) -> bool {
 async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it() {
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
-    node.with_pool(64, "2m").await;
+    node.with_pool_restarting(64, "2m", "Never");
 
     // What this kubelet reports: its hugepages capacity is read at start, so
-    // a grow is not seen until the kubelet restarts.
-    let stale = node.kubelet_capacity_2mi(&client).await;
-    // The kubelet started with the machine's pool as it was before the test.
+    // a grow is not seen until the kubelet restarts, and until then the pool
+    // is not Available (pods could not get its pages).
     let at_start = match node.saved_2mi {
         0 => "0".to_string(),
         pages => format!("{}Mi", pages * 2),
     };
+    assert_ne!(
+        at_start, "128Mi",
+        "the machine's pool starts at the test's target"
+    );
+    let (reason, message) = wait_for(
+        "Available=False/KubeletCapacityStale",
+        Duration::from_secs(300),
+        || async {
+            match pool_condition(&client, "consumers-2mi", "Available").await {
+                Some((status, reason, message))
+                    if status == "False" && reason == "KubeletCapacityStale" =>
+                {
+                    Ok((reason, message))
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(message.contains(&node.name), "{reason}: {message}");
+    assert_eq!(read_sys("nr_hugepages"), 64, "the kernel has the pool");
+    let stale = node.kubelet_capacity_2mi(&client).await;
     assert_eq!(stale, at_start, "capacity before a kubelet restart");
-    node.restart_kubelet_until(&client, "128Mi").await;
+    let (status, reason, message) = node_condition(&client, &node.name, "KubeletCapacityStale")
+        .await
+        .expect("KubeletCapacityStale");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "KubeletRestartRequired"),
+        "{message}"
+    );
+
+    // With AfterResize the agent restarts the kubelet itself, through the
+    // node's restart command, and the pool becomes Available.
+    let kubelet_before = node.kubelet_pid();
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "consumers-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"kubelet":{"restart":"AfterResize"}}}"#,
+    ]);
+    node.wait_available("consumers-2mi");
+    assert_eq!(node.kubelet_capacity_2mi(&client).await, "128Mi");
+    assert_ne!(
+        node.kubelet_pid(),
+        kubelet_before,
+        "the agent restarted the kubelet"
+    );
+    let (status, reason, _) = node_condition(&client, &node.name, "KubeletCapacityStale")
+        .await
+        .expect("KubeletCapacityStale");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "CapacityMatches")
+    );
 
     // A consumer holds 16 pages; shrinking to 8 is blocked by them.
     node.start_holder("holder", 16);
@@ -588,12 +664,9 @@ async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it(
         "the node was tainted {} while draining",
         hugepool_crds::DRAINING_TAINT
     );
-    node.kubectl(&[
-        "wait",
-        "--for=condition=Available",
-        "hugepagepool/consumers-2mi",
-        "--timeout=300s",
-    ]);
+    // Available again once the agent restarted the kubelet for the shrink.
+    node.wait_available("consumers-2mi");
+    assert_eq!(node.kubelet_capacity_2mi(&client).await, "16Mi");
     let n = nodes.get(&node.name).await.expect("Node");
     assert!(
         !node_tainted_draining(&n),
@@ -617,7 +690,6 @@ async fn a_pod_disruption_budget_holds_the_drain_until_it_times_out() {
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
     node.with_pool(64, "20s").await;
-    node.restart_kubelet_until(&client, "128Mi").await;
     node.apply(
         r#"
 apiVersion: policy/v1
@@ -884,7 +956,6 @@ async fn a_static_pod_holding_hugepages_is_never_evicted_and_the_node_names_it()
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
     node.with_pool(64, "2m").await;
-    node.restart_kubelet_until(&client, "128Mi").await;
     // A static pod: the kubelet runs it from its manifest directory.
     let manifest = node
         .cp

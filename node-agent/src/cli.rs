@@ -92,6 +92,10 @@ pub struct RunArgs {
         env = "HUGEPOOL_KUBELET_RESTART_COMMAND"
     )]
     pub kubelet_restart_command: String,
+    /// How long the kubelet-restart command may run before it is killed and
+    /// counted as failed (failures are retried with backoff).
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub kubelet_restart_timeout: Duration,
     /// Do not watch the kernel log for lockups.
     #[arg(long)]
     pub no_kmsg: bool,
@@ -125,6 +129,7 @@ impl RunArgs {
             .split_whitespace()
             .map(String::from)
             .collect();
+        config.kubelet_restart_timeout = self.kubelet_restart_timeout;
         config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
         config
     }

@@ -715,6 +715,90 @@ async fn kubelet_capacity_stale_and_one_restart_per_converged_change() {
 }
 
 #[tokio::test]
+async fn a_failed_kubelet_restart_is_reported_and_retried_until_it_works() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let dir = std::env::temp_dir().join(unique_name("kubelet-fails"));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Fails the first time, as a systemctl without the unit would.
+    let calls_file = dir.join("kubelet-restarts");
+    let script = dir.join("restart-kubelet.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho call >> {calls}\n\
+             [ \"$(wc -l < {calls})\" -ge 2 ] || {{ echo 'Unit kubelet.service not found.' >&2; exit 5; }}\n",
+            calls = calls_file.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let name = unique_name("agent-kubelet-fails");
+    let mut restart = entry(64);
+    restart.kubelet_restart = KubeletRestart::AfterResize;
+    create_node(&env.client, &name, "0", vec![restart]).await;
+    let agent = AgentProcess::start(
+        &env.control_plane.kubeconfig,
+        &name,
+        &["--kubelet-restart-command", script.to_str().unwrap()],
+    );
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "KubeletRestartFailed",
+        |o| {
+            condition_is(
+                o,
+                NodeConditionType::KubeletCapacityStale,
+                "True",
+                "KubeletRestartFailed",
+            )
+        },
+    )
+    .await;
+    let failed = find_condition(
+        &object.status.as_ref().unwrap().conditions,
+        NodeConditionType::KubeletCapacityStale,
+    )
+    .unwrap();
+    assert!(
+        failed.message.contains("Unit kubelet.service not found.")
+            && failed.message.contains("exit status: 5")
+            && failed.message.contains("attempt 1, next in 10s"),
+        "{}",
+        failed.message
+    );
+    wait_for_event(&env.client, &name, "KubeletRestartFailed").await;
+    // After its backoff the agent tries again, and the second call works.
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(90),
+        "KubeletRestarted after the retry",
+        |o| {
+            condition_is(
+                o,
+                NodeConditionType::KubeletCapacityStale,
+                "True",
+                "KubeletRestarted",
+            )
+        },
+    )
+    .await;
+    assert_eq!(calls(&calls_file), 2, "one failure, one retry");
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+#[tokio::test]
 async fn spec_changed_mid_resize_ends_at_the_new_target_without_overshoot() {
     let Some(env) = setup().await else { return };
     let Some(real) = RealKernel::acquire(4 * GIB) else {

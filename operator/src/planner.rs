@@ -106,6 +106,9 @@ pub struct PoolPlan {
     pub blocked: Vec<String>,
     /// Nodes whose agent reports Stalled.
     pub stalled: Vec<String>,
+    /// Converged nodes whose kubelet reports a different `hugepages-<size>`
+    /// capacity than the pool (pods cannot use the pages until it restarts).
+    pub capacity_stale: Vec<String>,
     /// Nodes being drained for the pool.
     pub draining: Vec<String>,
     /// Failed nodes whose drain timed out.
@@ -473,6 +476,8 @@ struct Member {
     current: i64,
     stalled: bool,
     shrink_blocked: bool,
+    /// Converged, but the Node's capacity for the size is not the target.
+    capacity_stale: bool,
 }
 
 type NodeStates<'a> = BTreeMap<&'a str, &'a HugePageNode>;
@@ -514,6 +519,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             size,
             want,
             node_states.get(node_name).copied(),
+            nodes.get(node_name).copied(),
         );
         members.entry(*index).or_default().push(member);
     }
@@ -699,6 +705,7 @@ fn classify(
     size: &str,
     want: &Want,
     state: Option<&HugePageNode>,
+    node: Option<&Node>,
 ) -> Member {
     let held = state.and_then(|s| {
         s.spec
@@ -731,6 +738,7 @@ fn classify(
             (Some(state), Some(entry)) => shrink_blocked(state, entry),
             _ => false,
         },
+        capacity_stale: false,
     };
     let desired = match want {
         Want::Frozen => {
@@ -747,6 +755,11 @@ fn classify(
         Want::Active(Ok(entry)) | Want::Release(entry) => entry,
     };
     member.desired = Some(desired.clone());
+    if matches!(want, Want::Active(_)) && member.state == NodeState::Converged {
+        member.capacity_stale = pool
+            .size
+            .is_some_and(|size| kubelet_capacity_stale(node, size, desired.pages));
+    }
     if matches!(want, Want::Release(_))
         && held.is_some_and(|e| e.pages == 0)
         && held_state == Some(EntryState::Converged)
@@ -863,6 +876,7 @@ fn settle_pool(
             .collect()
     };
     let stalled = names(&|m| m.stalled);
+    let capacity_stale = names(&|m| m.capacity_stale && m.state == NodeState::Converged);
     let drain_timeouts = names(
         &|m| matches!(&m.state, NodeState::Failed { reason, .. } if reason == Reason::DrainTimeout.as_str()),
     );
@@ -886,10 +900,28 @@ fn settle_pool(
         conflicts,
         blocked,
         stalled,
+        capacity_stale,
         draining: Vec::new(),
         drain_timeouts,
     };
     (pool_plan, decisions)
+}
+
+/// Whether the Node's kubelet reports a `hugepages-<size>` capacity other
+/// than `pages` of the size. The kubelet reads the pools only when it starts
+/// (docs/design.md, "Kubelet"), so after a resize this holds until it
+/// restarts. A Node that does not list the resource at all has no kubelet
+/// publishing hugepages for the size, so nothing there can be stale.
+fn kubelet_capacity_stale(node: Option<&Node>, size: PageSize, pages: i64) -> bool {
+    let capacity = node
+        .and_then(|n| n.status.as_ref())
+        .and_then(|s| s.capacity.as_ref())
+        .and_then(|c| c.get(&size.resource_name()));
+    let Some(quantity) = capacity else {
+        return false;
+    };
+    let want = u64::try_from(pages).unwrap_or(0) * size.bytes();
+    hugepool_crds::quantity::parse_bytes(&quantity.0).map_or(true, |bytes| bytes != want)
 }
 
 /// Whether the agent reports that `entry`'s shrink is held up by pages in
@@ -1078,6 +1110,19 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             "no node matches the nodeSelector".to_string()
         };
         update(Available, false, Reason::NoMatchingNodes, message)
+    } else if counts.converged == counts.selected && !plan.capacity_stale.is_empty() {
+        update(
+            Available,
+            false,
+            Reason::KubeletCapacityStale,
+            format!(
+                "{summary}; the kubelet on {} still reports the old {} capacity (it reads it \
+                 when it starts: restart it, or set kubelet.restart: AfterResize)",
+                name_nodes(&plan.capacity_stale),
+                pool.size
+                    .map_or_else(|| pool.size_text.clone(), PageSize::resource_name),
+            ),
+        )
     } else if counts.converged == counts.selected {
         update(Available, true, Reason::AllNodesConverged, summary.clone())
     } else {

@@ -58,6 +58,8 @@ pub struct AgentConfig {
     pub retry_interval: Duration,
     /// Command that restarts kubelet; empty disables restarts.
     pub kubelet_restart_command: Vec<String>,
+    /// How long that command may run.
+    pub kubelet_restart_timeout: Duration,
     /// `/dev/kmsg`, or `None` to not watch the kernel log.
     pub kmsg_path: Option<PathBuf>,
 }
@@ -72,6 +74,7 @@ impl AgentConfig {
             blocked_poll: Duration::from_secs(2),
             retry_interval: Duration::from_secs(300),
             kubelet_restart_command: Vec::new(),
+            kubelet_restart_timeout: Duration::from_secs(120),
             kmsg_path: None,
         }
     }
@@ -136,6 +139,7 @@ pub async fn run(
 ) -> crate::Result<()> {
     let hpns: Api<HugePageNode> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client.clone());
+    shared.memory().kubelet.restarts_disabled = config.kubelet_restart_command.is_empty();
     let (spec_tx, mut spec_rx) = watch::channel::<Option<HugePageNode>>(None);
     let (seen_tx, mut seen_rx) = watch::channel(false);
     tokio::spawn(watch_own_node_spec(
@@ -630,7 +634,12 @@ impl ResizeLoop {
                 })
             });
             let already = memory.kubelet.restarted_for.as_ref() == Some(&pools);
-            (pools, converged && stale && !already)
+            let waiting = memory
+                .kubelet
+                .failure
+                .as_ref()
+                .is_some_and(|f| f.pools == pools && Instant::now() < f.retry_at);
+            (pools, converged && stale && !already && !waiting)
         };
         if !due {
             return;
@@ -640,32 +649,90 @@ impl ResizeLoop {
             ?command,
             "restarting kubelet so it reports the new hugepage capacity"
         );
-        let result = tokio::process::Command::new(&command[0])
-            .args(&command[1..])
-            .status()
-            .await;
-        self.shared.memory().kubelet.restarted_for = Some(pools);
-        match result {
-            Ok(status) if status.success() => {
-                self.event(
-                    EventType::Normal,
-                    "KubeletRestarted",
-                    format!("ran {}", command.join(" ")),
-                );
+        let result = run_bounded(&command, self.config.kubelet_restart_timeout).await;
+        {
+            let mut memory = self.shared.memory();
+            match &result {
+                Ok(()) => {
+                    memory.kubelet.restarted_for = Some(pools);
+                    memory.kubelet.failure = None;
+                }
+                Err(message) => {
+                    let attempts = memory
+                        .kubelet
+                        .failure
+                        .as_ref()
+                        .filter(|f| f.pools == pools)
+                        .map_or(1, |f| f.attempts + 1);
+                    let backoff = restart_backoff(attempts);
+                    memory.kubelet.failure = Some(status::RestartFailure {
+                        pools,
+                        attempts,
+                        message: format!("{message} (attempt {attempts}, next in {backoff:?})"),
+                        retry_at: Instant::now() + backoff,
+                    });
+                }
             }
-            Ok(status) => self.event(
-                EventType::Warning,
-                "KubeletRestartFailed",
-                format!("{} exited with {status}", command.join(" ")),
+        }
+        match result {
+            Ok(()) => self.event(
+                EventType::Normal,
+                "KubeletRestarted",
+                format!("ran {}", command.join(" ")),
             ),
-            Err(err) => self.event(
-                EventType::Warning,
-                "KubeletRestartFailed",
-                format!("{}: {err}", command.join(" ")),
-            ),
+            Err(message) => {
+                warn!(%message, "kubelet restart failed");
+                self.event(EventType::Warning, "KubeletRestartFailed", message);
+            }
         }
         self.shared.touch(true);
     }
+}
+
+/// Runs `command` to its end or kills it (and everything it started) after
+/// `timeout`; the error says which happened, with the end of its stderr.
+async fn run_bounded(command: &[String], timeout: Duration) -> Result<(), String> {
+    let shown = command.join(" ");
+    let child = tokio::process::Command::new(&command[0])
+        .args(&command[1..])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|err| format!("{shown}: {err}"))?;
+    let group = child.id().and_then(|id| i32::try_from(id).ok());
+    match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        Err(_) => {
+            if let Some(group) = group {
+                // SAFETY: signals only the process group this call created.
+                unsafe { libc::killpg(group, libc::SIGKILL) };
+            }
+            Err(format!(
+                "{shown} did not finish within {timeout:?} and was killed"
+            ))
+        }
+        Ok(Err(err)) => Err(format!("{shown}: {err}")),
+        Ok(Ok(output)) if output.status.success() => Ok(()),
+        Ok(Ok(output)) => {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            let stderr = stderr.trim();
+            let start = stderr.char_indices().rev().nth(299).map_or(0, |(i, _)| i);
+            Err(format!(
+                "{shown} exited with {}: {}",
+                output.status,
+                &stderr[start..]
+            ))
+        }
+    }
+}
+
+/// Wait before retrying a failed kubelet restart: 10 s doubling to 10 min.
+fn restart_backoff(attempts: u32) -> Duration {
+    let base = Duration::from_secs(10);
+    base.saturating_mul(1 << attempts.saturating_sub(1).min(6))
+        .min(Duration::from_secs(600))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1295,5 +1362,55 @@ mod tests {
             shared.patches.load(Ordering::Relaxed) == 1 && shared.ready.load(Ordering::Relaxed)
         })
         .await;
+    }
+
+    #[tokio::test]
+    async fn a_restart_command_is_bounded_and_its_failure_explained() {
+        let sh = |script: &str| vec!["/bin/sh".to_string(), "-c".into(), script.into()];
+        assert_eq!(
+            run_bounded(&sh("exit 0"), Duration::from_secs(30)).await,
+            Ok(())
+        );
+        let failed = run_bounded(
+            &sh("echo 'unit kubelet not found' >&2; exit 5"),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_err();
+        assert!(failed.contains("exit status: 5"), "{failed}");
+        assert!(failed.contains("unit kubelet not found"), "{failed}");
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("child.pid");
+        let hang = format!("sleep 60 & echo $! > {}; wait", pid_file.display());
+        let hung = run_bounded(&sh(&hang), Duration::from_millis(500))
+            .await
+            .unwrap_err();
+        assert!(hung.contains("did not finish within 500ms"), "{hung}");
+        // What the command started goes with it.
+        let child = std::fs::read_to_string(&pid_file).unwrap();
+        let proc_dir = std::path::Path::new("/proc").join(child.trim());
+        for _ in 0..100 {
+            let zombie_or_gone = std::fs::read_to_string(proc_dir.join("stat"))
+                .map_or(true, |stat| stat.contains(") Z "));
+            if zombie_or_gone {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let stat = std::fs::read_to_string(proc_dir.join("stat")).unwrap_or_default();
+        assert!(
+            stat.is_empty() || stat.contains(") Z "),
+            "sleep still runs: {stat}"
+        );
+        let missing = run_bounded(
+            &["/nonexistent/systemctl".to_string()],
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_err();
+        assert!(missing.contains("/nonexistent/systemctl"), "{missing}");
+        assert_eq!(restart_backoff(1), Duration::from_secs(10));
+        assert_eq!(restart_backoff(3), Duration::from_secs(40));
+        assert_eq!(restart_backoff(30), Duration::from_secs(600));
     }
 }

@@ -50,6 +50,20 @@ pub struct KubeletView {
     pub capacity: Option<BTreeMap<PageSize, u64>>,
     /// The pools (size -> pages) kubelet was last restarted for.
     pub restarted_for: Option<BTreeMap<PageSize, u64>>,
+    /// The last restart for the current pools failed; retried at `retry_at`.
+    pub failure: Option<RestartFailure>,
+    /// This agent has no restart command (`--kubelet-restart-command=`).
+    pub restarts_disabled: bool,
+}
+
+/// A kubelet restart that failed (the command's exit, error or timeout).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestartFailure {
+    /// The pools (size -> pages) it was for.
+    pub pools: BTreeMap<PageSize, u64>,
+    pub attempts: u32,
+    pub message: String,
+    pub retry_at: std::time::Instant,
 }
 
 /// Everything besides the kernel that the status is built from.
@@ -395,6 +409,22 @@ fn kubelet_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Option<
             Reason::CapacityMatches,
             "kubelet capacity matches the pools",
         )
+    } else if let Some(failure) = memory
+        .kubelet
+        .failure
+        .as_ref()
+        .filter(|f| f.pools == kubelet_pools(snapshot, memory))
+    {
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            true,
+            Reason::KubeletRestartFailed,
+            format!(
+                "{}; restarting kubelet failed: {}",
+                stale.join("; "),
+                failure.message
+            ),
+        )
     } else if memory.kubelet.restarted_for.as_ref() == Some(&kubelet_pools(snapshot, memory)) {
         ConditionUpdate::new(
             Type::KubeletCapacityStale,
@@ -406,11 +436,18 @@ fn kubelet_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Option<
             ),
         )
     } else {
+        let mut message = stale.join("; ");
+        if memory.kubelet.restarts_disabled {
+            message.push_str(
+                "; this agent does not restart the kubelet (no --kubelet-restart-command: \
+                 the chart's agent.kubeletRestart.enabled is false)",
+            );
+        }
         ConditionUpdate::new(
             Type::KubeletCapacityStale,
             true,
             Reason::KubeletRestartRequired,
-            stale.join("; "),
+            message,
         )
     })
 }
@@ -746,6 +783,43 @@ mod tests {
         assert_eq!(
             cond(&matches, NodeConditionType::KubeletCapacityStale).status,
             "False"
+        );
+    }
+
+    #[test]
+    fn kubelet_restart_failures_and_disabled_restarts_are_said() {
+        let mut memory = memory(vec![target("2Mi", 512)]);
+        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 0)]));
+        memory.kubelet.restarts_disabled = true;
+        let disabled = built(&snapshot(512, 512, 0, 0), &memory);
+        let stale = cond(&disabled, NodeConditionType::KubeletCapacityStale);
+        assert_eq!(stale.reason, "KubeletRestartRequired");
+        assert!(
+            stale.message.contains("does not restart the kubelet"),
+            "{}",
+            stale.message
+        );
+
+        memory.kubelet.restarts_disabled = false;
+        memory.kubelet.failure = Some(RestartFailure {
+            pools: BTreeMap::from([(PageSize::SIZE_2MI, 512)]),
+            attempts: 2,
+            message: "systemctl exited with 1 (attempt 2, next in 20s)".into(),
+            retry_at: std::time::Instant::now(),
+        });
+        let failed = built(&snapshot(512, 512, 0, 0), &memory);
+        let stale = cond(&failed, NodeConditionType::KubeletCapacityStale);
+        assert_eq!(
+            (stale.status.as_str(), stale.reason.as_str()),
+            ("True", "KubeletRestartFailed")
+        );
+        assert!(stale.message.contains("attempt 2"), "{}", stale.message);
+        // A failure for other pools says nothing about these.
+        memory.kubelet.failure.as_mut().unwrap().pools = BTreeMap::from([(PageSize::SIZE_2MI, 64)]);
+        let other = built(&snapshot(512, 512, 0, 0), &memory);
+        assert_eq!(
+            cond(&other, NodeConditionType::KubeletCapacityStale).reason,
+            "KubeletRestartRequired"
         );
     }
 

@@ -1129,3 +1129,82 @@ fn a_node_whose_kernel_lacks_the_page_size_fails_with_the_agents_reason() {
     assert_eq!(failed[0].reason, "UnsupportedPageSize");
     assert_eq!(failed[0].message, "the kernel offers 2Mi only");
 }
+
+/// Sets the Node's `hugepages-<size>` capacity as a kubelet would report it.
+fn with_capacity(mut node: Node, resource: &str, quantity: &str) -> Node {
+    use k8s_openapi::api::core::v1::NodeStatus;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    node.status
+        .get_or_insert_with(NodeStatus::default)
+        .capacity
+        .get_or_insert_with(BTreeMap::new)
+        .insert(resource.to_string(), Quantity(quantity.to_string()));
+    node
+}
+
+#[test]
+fn a_pool_is_not_available_while_a_kubelet_reports_the_old_capacity() {
+    let mut pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(2),
+    )];
+    let fresh = fleet(2, &["dpdk"]);
+    // w-00's kubelet started before the grow (the kubelet reads the pools
+    // only at start); w-01's has restarted since and reports 64 x 2Mi.
+    let stale = vec![
+        with_capacity(fresh[0].clone(), "hugepages-2Mi", "0"),
+        with_capacity(fresh[1].clone(), "hugepages-2Mi", "128Mi"),
+    ];
+    let mut hpns = Vec::new();
+    let (plan, _) = run_to_end(&mut pools, &stale, &mut hpns, &BTreeSet::new());
+    assert_eq!(plan.pools["dpdk"].status.nodes.converged, 2);
+    assert_eq!(plan.pools["dpdk"].capacity_stale, ["w-00"]);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Available),
+        ("False", "KubeletCapacityStale")
+    );
+    let message = &find_condition(
+        &plan.pools["dpdk"].status.conditions,
+        PoolConditionType::Available,
+    )
+    .unwrap()
+    .message;
+    assert!(
+        message.contains("the kubelet on w-00 still reports the old hugepages-2Mi"),
+        "{message}"
+    );
+    // The rollout itself is done: only the kubelet is behind.
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Progressing),
+        ("False", "RolloutComplete")
+    );
+
+    // After w-00's kubelet restarts, the pool is Available.
+    let restarted = vec![
+        with_capacity(fresh[0].clone(), "hugepages-2Mi", "128Mi"),
+        stale[1].clone(),
+    ];
+    let plan = run_plan(&pools, &restarted, &hpns, 300);
+    assert!(plan.pools["dpdk"].capacity_stale.is_empty());
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Available),
+        ("True", "AllNodesConverged")
+    );
+    // A Node that does not list the resource publishes no hugepages of the
+    // size: nothing there can be stale.
+    let plan = run_plan(&pools, &fresh, &hpns, 301);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Available),
+        ("True", "AllNodesConverged")
+    );
+    // Capacity of another size never counts against this pool.
+    let other = vec![
+        with_capacity(restarted[0].clone(), "hugepages-1Gi", "3Gi"),
+        restarted[1].clone(),
+    ];
+    let plan = run_plan(&pools, &other, &hpns, 302);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Available),
+        ("True", "AllNodesConverged")
+    );
+}
