@@ -921,7 +921,7 @@ fn kubelet_capacity_stale(node: Option<&Node>, size: PageSize, pages: i64) -> bo
         return false;
     };
     let want = u64::try_from(pages).unwrap_or(0) * size.bytes();
-    hugepool_crds::quantity::parse_bytes(&quantity.0).map_or(true, |bytes| bytes != want)
+    !hugepool_crds::quantity::parse_bytes(&quantity.0).is_ok_and(|bytes| bytes == want)
 }
 
 /// Whether the agent reports that `entry`'s shrink is held up by pages in
