@@ -34,7 +34,8 @@ var controllers = []string{
 }
 
 // nodeControllers are added with --node, for the workloads a kubelet runs:
-// Deployments, DaemonSets, the kube-root-ca.crt ConfigMap that every pod's
+// Deployments, DaemonSets, Jobs (the chart's uninstall hook), the
+// kube-root-ca.crt ConfigMap that every pod's
 // service-account volume mounts, and node lifecycle, which lifts the
 // not-ready taint a kubelet registers with. Without --node it stays off: the
 // e2e tests create Nodes that no kubelet heartbeats. Taint-based eviction
@@ -44,6 +45,7 @@ var nodeControllers = []string{
 	"deployment-controller",
 	"replicaset-controller",
 	"daemonset-controller",
+	"job-controller",
 	"root-ca-certificate-publisher-controller",
 }
 

@@ -632,3 +632,81 @@ fn kube_state_metrics_config_names_real_fields() {
         assert!(has_conditions, "{kind}: the conditions are exposed");
     }
 }
+
+#[test]
+fn helm_uninstall_runs_the_operators_uninstall_first_and_deploy_has_no_hooks() {
+    // deploy/ is for kubectl: a hook there would run at once.
+    for doc in committed_manifests() {
+        assert!(
+            doc["metadata"]["annotations"]["helm.sh/hook"].is_null(),
+            "deploy/ has a hook: {} {}",
+            doc["kind"],
+            doc["metadata"]["name"]
+        );
+    }
+    let Some(helm) = helm() else { return };
+    let docs = documents(&helm_template(&helm, &[]));
+    let job = find(&docs, "Job", "hugepool-operator-uninstall");
+    assert_eq!(job["metadata"]["annotations"]["helm.sh/hook"], "pre-delete");
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "hugepool-operator");
+    assert_eq!(pod["restartPolicy"], "Never");
+    let container = &pod["containers"][0];
+    assert_eq!(
+        container["image"],
+        find(&docs, "Deployment", "hugepool-operator")["spec"]["template"]["spec"]["containers"][0]
+            ["image"]
+    );
+    assert_eq!(
+        container["args"],
+        json!([
+            "uninstall",
+            "--namespace=hugepool-system",
+            "--deployment=hugepool-operator",
+            "--timeout=2m",
+            "--log-format=json"
+        ])
+    );
+    assert!(
+        pod["tolerations"]
+            .as_array()
+            .expect("tolerations")
+            .contains(&json!({"key": "hugepool.dev/draining", "operator": "Exists", "effect": "NoSchedule"})),
+        "the hook runs on a node being drained"
+    );
+    // Its pods are not the operator's: the operator Deployment's selector
+    // must not match them, or the hook would wait for itself.
+    let selector =
+        &find(&docs, "Deployment", "hugepool-operator")["spec"]["selector"]["matchLabels"];
+    let labels = &job["spec"]["template"]["metadata"]["labels"];
+    assert!(
+        selector
+            .as_object()
+            .expect("matchLabels")
+            .iter()
+            .any(|(k, v)| &labels[k] != v),
+        "hook pod labels {labels} match the operator selector {selector}"
+    );
+    // Scaling is granted only during the hook, only for its own Deployment.
+    let role = find(&docs, "Role", "hugepool-operator-uninstall");
+    assert_eq!(
+        role["metadata"]["annotations"]["helm.sh/hook"],
+        "pre-delete"
+    );
+    assert_eq!(
+        role["rules"],
+        json!([
+            {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": ["hugepool-operator"], "verbs": ["get"]},
+            {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": ["hugepool-operator"], "verbs": ["patch"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        ])
+    );
+    let off = documents(&helm_template(
+        &helm,
+        &["--set", "operator.uninstallHook.enabled=false"],
+    ));
+    assert!(
+        off.iter().all(|d| d["kind"] != "Job"),
+        "no hook when disabled"
+    );
+}

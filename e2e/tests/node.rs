@@ -1025,3 +1025,107 @@ spec:
     ]);
     assert_eq!(read_sys("nr_hugepages"), 8);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn helm_uninstall_mid_drain_leaves_no_taint_and_no_stuck_finalizer() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    node.with_pool(64, "10m").await;
+    // A consumer its PDB never lets go: the Release shrink of the deleted
+    // pool drains under the taint, and the pool waits on its finalizer.
+    node.apply(
+        r#"
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata: {name: holder, namespace: default}
+spec:
+  maxUnavailable: 0
+  selector: {matchLabels: {app: hugepage-holder}}
+"#,
+    );
+    node.start_holder("holder", 16);
+    node.wait_in_use(64, 16).await;
+    node.kubectl(&["delete", "hugepagepool", "consumers-2mi", "--wait=false"]);
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let pools: Api<HugePagePool> = Api::all(client.clone());
+    wait_for(
+        "the drain taint on a deleted pool",
+        Duration::from_secs(300),
+        || async {
+            let n = nodes.get(&node.name).await.map_err(|e| e.to_string())?;
+            let pool = pools
+                .get_opt("consumers-2mi")
+                .await
+                .map_err(|e| e.to_string())?;
+            let held = pool.as_ref().is_some_and(|p| {
+                p.metadata.deletion_timestamp.is_some()
+                    && kube::ResourceExt::finalizers(p)
+                        .iter()
+                        .any(|f| f == hugepool_crds::POOL_FINALIZER)
+            });
+            if node_tainted_draining(&n) && held {
+                Ok(())
+            } else {
+                Err(format!(
+                    "tainted {}, pool held {held}",
+                    node_tainted_draining(&n)
+                ))
+            }
+        },
+    )
+    .await;
+    let pages_before = read_sys("nr_hugepages");
+
+    let out = node.run(
+        &node.helm,
+        &[
+            "uninstall",
+            "hugepool",
+            "--namespace",
+            NAMESPACE,
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
+    );
+    // Nothing is left that only a running operator could clear.
+    let n = nodes.get(&node.name).await.expect("Node");
+    assert!(
+        !node_tainted_draining(&n),
+        "taint left after uninstall: {out}"
+    );
+    assert!(
+        pools
+            .get_opt("consumers-2mi")
+            .await
+            .expect("get pool")
+            .is_none(),
+        "the deleted pool is gone: its finalizer was removed"
+    );
+    // The operator is gone and so is the hook (deleted once it succeeded).
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NAMESPACE);
+    assert!(
+        deployments
+            .get_opt("hugepool-operator")
+            .await
+            .expect("get")
+            .is_none()
+    );
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(client.clone(), NAMESPACE);
+    assert!(
+        jobs.list(&ListParams::default())
+            .await
+            .expect("jobs")
+            .items
+            .is_empty(),
+        "the uninstall Job is deleted once it succeeded"
+    );
+    // What uninstall leaves as it was: the consumer and the kernel's pages.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    assert!(pods.get_opt("holder").await.expect("get holder").is_some());
+    assert_eq!(
+        read_sys("nr_hugepages"),
+        pages_before,
+        "uninstall leaves the pages"
+    );
+}

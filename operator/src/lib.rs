@@ -13,6 +13,7 @@ pub mod fixtures;
 pub mod leader;
 pub mod metrics;
 pub mod planner;
+pub mod uninstall;
 
 pub use controller::{Config, run};
 pub use error::Error;

@@ -18,6 +18,25 @@ struct Cli {
 enum Command {
     /// Watch HugePagePools, Nodes and HugePageNodes and roll pools out.
     Run(RunArgs),
+    /// Before the operator is removed (the chart's pre-delete hook): scale it
+    /// to 0, wait for its pods to exit, then remove the draining taint from
+    /// every Node and the release finalizer from every pool.
+    Uninstall(UninstallArgs),
+}
+
+#[derive(Args, Debug)]
+struct UninstallArgs {
+    /// Namespace of the operator Deployment.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "hugepool-system")]
+    namespace: String,
+    /// Name of the operator Deployment.
+    #[arg(long, default_value = "hugepool-operator")]
+    deployment: String,
+    /// How long the operator's pods may take to exit (Go duration).
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    timeout: Duration,
+    #[arg(long, env = "HUGEPOOL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 #[derive(Args, Debug)]
@@ -96,11 +115,48 @@ async fn shutdown_signal() {
     let _ = interrupt.await;
 }
 
+async fn client() -> anyhow::Result<kube::Client> {
+    let mut kube_config = kube::Config::infer()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
+    // An eviction a PodDisruptionBudget refuses is a 429 that must come back
+    // at once (the drain backs off itself); kube's default retry would repeat
+    // it for minutes inside the call and hold up every reconcile.
+    kube_config.default_retry = false;
+    kube::Client::try_from(kube_config).context("building the Kubernetes client")
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let Cli {
-        command: Command::Run(args),
-    } = Cli::parse();
+    match Cli::parse().command {
+        Command::Run(args) => run(args).await,
+        Command::Uninstall(args) => uninstall(args).await,
+    }
+}
+
+async fn uninstall(args: UninstallArgs) -> anyhow::Result<()> {
+    init_logging(args.log_format);
+    let config = hugepool_operator::uninstall::UninstallConfig {
+        namespace: args.namespace,
+        deployment: args.deployment,
+        timeout: args.timeout,
+    };
+    let report = hugepool_operator::uninstall::uninstall(client().await?, &config)
+        .await
+        .context("uninstalling")?;
+    println!(
+        "stopped {} operator pods; draining taint removed from {} nodes {:?}; \
+         release finalizer removed from {} pools {:?}",
+        report.stopped_pods,
+        report.untainted.len(),
+        report.untainted,
+        report.released.len(),
+        report.released
+    );
+    Ok(())
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
     init_logging(args.log_format);
     let identity = args
         .leader
@@ -121,15 +177,7 @@ async fn main() -> anyhow::Result<()> {
         resync: args.resync,
         ..Config::default()
     };
-    let mut kube_config = kube::Config::infer()
-        .await
-        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
-    // An eviction a PodDisruptionBudget refuses is a 429 that must come back
-    // at once (the drain backs off itself); kube's default retry would repeat
-    // it for minutes inside the call and hold up every reconcile.
-    kube_config.default_retry = false;
-    let client = kube::Client::try_from(kube_config).context("building the Kubernetes client")?;
-    hugepool_operator::run(client, config, shutdown_signal())
+    hugepool_operator::run(client().await?, config, shutdown_signal())
         .await
         .context("running the operator")
 }
