@@ -480,6 +480,58 @@ fn the_kernel_log_device_yields_records_the_parser_reads() {
     assert!(headers.windows(2).all(|w| w[0].sequence < w[1].sequence));
 }
 
+/// The kernel's own records (facility 0) count; the same text written from
+/// user space into /dev/kmsg (which the kernel stores with the user
+/// facility) does not, so no process can fake a kernel stall.
+#[test]
+fn a_real_kernel_record_counts_and_a_user_space_imitation_does_not() {
+    use hugepool_agent::kmsg::{from_kernel, parse_record, split_record};
+    let path = std::path::Path::new("/dev/kmsg");
+    let writable = std::fs::OpenOptions::new().write(true).open(path).is_ok()
+        && std::fs::OpenOptions::new()
+            .write(true)
+            .open("/proc/sys/vm/drop_caches")
+            .is_ok();
+    if !writable {
+        let reason = "cannot write /dev/kmsg and /proc/sys/vm/drop_caches (run as root)";
+        assert!(!hugepool_e2e::in_ci_mode(), "{reason}");
+        eprintln!("skipping: {reason}");
+        return;
+    }
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    let imitation = format!("watchdog: BUG: soft lockup - CPU#0 stuck for 23s! [imitation:{tid}]");
+    std::fs::write(path, format!("<4>{imitation}\n")).expect("write /dev/kmsg");
+    // The kernel logs "<comm> (<tid>): drop_caches: 1" itself, at facility 0.
+    std::fs::write("/proc/sys/vm/drop_caches", "1").expect("write drop_caches");
+    let kernel_text = format!("({tid}): drop_caches: 1");
+    let (mut kernel, mut user) = (None, None);
+    hugepool_agent::kmsg::read_lines(path, false, |line| {
+        if let Some((header, message)) = split_record(line) {
+            if message.ends_with(&kernel_text) {
+                kernel = Some(header.priority);
+            } else if message == imitation {
+                user = Some((header.priority, parse_record(line)));
+            }
+        }
+        kernel.is_none() || user.is_none()
+    })
+    .expect("read /dev/kmsg");
+    let kernel = kernel.expect("the kernel's drop_caches record");
+    assert!(
+        from_kernel(kernel),
+        "drop_caches logged at priority {kernel}"
+    );
+    let (priority, parsed) = user.expect("the imitation");
+    assert_eq!(priority, 12, "user facility (1 << 3), level 4");
+    assert_eq!(
+        parsed, None,
+        "a user-space lockup line is not a kernel stall"
+    );
+    // The same text as a kernel record would be one.
+    assert!(parse_record(&format!("4,1,1,-;{imitation}")).is_some());
+}
+
 /// The simulated kernel's pool semantics, checked against the real one on
 /// the same sequence: pages in use and reserved, a write below them, their
 /// release, and growth promoting surplus.
