@@ -87,6 +87,29 @@ pub struct PageSizeTarget {
     pub kubelet_restart: KubeletRestart,
 }
 
+impl PageSizeTarget {
+    /// Whether `reported` (what the kernel holds of this size) is this
+    /// target reached: the one definition the operator, the agent and the
+    /// tests share. The size's persistent pool is `pages` with no surplus
+    /// (surplus pages are in use above a shrunk target), and with per-NUMA
+    /// targets every listed NUMA node holds exactly its own, with no
+    /// surplus: the right total in the wrong place is not reached.
+    pub fn reached_by(&self, reported: &PageSizeStatus) -> bool {
+        let numa_reached = self.numa.as_ref().is_none_or(|targets| {
+            targets.iter().all(|t| {
+                reported
+                    .numa
+                    .iter()
+                    .any(|n| n.id == t.id && n.surplus == 0 && n.total == t.pages)
+            })
+        });
+        reported.size == self.size
+            && reported.surplus == 0
+            && reported.total == self.pages
+            && numa_reached
+    }
+}
+
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct HugePageNodeStatus {

@@ -293,10 +293,15 @@ fn converged_at(object: &HugePageNode, pages: i64) -> bool {
     let Some(status) = object.status.as_ref() else {
         return false;
     };
-    status.observed_generation == object.metadata.generation
-        && status.page_sizes.iter().any(|s| {
-            s.size == "2Mi" && s.target == Some(pages) && s.total == pages && s.surplus == 0
-        })
+    let Some(entry) = object.spec.page_sizes.iter().find(|e| e.size == "2Mi") else {
+        return false;
+    };
+    entry.pages == pages
+        && status.observed_generation == object.metadata.generation
+        && status
+            .page_sizes
+            .iter()
+            .any(|s| s.target == Some(pages) && entry.reached_by(s))
         && condition_is(object, NodeConditionType::Converged, "True", "AtTarget")
 }
 

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use hugepool_crds::conditions::{ConditionUpdate, set_condition};
-use hugepool_crds::node::{PageSizeStatus, PageSizeTarget};
+use hugepool_crds::node::{NumaStatus, PageSizeStatus, PageSizeTarget};
 use hugepool_crds::pool::RolloutSpec;
 use hugepool_crds::{
     HugePageNode, HugePageNodeSpec, HugePageNodeStatus, HugePagePool, HugePagePoolSpec,
@@ -103,6 +103,17 @@ pub fn converge(hpn: &mut HugePageNode) {
             target: Some(entry.pages),
             total: entry.pages,
             free: entry.pages,
+            numa: entry
+                .numa
+                .iter()
+                .flatten()
+                .map(|t| NumaStatus {
+                    id: t.id,
+                    total: t.pages,
+                    free: t.pages,
+                    surplus: 0,
+                })
+                .collect(),
             ..PageSizeStatus::default()
         })
         .collect();

@@ -185,12 +185,10 @@ pub fn entry_state(node_state: &HugePageNode, entry: &PageSizeTarget) -> EntrySt
             message: converged.message.clone(),
         };
     }
-    let at_target = status.page_sizes.iter().any(|reported| {
-        reported.size == entry.size
-            && reported.target == Some(entry.pages)
-            && reported.surplus == 0
-            && reported.total - reported.surplus == entry.pages
-    });
+    let at_target = status
+        .page_sizes
+        .iter()
+        .any(|reported| reported.target == Some(entry.pages) && entry.reached_by(reported));
     if at_target {
         EntryState::Converged
     } else {

@@ -325,7 +325,7 @@ impl ResizeLoop {
                     .memory()
                     .sizes
                     .get(&size)
-                    .and_then(|r| r.last_outcome.clone());
+                    .and_then(|r| r.outcomes.get(&target.scope).cloned());
                 let still_blocked = matches!(&last, Some((t, Outcome::Blocked { .. })) if *t == target.pages)
                     && observed.shrink_floor() >= observed.persistent();
                 let recently_short =
@@ -487,7 +487,7 @@ impl ResizeLoop {
         };
         let outcome = match result {
             Ok(summary) => {
-                self.record_summary(&summary, &span);
+                self.record_summary(&summary, target.scope, &span);
                 Some(summary.outcome)
             }
             Err(err) => {
@@ -508,7 +508,7 @@ impl ResizeLoop {
         outcome
     }
 
-    fn record_summary(&self, summary: &Summary, span: &tracing::Span) {
+    fn record_summary(&self, summary: &Summary, scope: PoolScope, span: &tracing::Span) {
         let size: Option<PageSize> = summary.page_size.parse().ok();
         let outcome_name = match &summary.outcome {
             Outcome::Reached => "Reached",
@@ -553,7 +553,7 @@ impl ResizeLoop {
                 .memory()
                 .sizes
                 .get(&s)
-                .and_then(|r| r.last_outcome.clone())
+                .and_then(|r| r.outcomes.get(&scope).cloned())
         });
         let repeated = previous.as_ref().is_some_and(|(t, o)| {
             *t == summary.to
@@ -592,7 +592,9 @@ impl ResizeLoop {
             let mut memory = self.shared.memory();
             let record = memory.sizes.entry(size).or_default();
             record.running = None;
-            record.last_outcome = Some((summary.to, summary.outcome.clone()));
+            record
+                .outcomes
+                .insert(scope, (summary.to, summary.outcome.clone()));
             record.last_resize = Some(api_summary);
         }
     }

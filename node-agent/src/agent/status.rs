@@ -14,6 +14,7 @@ use hugepool_crds::{HugePageNodeStatus, PageSize};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use super::snapshot::{KernelSnapshot, SizeSnapshot};
+use crate::kernel::PoolScope;
 use crate::resize::{Direction, Outcome, ShortfallReason};
 
 /// A stall seen during a resize: a slow write, no progress, or a kernel report.
@@ -35,8 +36,9 @@ pub struct Running {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SizeRecord {
     pub running: Option<Running>,
-    /// How the last finished resize ended, and for which target.
-    pub last_outcome: Option<(u64, Outcome)>,
+    /// How the last finished resize of each pool file (the global one, or a
+    /// NUMA node's) ended, and for which target of that file.
+    pub outcomes: BTreeMap<PoolScope, (u64, Outcome)>,
     pub last_resize: Option<ResizeSummary>,
     /// Stall of the running or last resize (cleared when a resize starts).
     pub stall: Option<StallRecord>,
@@ -96,8 +98,10 @@ pub enum Progress {
     AtTarget,
     /// The size is not offered by this kernel (or the spec's size is invalid).
     Unsupported(String),
-    /// Pages in use keep the pool above the target.
+    /// Pages in use keep the pool (of the size, or of one NUMA node of it:
+    /// `numa`) above the target.
     Blocked {
+        numa: Option<u32>,
         target: u64,
         persistent: u64,
         in_use: u64,
@@ -125,28 +129,41 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
     };
     let target = entry.pages.max(0) as u64;
     let pool = sizes.pool;
-    let numa_at_target = match &entry.numa {
-        None => true,
-        Some(targets) => targets.iter().all(|t| {
-            sizes.numa.iter().any(|n| {
-                i64::from(n.node) == i64::from(t.id)
-                    && n.persistent() == t.pages.max(0) as u64
-                    && n.surplus == 0
-            })
-        }),
-    };
-    if pool.persistent() == target && pool.surplus == 0 && numa_at_target {
+    if entry.reached_by(&size_status(sizes, Some(entry), None)) {
         return Progress::AtTarget;
     }
     let floor = pool.in_use() + pool.reserved;
     if target < floor && (pool.persistent() > target || pool.surplus > 0) {
         return Progress::Blocked {
+            numa: None,
             target,
             persistent: pool.persistent(),
             in_use: pool.in_use(),
             reserved: pool.reserved,
             surplus: pool.surplus,
         };
+    }
+    // A NUMA node's own floor: its pages in use (sysfs keeps no per-node
+    // reservation count).
+    for t in entry.numa.iter().flatten() {
+        let want = t.pages.max(0) as u64;
+        let Some(node) = sizes
+            .numa
+            .iter()
+            .find(|n| i64::from(n.node) == i64::from(t.id))
+        else {
+            continue;
+        };
+        if want < node.in_use() && (node.persistent() > want || node.surplus > 0) {
+            return Progress::Blocked {
+                numa: Some(node.node),
+                target: want,
+                persistent: node.persistent(),
+                in_use: node.in_use(),
+                reserved: 0,
+                surplus: node.surplus,
+            };
+        }
     }
     Progress::Away {
         target,
@@ -208,9 +225,10 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         match progress(entry, snapshot) {
             Progress::AtTarget => converged_parts.push(format!("{}: {}/{} pages", entry.size, entry.pages, entry.pages)),
             Progress::Unsupported(why) => unsupported.push(why),
-            Progress::Blocked { target, persistent, in_use, reserved, surplus } => blocked.push(format!(
-                "{}: target {target} is below {in_use} pages in use + {reserved} reserved; pool is {persistent} with {surplus} surplus",
-                entry.size
+            Progress::Blocked { numa, target, persistent, in_use, reserved, surplus } => blocked.push(format!(
+                "{}{}: target {target} is below {in_use} pages in use + {reserved} reserved; pool is {persistent} with {surplus} surplus",
+                entry.size,
+                numa.map(|n| format!(" NUMA node {n}")).unwrap_or_default()
             )),
             Progress::Away { target, persistent, surplus } => {
                 let mut part = format!("{}: {persistent}/{target} pages", entry.size);
@@ -227,26 +245,39 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
                 format!("{}: {} -> {}", entry.size, run.from, run.target),
             ));
         }
-        if let Some((
-            target,
-            Outcome::Shortfall {
-                requested,
-                achieved,
-                reason,
-                detail,
-            },
-        )) = &record.last_outcome
-            && *target == entry.pages.max(0) as u64
-            && record.running.is_none()
+        // Each pool file's outcome against that file's own target (a NUMA
+        // node's, or the size's global one).
+        for target in size
+            .map(|s| super::targets_for(entry, s))
+            .unwrap_or_default()
         {
+            let Some((
+                wanted,
+                Outcome::Shortfall {
+                    requested,
+                    achieved,
+                    reason,
+                    detail,
+                },
+            )) = record.outcomes.get(&target.scope)
+            else {
+                continue;
+            };
+            if *wanted != target.pages || record.running.is_some() {
+                continue;
+            }
             let detail = detail
                 .as_deref()
                 .map(|d| format!(": {d}"))
                 .unwrap_or_default();
+            let scope = match target.scope {
+                PoolScope::Global => String::new(),
+                PoolScope::Node(n) => format!(" NUMA node {n}"),
+            };
             shortfalls.push((
                 shortfall_reason(*reason),
                 format!(
-                    "{}: requested {requested}, achieved {achieved}, short {} ({reason:?}{detail})",
+                    "{}{scope}: requested {requested}, achieved {achieved}, short {} ({reason:?}{detail})",
                     entry.size,
                     requested.saturating_sub(*achieved)
                 ),
@@ -677,15 +708,18 @@ mod tests {
         memory.sizes.insert(
             PageSize::SIZE_2MI,
             SizeRecord {
-                last_outcome: Some((
-                    6000,
-                    Outcome::Shortfall {
-                        requested: 6000,
-                        achieved: 4057,
-                        reason: ShortfallReason::MemoryGuard,
-                        detail: None,
-                    },
-                )),
+                outcomes: BTreeMap::from([(
+                    PoolScope::Global,
+                    (
+                        6000,
+                        Outcome::Shortfall {
+                            requested: 6000,
+                            achieved: 4057,
+                            reason: ShortfallReason::MemoryGuard,
+                            detail: None,
+                        },
+                    ),
+                )]),
                 ..Default::default()
             },
         );
@@ -832,5 +866,115 @@ mod tests {
         }]);
         let status = built(&snapshot(4096, 4096, 0, 0), &memory(vec![entry]));
         assert_eq!(cond(&status, NodeConditionType::Converged).status, "False");
+    }
+
+    /// Two NUMA nodes: `(total, free)` on each, the size's pool their sum.
+    fn two_nodes(node0: (u64, u64), node1: (u64, u64)) -> KernelSnapshot {
+        let mut snapshot = snapshot(node0.0 + node1.0, node0.1 + node1.1, 0, 0);
+        snapshot.sizes[0].numa = vec![
+            NumaCounts {
+                node: 0,
+                total: node0.0,
+                free: node0.1,
+                surplus: 0,
+            },
+            NumaCounts {
+                node: 1,
+                total: node1.0,
+                free: node1.1,
+                surplus: 0,
+            },
+        ];
+        snapshot
+    }
+
+    fn split(pages: [i64; 2]) -> PageSizeTarget {
+        let mut entry = target("2Mi", pages[0] + pages[1]);
+        entry.numa = Some(
+            pages
+                .iter()
+                .enumerate()
+                .map(|(id, &pages)| hugepool_crds::settings::NumaTarget {
+                    id: id as i32,
+                    pages,
+                })
+                .collect(),
+        );
+        entry
+    }
+
+    #[test]
+    fn a_shortfall_on_one_numa_node_is_reported_against_that_nodes_target() {
+        // 512 + 512 asked; node 1 reached only 300 of its 512.
+        let mut memory = memory(vec![split([512, 512])]);
+        let shortfall = Outcome::Shortfall {
+            requested: 512,
+            achieved: 300,
+            reason: ShortfallReason::Fragmented,
+            detail: None,
+        };
+        memory.sizes.insert(
+            PageSize::SIZE_2MI,
+            SizeRecord {
+                outcomes: BTreeMap::from([
+                    (PoolScope::Node(0), (512, Outcome::Reached)),
+                    (PoolScope::Node(1), (512, shortfall)),
+                ]),
+                ..Default::default()
+            },
+        );
+        let status = built(&two_nodes((512, 512), (300, 300)), &memory);
+        let failed = cond(&status, NodeConditionType::AllocationFailed);
+        assert_eq!(
+            (failed.status.as_str(), failed.reason.as_str()),
+            ("True", "Fragmented")
+        );
+        assert!(
+            failed
+                .message
+                .contains("2Mi NUMA node 1: requested 512, achieved 300, short 212"),
+            "{}",
+            failed.message
+        );
+        assert_eq!(
+            cond(&status, NodeConditionType::Converged).reason,
+            "AllocationShortfall"
+        );
+    }
+
+    #[test]
+    fn a_shrink_blocked_on_one_numa_node_is_blocked_though_the_node_total_is_not() {
+        // 1000 + 1000 -> 900 + 100: node 1 has 400 pages in use. The
+        // node-wide floor (400) is below the total target (1000).
+        let memory = memory(vec![split([900, 100])]);
+        let status = built(&two_nodes((1000, 1000), (400, 0)), &memory);
+        let blocked = cond(&status, NodeConditionType::ShrinkBlocked);
+        assert_eq!(
+            (blocked.status.as_str(), blocked.reason.as_str()),
+            ("True", "PagesInUse")
+        );
+        assert!(
+            blocked
+                .message
+                .contains("2Mi NUMA node 1: target 100 is below 400 pages in use"),
+            "{}",
+            blocked.message
+        );
+    }
+
+    #[test]
+    fn the_right_total_in_the_wrong_numa_split_is_not_converged() {
+        let memory = memory(vec![split([512, 512])]);
+        let status = built(&two_nodes((1024, 1024), (0, 0)), &memory);
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!(converged.status, "False", "{}", converged.message);
+        assert_eq!(
+            cond(
+                &built(&two_nodes((512, 512), (512, 512)), &memory),
+                NodeConditionType::Converged
+            )
+            .status,
+            "True"
+        );
     }
 }

@@ -72,7 +72,7 @@ pub struct MemInfo {
 }
 
 /// Which pool file a write goes to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum PoolScope {
     /// The size's global `nr_hugepages`; the kernel spreads over nodes.
     Global,

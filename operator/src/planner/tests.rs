@@ -1208,3 +1208,41 @@ fn a_pool_is_not_available_while_a_kubelet_reports_the_old_capacity() {
         ("True", "AllNodesConverged")
     );
 }
+
+#[test]
+fn the_right_total_in_the_wrong_numa_split_is_not_converged() {
+    let target = PageSizeTarget {
+        size: "2Mi".into(),
+        pages: 1024,
+        numa: Some(vec![
+            NumaTarget { id: 0, pages: 512 },
+            NumaTarget { id: 1, pages: 512 },
+        ]),
+        pool: "p".into(),
+        pool_generation: 1,
+        resize: Default::default(),
+        allocation: Default::default(),
+        kubelet_restart: Default::default(),
+    };
+    let mut state = hpn("w-00", 1, vec![target.clone()]);
+    converge(&mut state);
+    assert_eq!(entry_state(&state, &target), EntryState::Converged);
+    // The kernel put all 1024 on NUMA node 0: the total is right, the split
+    // is not, so the node is still changing.
+    let reported = &mut state.status.as_mut().unwrap().page_sizes[0];
+    reported.numa = vec![
+        NumaStatus {
+            id: 0,
+            total: 1024,
+            free: 1024,
+            surplus: 0,
+        },
+        NumaStatus {
+            id: 1,
+            total: 0,
+            free: 0,
+            surplus: 0,
+        },
+    ];
+    assert_eq!(entry_state(&state, &target), EntryState::InFlight);
+}

@@ -545,20 +545,22 @@ fn start_agent(client: &Client, name: &str, kernel: SimulatedKernel) -> SimNode 
 }
 
 /// Whether `state` reports its `entry` converged, by the contract in
-/// docs/design.md: the agent has seen this generation, the size reports the
-/// target with `total - surplus == target` and no surplus.
+/// docs/design.md: the agent has seen this generation and reports the
+/// target, reached as `PageSizeTarget::reached_by` defines it.
 pub fn entry_converged(state: &HugePageNode, size: &str, pages: i64) -> bool {
     let Some(status) = &state.status else {
         return false;
     };
+    let Some(entry) = state.spec.page_sizes.iter().find(|e| e.size == size) else {
+        return false;
+    };
     let generation = state.metadata.generation.unwrap_or(0);
-    status.observed_generation.is_some_and(|g| g >= generation)
-        && status.page_sizes.iter().any(|reported| {
-            reported.size == size
-                && reported.target == Some(pages)
-                && reported.surplus == 0
-                && reported.total - reported.surplus == pages
-        })
+    entry.pages == pages
+        && status.observed_generation.is_some_and(|g| g >= generation)
+        && status
+            .page_sizes
+            .iter()
+            .any(|reported| reported.target == Some(pages) && entry.reached_by(reported))
 }
 
 /// Nodes changing per (pool, size) in one consistent view of the fleet.
