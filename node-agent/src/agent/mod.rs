@@ -297,6 +297,13 @@ impl ResizeLoop {
                 return self.config.blocked_poll;
             }
         };
+        let numa_nodes = match self.blocking(|k| k.numa_nodes()).await {
+            Ok(nodes) => nodes,
+            Err(err) => {
+                warn!(error = %err, "cannot list the NUMA nodes");
+                return self.config.blocked_poll;
+            }
+        };
         let mut next_check = self.config.refresh_interval;
         for entry in &entries {
             let Ok(size) = entry.size.parse::<PageSize>() else {
@@ -305,7 +312,14 @@ impl ResizeLoop {
             if !offered.contains(&size) {
                 continue; // reported as UnsupportedPageSize by the status
             }
-            for target in targets_for(entry, size) {
+            let targets = targets_for(entry, size);
+            if targets
+                .iter()
+                .any(|t| matches!(t.scope, PoolScope::Node(n) if !numa_nodes.contains(&n)))
+            {
+                continue; // reported as InvalidTarget by the status
+            }
+            for target in targets {
                 if *shutdown.borrow() || spec_rx.has_changed().unwrap_or(false) {
                     return Duration::ZERO;
                 }

@@ -98,6 +98,8 @@ pub enum Progress {
     AtTarget,
     /// The size is not offered by this kernel (or the spec's size is invalid).
     Unsupported(String),
+    /// The target names a NUMA node this machine does not have.
+    Invalid(String),
     /// Pages in use keep the pool (of the size, or of one NUMA node of it:
     /// `numa`) above the target.
     Blocked {
@@ -127,6 +129,30 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
             offered.join(", ")
         ));
     };
+    let missing: Vec<String> = entry
+        .numa
+        .iter()
+        .flatten()
+        .filter(|t| {
+            !sizes
+                .numa
+                .iter()
+                .any(|n| i64::from(n.node) == i64::from(t.id))
+        })
+        .map(|t| t.id.to_string())
+        .collect();
+    if !missing.is_empty() {
+        let present: Vec<String> = sizes.numa.iter().map(|n| n.node.to_string()).collect();
+        return Progress::Invalid(format!(
+            "{size}: NUMA node {} not on this machine (it has {})",
+            missing.join(", "),
+            if present.is_empty() {
+                "none".to_string()
+            } else {
+                present.join(", ")
+            }
+        ));
+    }
     let target = entry.pages.max(0) as u64;
     let pool = sizes.pool;
     if entry.reached_by(&size_status(sizes, Some(entry), None)) {
@@ -216,6 +242,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
     let mut away = Vec::new();
     let mut blocked = Vec::new();
     let mut unsupported = Vec::new();
+    let mut invalid = Vec::new();
     let mut shortfalls = Vec::new();
     let mut running = Vec::new();
     let mut stalls = Vec::new();
@@ -225,6 +252,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         match progress(entry, snapshot) {
             Progress::AtTarget => converged_parts.push(format!("{}: {}/{} pages", entry.size, entry.pages, entry.pages)),
             Progress::Unsupported(why) => unsupported.push(why),
+            Progress::Invalid(why) => invalid.push(why),
             Progress::Blocked { numa, target, persistent, in_use, reserved, surplus } => blocked.push(format!(
                 "{}{}: target {target} is below {in_use} pages in use + {reserved} reserved; pool is {persistent} with {surplus} surplus",
                 entry.size,
@@ -266,14 +294,29 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
             if *wanted != target.pages || record.running.is_some() {
                 continue;
             }
-            let detail = detail
-                .as_deref()
-                .map(|d| format!(": {d}"))
-                .unwrap_or_default();
             let scope = match target.scope {
                 PoolScope::Global => String::new(),
                 PoolScope::Node(n) => format!(" NUMA node {n}"),
             };
+            if *reason == ShortfallReason::NoProgress {
+                // Writes the plan allowed changed nothing: a stall of the
+                // kernel, on a shrink or a grow; only a grow also falls short
+                // of an allocation.
+                stalls.push(StallRecord {
+                    reason: Reason::NoProgress,
+                    message: format!(
+                        "{}{scope}: writes toward {requested} changed nothing (pool at {achieved})",
+                        entry.size
+                    ),
+                });
+                if achieved > requested {
+                    continue;
+                }
+            }
+            let detail = detail
+                .as_deref()
+                .map(|d| format!(": {d}"))
+                .unwrap_or_default();
             shortfalls.push((
                 shortfall_reason(*reason),
                 format!(
@@ -289,7 +332,8 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
     }
 
     let mut updates = Vec::new();
-    let all_converged = away.is_empty() && blocked.is_empty() && unsupported.is_empty();
+    let all_converged =
+        away.is_empty() && blocked.is_empty() && unsupported.is_empty() && invalid.is_empty();
     let converged = if all_converged {
         let message = if converged_parts.is_empty() {
             "no page size targets".to_string()
@@ -300,6 +344,8 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
     } else {
         let reason = if !unsupported.is_empty() {
             Reason::UnsupportedPageSize
+        } else if !invalid.is_empty() {
+            Reason::InvalidTarget
         } else if !stalls.is_empty() {
             Reason::Stalled
         } else if !blocked.is_empty() {
@@ -311,6 +357,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         };
         let parts: Vec<String> = unsupported
             .iter()
+            .chain(&invalid)
             .chain(&blocked)
             .chain(&away)
             .cloned()
@@ -975,6 +1022,88 @@ mod tests {
             )
             .status,
             "True"
+        );
+    }
+
+    fn with_outcome(mut memory: AgentMemory, target: u64, outcome: Outcome) -> AgentMemory {
+        memory.sizes.insert(
+            PageSize::SIZE_2MI,
+            SizeRecord {
+                outcomes: BTreeMap::from([(PoolScope::Global, (target, outcome))]),
+                ..Default::default()
+            },
+        );
+        memory
+    }
+
+    #[test]
+    fn writes_that_change_nothing_are_a_stall_and_only_a_grow_also_falls_short() {
+        let no_progress = |requested, achieved| Outcome::Shortfall {
+            requested,
+            achieved,
+            reason: ShortfallReason::NoProgress,
+            detail: None,
+        };
+        // A shrink 1000 -> 200 whose writes left the pool at 1000.
+        let shrink = with_outcome(
+            memory(vec![target("2Mi", 200)]),
+            200,
+            no_progress(200, 1000),
+        );
+        let status = built(&snapshot(1000, 1000, 0, 0), &shrink);
+        let stalled = cond(&status, NodeConditionType::Stalled);
+        assert_eq!(
+            (stalled.status.as_str(), stalled.reason.as_str()),
+            ("True", "NoProgress")
+        );
+        assert!(
+            stalled
+                .message
+                .contains("writes toward 200 changed nothing (pool at 1000)"),
+            "{}",
+            stalled.message
+        );
+        assert_eq!(
+            cond(&status, NodeConditionType::AllocationFailed).status,
+            "False",
+            "a shrink allocates nothing"
+        );
+        assert_eq!(
+            cond(&status, NodeConditionType::Converged).reason,
+            "Stalled"
+        );
+
+        // A grow 0 -> 500 stuck at 100: stalled, and short of its allocation.
+        let grow = with_outcome(memory(vec![target("2Mi", 500)]), 500, no_progress(500, 100));
+        let status = built(&snapshot(100, 100, 0, 0), &grow);
+        assert_eq!(
+            cond(&status, NodeConditionType::Stalled).reason,
+            "NoProgress"
+        );
+        let failed = cond(&status, NodeConditionType::AllocationFailed);
+        assert_eq!(failed.status, "True");
+        assert!(failed.message.contains("short 400"), "{}", failed.message);
+    }
+
+    #[test]
+    fn a_numa_node_the_machine_lacks_is_an_invalid_target() {
+        let mut entry = target("2Mi", 64);
+        entry.numa = Some(vec![
+            hugepool_crds::settings::NumaTarget { id: 0, pages: 32 },
+            hugepool_crds::settings::NumaTarget { id: 3, pages: 32 },
+        ]);
+        let status = built(&snapshot(0, 0, 0, 0), &memory(vec![entry]));
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!(
+            (converged.status.as_str(), converged.reason.as_str()),
+            ("False", "InvalidTarget")
+        );
+        assert!(
+            converged
+                .message
+                .contains("2Mi: NUMA node 3 not on this machine (it has 0)"),
+            "{}",
+            converged.message
         );
     }
 }
