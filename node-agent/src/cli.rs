@@ -110,6 +110,10 @@ pub struct RunArgs {
     /// How long after a shortfall growth is tried again.
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     pub retry_interval: Duration,
+    /// `/healthz` fails (and the kubelet restarts the agent) once the resize
+    /// loop has not come round for this long outside a wait it announced.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub liveness_timeout: Duration,
     /// How often the kernel is re-read for status when nothing happens.
     #[arg(long, default_value = "15s", value_parser = parse_duration)]
     pub refresh_interval: Duration,

@@ -91,11 +91,17 @@ async fn run_agent(kernel_args: &KernelArgs, args: &RunArgs) -> anyhow::Result<(
     let config = args.config(kernel_args);
     let kernel: Arc<dyn hugepool_agent::kernel::Kernel> = Arc::new(kernel_args.sysfs());
     let mut registry = Registry::default();
-    let shared = Shared::new(agent::metrics::Metrics::register(&mut registry));
+    let shared = Shared::with_liveness_timeout(
+        agent::metrics::Metrics::register(&mut registry),
+        args.liveness_timeout,
+    );
+    // Waiting for the writer lock is no wedged loop either.
+    shared.liveness.idle_for(std::time::Duration::MAX);
     let bound = agent::server::serve(
         args.metrics_addr,
         Arc::new(registry),
         Arc::clone(&shared.ready),
+        Arc::clone(&shared.liveness),
     )
     .await?;
     tracing::info!(node = %config.node_name, metrics = %bound, "hugepool agent starting");

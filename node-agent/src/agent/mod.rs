@@ -8,6 +8,7 @@
 //! (reads the kernel, builds the status, patches it with backoff), and the
 //! watchers of the node's own HugePageNode and Node.
 
+pub mod liveness;
 pub mod metrics;
 pub mod server;
 pub mod snapshot;
@@ -90,10 +91,17 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Status patches sent, for tests and logs.
     pub patches: AtomicU64,
+    /// The resize loop's heartbeat, which `/healthz` reports.
+    pub liveness: Arc<liveness::Liveness>,
 }
 
 impl Shared {
     pub fn new(metrics: Metrics) -> Arc<Self> {
+        Self::with_liveness_timeout(metrics, Duration::from_secs(300))
+    }
+
+    /// `/healthz` fails once the resize loop has not come round for `timeout`.
+    pub fn with_liveness_timeout(metrics: Metrics, timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             memory: Mutex::new(AgentMemory::default()),
             changed: Notify::new(),
@@ -101,6 +109,7 @@ impl Shared {
             ready: Arc::new(AtomicBool::new(false)),
             metrics,
             patches: AtomicU64::new(0),
+            liveness: Arc::new(liveness::Liveness::new(timeout)),
         })
     }
 
@@ -179,7 +188,9 @@ pub async fn run(
         watch_kernel_log(path, Arc::clone(&shared), events_tx.clone());
     }
 
-    // Wait for the first list of our HugePageNode so we never act on "none" by mistake.
+    // Wait for the first list of our HugePageNode so we never act on "none"
+    // by mistake (however long the API takes: that is no wedged loop).
+    shared.liveness.idle_for(Duration::MAX);
     while !*seen_rx.borrow_and_update() {
         tokio::select! {
             _ = seen_rx.changed() => {}
@@ -195,6 +206,7 @@ pub async fn run(
         events: events_tx,
     };
     while !*shutdown.borrow() {
+        shared.liveness.beat();
         let object = spec_rx.borrow_and_update().clone();
         let _ = object_tx.send(object.clone());
         let next_check = looper
@@ -203,6 +215,7 @@ pub async fn run(
         if *shutdown.borrow() {
             break;
         }
+        shared.liveness.idle_for(next_check);
         tokio::select! {
             _ = spec_rx.changed() => {}
             _ = shutdown.changed() => {}
@@ -764,6 +777,7 @@ fn on_resize_event(
 ) {
     match event {
         Event::Step(step) => {
+            shared.liveness.beat();
             let labels = StepLabels {
                 size: size_label.to_string(),
                 direction: step.direction.as_str().to_string(),

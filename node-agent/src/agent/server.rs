@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::liveness::Liveness;
+
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
@@ -15,6 +17,7 @@ use prometheus_client::registry::Registry;
 struct ServerState {
     registry: Arc<Registry>,
     ready: Arc<AtomicBool>,
+    liveness: Arc<Liveness>,
 }
 
 async fn metrics(State(state): State<ServerState>) -> impl IntoResponse {
@@ -27,8 +30,11 @@ async fn metrics(State(state): State<ServerState>) -> impl IntoResponse {
     )
 }
 
-async fn healthz() -> &'static str {
-    "ok"
+async fn healthz(State(state): State<ServerState>) -> (StatusCode, String) {
+    match state.liveness.check() {
+        Ok(()) => (StatusCode::OK, "ok".into()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
+    }
 }
 
 async fn readyz(State(state): State<ServerState>) -> (StatusCode, &'static str) {
@@ -39,12 +45,16 @@ async fn readyz(State(state): State<ServerState>) -> (StatusCode, &'static str) 
     }
 }
 
-pub fn router(registry: Arc<Registry>, ready: Arc<AtomicBool>) -> Router {
+pub fn router(registry: Arc<Registry>, ready: Arc<AtomicBool>, liveness: Arc<Liveness>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(ServerState { registry, ready })
+        .with_state(ServerState {
+            registry,
+            ready,
+            liveness,
+        })
 }
 
 /// Binds `addr` and serves until the process ends; returns the bound address
@@ -53,10 +63,11 @@ pub async fn serve(
     addr: SocketAddr,
     registry: Arc<Registry>,
     ready: Arc<AtomicBool>,
+    liveness: Arc<Liveness>,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
-    let app = router(registry, ready);
+    let app = router(registry, ready, liveness);
     tokio::spawn(async move {
         if let Err(err) = axum::serve(listener, app).await {
             tracing::error!(error = %err, "metrics server stopped");
