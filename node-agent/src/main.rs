@@ -105,7 +105,11 @@ async fn run_agent(kernel_args: &KernelArgs, args: &RunArgs) -> anyhow::Result<(
     )
     .await?;
     tracing::info!(node = %config.node_name, metrics = %bound, "hugepool agent starting");
-    let client = kube::Client::try_default().await?;
+    // The status writer and the watchers back off themselves (with jitter);
+    // kube's own retry layer would hide failures inside their calls.
+    let mut kube_config = kube::Config::infer().await?;
+    kube_config.default_retry = false;
+    let client = kube::Client::try_from(kube_config)?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         let mut term =

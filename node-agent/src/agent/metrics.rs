@@ -62,6 +62,11 @@ pub struct Metrics {
     pub mem_available_bytes: Gauge,
     /// 1 while the kernel log is read, 0 when it is off or unreadable.
     pub kernel_log_watching: Gauge,
+    /// Events not published because the queue to the API was full.
+    pub events_dropped: Counter,
+    /// Writes of a pool by someone else, seen as the pool moving away from
+    /// a target the agent had reached.
+    pub foreign_writes: Family<SizeLabels, Counter>,
 }
 
 impl Metrics {
@@ -74,6 +79,8 @@ impl Metrics {
             shortfall_pages: Family::default(),
             mem_available_bytes: Gauge::default(),
             kernel_log_watching: Gauge::default(),
+            events_dropped: Counter::default(),
+            foreign_writes: Family::default(),
         };
         let prefix = registry.sub_registry_with_prefix("hugepool");
         prefix.register(
@@ -110,6 +117,16 @@ impl Metrics {
             "kernel_log_watching",
             "1 while the agent reads the kernel log (/dev/kmsg), 0 when it is off or unreadable",
             metrics.kernel_log_watching.clone(),
+        );
+        prefix.register(
+            "events_dropped",
+            "Events not published because the queue to the API server was full",
+            metrics.events_dropped.clone(),
+        );
+        prefix.register(
+            "foreign_writes",
+            "Times another writer moved a pool away from a target the agent had reached",
+            metrics.foreign_writes.clone(),
         );
         metrics
     }

@@ -129,6 +129,21 @@ impl Shared {
     }
 }
 
+/// Events waiting for the API server at most; beyond, new ones are dropped
+/// and counted (`hugepool_events_dropped_total`), so an unreachable API never
+/// grows the agent's memory.
+const EVENT_QUEUE: usize = 256;
+
+type EventSender = mpsc::Sender<PendingEvent>;
+
+/// Queues an Event without waiting; a full queue drops it and counts it.
+fn queue_event(events: &EventSender, metrics: &Metrics, event: PendingEvent) {
+    if let Err(mpsc::error::TrySendError::Full(event)) = events.try_send(event) {
+        metrics.events_dropped.inc();
+        debug!(reason = event.reason, "event queue full; event dropped");
+    }
+}
+
 /// An Event the resize loop wants published (publishing is async and must
 /// never hold up a kernel write).
 struct PendingEvent {
@@ -164,7 +179,7 @@ pub async fn run(
         Arc::clone(&shared),
     ));
 
-    let (events_tx, events_rx) = mpsc::unbounded_channel::<PendingEvent>();
+    let (events_tx, events_rx) = mpsc::channel::<PendingEvent>(EVENT_QUEUE);
     let (object_tx, object_rx) = watch::channel::<Option<HugePageNode>>(None);
     tokio::spawn(publish_events(
         client.clone(),
@@ -233,7 +248,7 @@ struct ResizeLoop {
     kernel: Arc<dyn Kernel>,
     config: AgentConfig,
     shared: Arc<Shared>,
-    events: mpsc::UnboundedSender<PendingEvent>,
+    events: EventSender,
 }
 
 /// The engine's settings from one target entry; bad values (which the
@@ -627,11 +642,15 @@ impl ResizeLoop {
     }
 
     fn event(&self, type_: EventType, reason: &'static str, note: String) {
-        let _ = self.events.send(PendingEvent {
-            type_,
-            reason,
-            note,
-        });
+        queue_event(
+            &self.events,
+            &self.shared.metrics,
+            PendingEvent {
+                type_,
+                reason,
+                note,
+            },
+        );
     }
 
     /// With `kubeletRestart: AfterResize`, restarts kubelet once the node has
@@ -757,6 +776,15 @@ async fn run_bounded(command: &[String], timeout: Duration) -> Result<(), String
     }
 }
 
+/// The longest wait between retries of a status write or a kernel read.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// A random wait in `[backoff / 2, backoff]` ("equal jitter").
+fn jittered(backoff: Duration) -> Duration {
+    let half = backoff / 2;
+    half + half.mul_f64(fastrand::f64())
+}
+
 /// Wait before retrying a failed kubelet restart: 10 s doubling to 10 min.
 fn restart_backoff(attempts: u32) -> Duration {
     let base = Duration::from_secs(10);
@@ -768,7 +796,7 @@ fn restart_backoff(attempts: u32) -> Duration {
 fn on_resize_event(
     event: &Event,
     shared: &Shared,
-    events: &mpsc::UnboundedSender<PendingEvent>,
+    events: &EventSender,
     target_tx: &watch::Sender<Target>,
     stopping: &AtomicBool,
     size: PageSize,
@@ -829,11 +857,15 @@ fn on_resize_event(
                 reason: Reason::SlowKernelWrite,
                 message: message.clone(),
             });
-            let _ = events.send(PendingEvent {
-                type_: EventType::Warning,
-                reason: "Stalled",
-                note: message,
-            });
+            queue_event(
+                events,
+                &shared.metrics,
+                PendingEvent {
+                    type_: EventType::Warning,
+                    reason: "Stalled",
+                    note: message,
+                },
+            );
             shared.touch(true);
         }
         Event::WriteFailed { step, error } => warn!(step, %error, "kernel write failed"),
@@ -938,7 +970,7 @@ pub fn node_capacity(node: &Node) -> BTreeMap<PageSize, u64> {
 async fn publish_events(
     client: Client,
     node_name: String,
-    mut events_rx: mpsc::UnboundedReceiver<PendingEvent>,
+    mut events_rx: mpsc::Receiver<PendingEvent>,
     object_rx: watch::Receiver<Option<HugePageNode>>,
 ) {
     let reporter = Reporter {
@@ -969,11 +1001,7 @@ const KERNEL_LOG_POLL: Duration = Duration::from_secs(1);
 
 /// Reads `/dev/kmsg` (or polls syslog(2)) on its own thread; stalls the kernel reports while a
 /// resize runs set Stalled with the kernel's line.
-fn watch_kernel_log(
-    path: PathBuf,
-    shared: Arc<Shared>,
-    events: mpsc::UnboundedSender<PendingEvent>,
-) {
+fn watch_kernel_log(path: PathBuf, shared: Arc<Shared>, events: EventSender) {
     let set_state = |shared: &Shared, state: KernelLogState| {
         let watching = matches!(state, KernelLogState::Watching(_));
         shared.metrics.kernel_log_watching.set(i64::from(watching));
@@ -1014,11 +1042,15 @@ fn watch_kernel_log(
                     info!(kernel = %record.message, "kernel reported a stall while no resize ran");
                 } else {
                     warn!(kernel = %record.message, "kernel reported a stall during a resize");
-                    let _ = events.send(PendingEvent {
-                        type_: EventType::Warning,
-                        reason: "KernelStall",
-                        note: record.message.clone(),
-                    });
+                    queue_event(
+                        &events,
+                        &shared.metrics,
+                        PendingEvent {
+                            type_: EventType::Warning,
+                            reason: "KernelStall",
+                            note: record.message.clone(),
+                        },
+                    );
                     shared.touch(true);
                 }
                 true
@@ -1084,6 +1116,7 @@ async fn write_status(
     let mut last_sent: Option<HugePageNodeStatus> = None;
     let mut last_patch = Instant::now() - config.min_patch_interval;
     let mut backoff = Duration::from_millis(250);
+    let mut kernel_backoff = Duration::from_millis(250);
     let mut retry = false;
     loop {
         let stopping = *done.borrow();
@@ -1100,10 +1133,17 @@ async fn write_status(
             tokio::time::sleep(config.min_patch_interval - since).await;
         }
         let snapshot = match KernelSnapshot::read_blocking(&kernel, &config.kernel_release).await {
-            Ok(snapshot) => snapshot,
+            Ok(snapshot) => {
+                kernel_backoff = Duration::from_millis(250);
+                snapshot
+            }
             Err(err) => {
-                warn!(error = %err, "cannot read the kernel for status");
-                tokio::time::sleep(backoff).await;
+                warn!(error = %err, retry_in_ms = kernel_backoff.as_millis() as u64, "cannot read the kernel for status");
+                tokio::time::sleep(kernel_backoff).await;
+                kernel_backoff = (kernel_backoff * 2).min(MAX_BACKOFF);
+                if *done.borrow() {
+                    return;
+                }
                 continue;
             }
         };
@@ -1133,9 +1173,12 @@ async fn write_status(
                     shared.ready.store(true, Ordering::Relaxed);
                 }
                 Err(err) => {
-                    warn!(error = ?err, retry_in_ms = backoff.as_millis() as u64, "status write failed");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                    // Jittered, so that a fleet of agents does not retry in
+                    // step after an API outage.
+                    let wait = jittered(backoff);
+                    warn!(error = ?err, retry_in_ms = wait.as_millis() as u64, "status write failed");
+                    tokio::time::sleep(wait).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
                     retry = true;
                     if *done.borrow() && backoff >= Duration::from_secs(2) {
                         return;
@@ -1442,5 +1485,37 @@ mod tests {
         assert_eq!(restart_backoff(1), Duration::from_secs(10));
         assert_eq!(restart_backoff(3), Duration::from_secs(40));
         assert_eq!(restart_backoff(30), Duration::from_secs(600));
+    }
+
+    #[test]
+    fn retries_are_jittered_within_half_and_all_of_the_backoff() {
+        let backoff = Duration::from_secs(8);
+        let waits: Vec<Duration> = (0..200).map(|_| jittered(backoff)).collect();
+        assert!(waits.iter().all(|w| *w >= backoff / 2 && *w <= backoff));
+        let distinct: std::collections::BTreeSet<Duration> = waits.iter().copied().collect();
+        assert!(
+            distinct.len() > 100,
+            "agents would retry in step: {distinct:?}"
+        );
+    }
+
+    #[test]
+    fn a_full_event_queue_drops_and_counts_instead_of_growing() {
+        let metrics = Metrics::register(&mut Registry::default());
+        let (events, mut receiver) = mpsc::channel(EVENT_QUEUE);
+        let event = || PendingEvent {
+            type_: EventType::Normal,
+            reason: "ResizeStarted",
+            note: String::new(),
+        };
+        for _ in 0..EVENT_QUEUE + 10 {
+            queue_event(&events, &metrics, event());
+        }
+        assert_eq!(metrics.events_dropped.get(), 10);
+        let mut queued = 0;
+        while receiver.try_recv().is_ok() {
+            queued += 1;
+        }
+        assert_eq!(queued, EVENT_QUEUE);
     }
 }
