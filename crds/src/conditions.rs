@@ -51,6 +51,7 @@ api_enum! {
     Reason {
         // Converged
         AtTarget, Resizing, PagesInUse, AllocationShortfall, Stalled, UnsupportedPageSize, InvalidTarget,
+        OtherWriter,
         // Resizing
         Growing, Shrinking, Idle,
         // Stalled

@@ -804,6 +804,99 @@ async fn a_failed_kubelet_restart_is_reported_and_retried_until_it_works() {
 }
 
 #[tokio::test]
+async fn another_writer_of_the_pool_is_reported_and_not_fought() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let name = unique_name("agent-other-writer");
+    create_node(&env.client, &name, "0", vec![entry(64)]).await;
+    let agent = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "64 pages",
+        |o| converged_at(o, 64),
+    )
+    .await;
+
+    // Someone else (tuned, a sysctl.d file) sets the pool.
+    real.set_pool(MI2, 16);
+    let moved = Instant::now();
+    let object = wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "Converged=False/OtherWriter",
+        |o| condition_is(o, NodeConditionType::Converged, "False", "OtherWriter"),
+    )
+    .await;
+    let converged = find_condition(
+        &object.status.as_ref().unwrap().conditions,
+        NodeConditionType::Converged,
+    )
+    .unwrap();
+    assert!(
+        converged
+            .message
+            .contains("another writer set the pool to 16 (target 64), 1 times"),
+        "{}",
+        converged.message
+    );
+    wait_for_event(&env.client, &name, "OtherWriter").await;
+    assert_eq!(
+        agent.metric(r#"hugepool_foreign_writes_total{size="2Mi"}"#),
+        Some(1.0)
+    );
+    // Restored, but only after its backoff (10 s for a first move).
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(90),
+        "restored",
+        |o| converged_at(o, 64),
+    )
+    .await;
+    assert!(
+        moved.elapsed() >= Duration::from_secs(10),
+        "restored after {:?}, before the 10 s backoff",
+        moved.elapsed()
+    );
+    assert_eq!(sysfs("nr_hugepages"), 64);
+
+    // They write again: counted, and left alone for longer.
+    real.set_pool(MI2, 16);
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "a second move",
+        |o| {
+            condition_is(o, NodeConditionType::Converged, "False", "OtherWriter")
+                && find_condition(
+                    &o.status.as_ref().unwrap().conditions,
+                    NodeConditionType::Converged,
+                )
+                .is_some_and(|c| c.message.contains("2 times") && c.message.contains("20s after"))
+        },
+    )
+    .await;
+    assert_eq!(
+        agent.metric(r#"hugepool_foreign_writes_total{size="2Mi"}"#),
+        Some(2.0)
+    );
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+#[tokio::test]
 async fn spec_changed_mid_resize_ends_at_the_new_target_without_overshoot() {
     let Some(env) = setup().await else { return };
     let Some(real) = RealKernel::acquire(4 * GIB) else {

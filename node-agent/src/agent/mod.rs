@@ -368,6 +368,17 @@ impl ResizeLoop {
                     .sizes
                     .get(&size)
                     .and_then(|r| r.outcomes.get(&target.scope).cloned());
+                // Reached earlier, moved since without a write of ours:
+                // someone else writes this pool (tuned, sysctl.d, a second
+                // tool). Say so, and restore it only after a backoff that
+                // grows while they keep writing, instead of fighting them.
+                if matches!(&last, Some((t, Outcome::Reached)) if *t == target.pages) {
+                    let wait = self.other_writer(size, target, observed.persistent());
+                    if !wait.is_zero() {
+                        next_check = next_check.min(wait);
+                        continue;
+                    }
+                }
                 let still_blocked = matches!(&last, Some((t, Outcome::Blocked { .. })) if *t == target.pages)
                     && observed.shrink_floor() >= observed.persistent();
                 let recently_short =
@@ -397,6 +408,64 @@ impl ResizeLoop {
             self.maybe_restart_kubelet(&entries).await;
         }
         next_check
+    }
+
+    /// Records that another writer moved `target`'s pool to `found`, and
+    /// returns how long to leave it before restoring (zero: restore now).
+    fn other_writer(&self, size: PageSize, target: Target, found: u64) -> Duration {
+        let now = Instant::now();
+        let mut memory = self.shared.memory();
+        let record = memory.sizes.entry(size).or_default();
+        let writer = record.other_writer.get_or_insert(status::OtherWriter {
+            scope: target.scope,
+            target: target.pages,
+            found,
+            times: 0,
+            restore_at: now,
+            restored: true,
+        });
+        if writer.target != target.pages || writer.scope != target.scope {
+            writer.target = target.pages;
+            writer.scope = target.scope;
+            writer.times = 0;
+            writer.restored = true;
+        }
+        if !writer.restored {
+            // The move already counted: wait out its backoff, then restore.
+            let wait = writer.restore_at.saturating_duration_since(now);
+            if wait.is_zero() {
+                writer.restored = true;
+            }
+            return wait;
+        }
+        // A new move: the first, or one after our last restore.
+        writer.times += 1;
+        writer.found = found;
+        writer.restored = false;
+        let wait = other_writer_backoff(writer.times);
+        writer.restore_at = now + wait;
+        let (times, scope) = (writer.times, writer.scope);
+        drop(memory);
+        self.shared
+            .metrics
+            .foreign_writes
+            .get_or_create(&SizeLabels {
+                size: size.to_string(),
+            })
+            .inc();
+        warn!(%size, %scope, found, target = target.pages, times, restore_in = ?wait,
+            "another writer changed the pool; restoring it after a backoff");
+        self.event(
+            EventType::Warning,
+            "OtherWriter",
+            format!(
+                "{size} {scope}: another writer set the pool to {found} (target {}); \
+                 {times} times so far, restoring in {wait:?}",
+                target.pages
+            ),
+        );
+        self.shared.touch(true);
+        wait
     }
 
     fn retry_due(&self, size: PageSize) -> bool {
@@ -774,6 +843,14 @@ async fn run_bounded(command: &[String], timeout: Duration) -> Result<(), String
             ))
         }
     }
+}
+
+/// How long a pool another writer moved is left before it is restored: 10 s
+/// the first time, doubling while they keep writing, at most 30 min.
+pub(crate) fn other_writer_backoff(times: u32) -> Duration {
+    Duration::from_secs(10)
+        .saturating_mul(1 << times.saturating_sub(1).min(8))
+        .min(Duration::from_secs(1800))
 }
 
 /// The longest wait between retries of a status write or a kernel read.

@@ -42,6 +42,25 @@ pub struct SizeRecord {
     pub last_resize: Option<ResizeSummary>,
     /// Stall of the running or last resize (cleared when a resize starts).
     pub stall: Option<StallRecord>,
+    /// Someone else writes this size's pool (cleared when a resize starts
+    /// for a new target).
+    pub other_writer: Option<OtherWriter>,
+}
+
+/// Another writer moved a pool away from a target the agent had reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OtherWriter {
+    pub scope: PoolScope,
+    /// The target it moved the pool away from.
+    pub target: u64,
+    /// What it set the pool to, last time.
+    pub found: u64,
+    /// Moves seen for this target.
+    pub times: u32,
+    /// When the agent restores the target.
+    pub restore_at: std::time::Instant,
+    /// The agent has restored the target since the last move.
+    pub restored: bool,
 }
 
 /// Kubelet's view of the node, from the Node object.
@@ -243,6 +262,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
     let mut blocked = Vec::new();
     let mut unsupported = Vec::new();
     let mut invalid = Vec::new();
+    let mut other_writers = Vec::new();
     let mut shortfalls = Vec::new();
     let mut running = Vec::new();
     let mut stalls = Vec::new();
@@ -267,6 +287,29 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
             }
         }
         let Some(record) = record else { continue };
+        if let Some(writer) = &record.other_writer
+            && !writer.restored
+            && record.running.is_none()
+            && size.is_some_and(|s| {
+                super::targets_for(entry, s)
+                    .iter()
+                    .any(|t| t.scope == writer.scope && t.pages == writer.target)
+            })
+        {
+            let scope = match writer.scope {
+                PoolScope::Global => String::new(),
+                PoolScope::Node(n) => format!(" NUMA node {n}"),
+            };
+            other_writers.push(format!(
+                "{}{scope}: another writer set the pool to {} (target {}), {} times; \
+                 the agent restores it {}s after each move",
+                entry.size,
+                writer.found,
+                writer.target,
+                writer.times,
+                super::other_writer_backoff(writer.times).as_secs()
+            ));
+        }
         if let Some(run) = &record.running {
             running.push((
                 run.direction,
@@ -346,6 +389,8 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
             Reason::UnsupportedPageSize
         } else if !invalid.is_empty() {
             Reason::InvalidTarget
+        } else if !other_writers.is_empty() {
+            Reason::OtherWriter
         } else if !stalls.is_empty() {
             Reason::Stalled
         } else if !blocked.is_empty() {
@@ -358,6 +403,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         let parts: Vec<String> = unsupported
             .iter()
             .chain(&invalid)
+            .chain(&other_writers)
             .chain(&blocked)
             .chain(&away)
             .cloned()
