@@ -39,7 +39,7 @@ impl RealKernel {
         let kernel = SysfsKernel::default();
         match Self::check(&kernel, needs_bytes) {
             Ok(()) => {}
-            Err(reason) if std::env::var("CI").as_deref() == Ok("true") => {
+            Err(reason) if hugepool_e2e::in_ci_mode() => {
                 panic!("real-kernel test cannot run under CI=true: {reason}")
             }
             Err(reason) => {

@@ -1,0 +1,665 @@
+//! The resize loop: one pass over every target of the node, each resize run
+//! by the engine and followed through spec changes, its outcome recorded.
+
+use super::kubelet::{restart_backoff, run_bounded};
+use super::*;
+
+/// What the resize loop works with; `run` builds it.
+pub(super) struct ResizeLoop {
+    pub(super) kernel: Arc<dyn Kernel>,
+    pub(super) config: AgentConfig,
+    pub(super) shared: Arc<Shared>,
+    pub(super) events: EventSender,
+}
+
+/// The engine's settings from one target entry; bad values (which the
+/// schema should have stopped) fall back to the defaults.
+pub fn settings_for(entry: &PageSizeTarget) -> Settings {
+    let defaults = Settings::default();
+    Settings {
+        max_step_duration: duration::parse(&entry.resize.max_step_duration)
+            .unwrap_or(defaults.max_step_duration),
+        step_pause: duration::parse(&entry.resize.step_pause).unwrap_or(defaults.step_pause),
+        stall_threshold: duration::parse(&entry.resize.stall_threshold)
+            .unwrap_or(defaults.stall_threshold),
+        min_mem_available: quantity::parse_bytes(&entry.allocation.min_mem_available)
+            .unwrap_or(defaults.min_mem_available),
+        retries: entry.allocation.retries.max(0) as u32,
+        compact: entry.allocation.compact,
+        ..defaults
+    }
+}
+
+/// The engine targets of one entry: one per NUMA node when the entry lists
+/// them, otherwise one write of the size's global file.
+pub fn targets_for(entry: &PageSizeTarget, size: PageSize) -> Vec<Target> {
+    match &entry.numa {
+        Some(numa) => numa
+            .iter()
+            .map(|n| Target {
+                size,
+                pages: n.pages.max(0) as u64,
+                scope: PoolScope::Node(n.id.max(0) as u32),
+            })
+            .collect(),
+        None => vec![Target {
+            size,
+            pages: entry.pages.max(0) as u64,
+            scope: PoolScope::Global,
+        }],
+    }
+}
+
+pub(super) fn find_target(
+    object: Option<&HugePageNode>,
+    size: PageSize,
+    scope: PoolScope,
+) -> Option<Target> {
+    let entry = object?
+        .spec
+        .page_sizes
+        .iter()
+        .find(|e| e.size.parse::<PageSize>().ok() == Some(size))?;
+    targets_for(entry, size)
+        .into_iter()
+        .find(|t| t.scope == scope)
+}
+
+impl ResizeLoop {
+    /// One pass over every target; returns when to look again.
+    pub(super) async fn converge(
+        &mut self,
+        object: Option<&HugePageNode>,
+        spec_rx: &mut watch::Receiver<Option<HugePageNode>>,
+        shutdown: &mut watch::Receiver<bool>,
+        models: &mut CostModels,
+    ) -> Duration {
+        let entries = object
+            .map(|o| o.spec.page_sizes.clone())
+            .unwrap_or_default();
+        {
+            let mut memory = self.shared.memory();
+            memory.generation = object.and_then(|o| o.metadata.generation);
+            memory.targets = entries.clone();
+        }
+        self.shared.touch(true);
+        let offered = match self.blocking(|k| k.page_sizes()).await {
+            Ok(sizes) => sizes,
+            Err(err) => {
+                warn!(error = %err, "cannot read the kernel's page sizes");
+                return self.config.blocked_poll;
+            }
+        };
+        let numa_nodes = match self.blocking(|k| k.numa_nodes()).await {
+            Ok(nodes) => nodes,
+            Err(err) => {
+                warn!(error = %err, "cannot list the NUMA nodes");
+                return self.config.blocked_poll;
+            }
+        };
+        let mut next_check = self.config.refresh_interval;
+        for entry in &entries {
+            let Ok(size) = entry.size.parse::<PageSize>() else {
+                continue;
+            };
+            if !offered.contains(&size) {
+                continue; // reported as UnsupportedPageSize by the status
+            }
+            let targets = targets_for(entry, size);
+            if targets
+                .iter()
+                .any(|t| matches!(t.scope, PoolScope::Node(n) if !numa_nodes.contains(&n)))
+            {
+                continue; // reported as InvalidTarget by the status
+            }
+            for target in targets {
+                if *shutdown.borrow() || spec_rx.has_changed().unwrap_or(false) {
+                    return Duration::ZERO;
+                }
+                let observed = match resize::executor::observe(&self.kernel, target).await {
+                    Ok(observed) => observed,
+                    Err(err) => {
+                        warn!(error = %err, %size, scope = %target.scope, "cannot read the pool");
+                        next_check = next_check.min(self.config.blocked_poll);
+                        continue;
+                    }
+                };
+                if observed.persistent() == target.pages && observed.surplus() == 0 {
+                    continue;
+                }
+                let last = self
+                    .shared
+                    .memory()
+                    .sizes
+                    .get(&size)
+                    .and_then(|r| r.outcomes.get(&target.scope).cloned());
+                // Reached earlier, moved since without a write of ours:
+                // someone else writes this pool (tuned, sysctl.d, a second
+                // tool). Say so, and restore it only after a backoff that
+                // grows while they keep writing, instead of fighting them.
+                if matches!(&last, Some((t, Outcome::Reached)) if *t == target.pages) {
+                    let wait = self.other_writer(size, target, observed.persistent());
+                    if !wait.is_zero() {
+                        next_check = next_check.min(wait);
+                        continue;
+                    }
+                }
+                let still_blocked = matches!(&last, Some((t, Outcome::Blocked { .. })) if *t == target.pages)
+                    && observed.shrink_floor() >= observed.persistent();
+                let recently_short =
+                    matches!(&last, Some((t, Outcome::Shortfall { .. })) if *t == target.pages);
+                if still_blocked {
+                    next_check = next_check.min(self.config.blocked_poll);
+                    continue;
+                }
+                if recently_short && !self.retry_due(size) {
+                    next_check = next_check.min(self.config.retry_interval);
+                    continue;
+                }
+                let outcome = self.resize(entry, target, spec_rx, shutdown, models).await;
+                match outcome {
+                    Some(Outcome::Blocked { .. }) => {
+                        next_check = next_check.min(self.config.blocked_poll)
+                    }
+                    Some(Outcome::Shortfall { .. }) => {
+                        next_check = next_check.min(self.config.retry_interval)
+                    }
+                    Some(Outcome::Reached) => {}
+                    None => next_check = next_check.min(self.config.blocked_poll),
+                }
+            }
+        }
+        if !*shutdown.borrow() {
+            self.maybe_restart_kubelet(&entries).await;
+        }
+        next_check
+    }
+
+    /// Records that another writer moved `target`'s pool to `found`, and
+    /// returns how long to leave it before restoring (zero: restore now).
+    fn other_writer(&self, size: PageSize, target: Target, found: u64) -> Duration {
+        let now = Instant::now();
+        let mut memory = self.shared.memory();
+        let record = memory.sizes.entry(size).or_default();
+        let writer = record.other_writer.get_or_insert(status::OtherWriter {
+            scope: target.scope,
+            target: target.pages,
+            found,
+            times: 0,
+            restore_at: now,
+            restored: true,
+        });
+        if writer.target != target.pages || writer.scope != target.scope {
+            writer.target = target.pages;
+            writer.scope = target.scope;
+            writer.times = 0;
+            writer.restored = true;
+        }
+        if !writer.restored {
+            // The move already counted: wait out its backoff, then restore.
+            let wait = writer.restore_at.saturating_duration_since(now);
+            if wait.is_zero() {
+                writer.restored = true;
+            }
+            return wait;
+        }
+        // A new move: the first, or one after our last restore.
+        writer.times += 1;
+        writer.found = found;
+        writer.restored = false;
+        let wait = other_writer_backoff(writer.times);
+        writer.restore_at = now + wait;
+        let (times, scope) = (writer.times, writer.scope);
+        drop(memory);
+        self.shared
+            .metrics
+            .foreign_writes
+            .get_or_create(&SizeLabels {
+                size: size.to_string(),
+            })
+            .inc();
+        warn!(%size, %scope, found, target = target.pages, times, restore_in = ?wait,
+            "another writer changed the pool; restoring it after a backoff");
+        self.event(
+            EventType::Warning,
+            "OtherWriter",
+            format!(
+                "{size} {scope}: another writer set the pool to {found} (target {}); \
+                 {times} times so far, restoring in {wait:?}",
+                target.pages
+            ),
+        );
+        self.shared.touch(true);
+        wait
+    }
+
+    fn retry_due(&self, size: PageSize) -> bool {
+        let memory = self.shared.memory();
+        let finished = memory
+            .sizes
+            .get(&size)
+            .and_then(|r| r.last_resize.as_ref())
+            .and_then(|s| s.finished_at.clone());
+        match finished {
+            Some(at) => {
+                let age = jiff::Timestamp::now().duration_since(at.0);
+                age.as_secs_f64() >= self.config.retry_interval.as_secs_f64()
+            }
+            None => true,
+        }
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        read: impl FnOnce(&dyn Kernel) -> crate::Result<T> + Send + 'static,
+    ) -> crate::Result<T> {
+        let kernel = Arc::clone(&self.kernel);
+        tokio::task::spawn_blocking(move || read(kernel.as_ref()))
+            .await
+            .map_err(|err| crate::Error::WriteThread(err.to_string()))?
+    }
+
+    /// Runs one resize to `target`, following spec changes at step boundaries.
+    async fn resize(
+        &mut self,
+        entry: &PageSizeTarget,
+        target: Target,
+        spec_rx: &mut watch::Receiver<Option<HugePageNode>>,
+        shutdown: &mut watch::Receiver<bool>,
+        models: &mut CostModels,
+    ) -> Option<Outcome> {
+        let size = target.size;
+        let size_label = size.to_string();
+        let from = resize::executor::observe(&self.kernel, target)
+            .await
+            .map(|o| o.persistent())
+            .unwrap_or(0);
+        let direction = if target.pages >= from {
+            Direction::Grow
+        } else {
+            Direction::Shrink
+        };
+        {
+            let mut memory = self.shared.memory();
+            let record = memory.sizes.entry(size).or_default();
+            record.running = Some(Running {
+                direction,
+                from,
+                target: target.pages,
+            });
+            record.stall = None;
+        }
+        self.shared.touch(true);
+        self.event(
+            EventType::Normal,
+            "ResizeStarted",
+            format!("{size} {}: {from} -> {} pages", target.scope, target.pages),
+        );
+
+        let span = info_span!("resize", node = %self.config.node_name, size = %size_label, scope = %target.scope, from, target = target.pages, direction = direction.as_str());
+        let (target_tx, mut target_rx) = watch::channel(target);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let options = resize::Options::default();
+        let settings = settings_for(entry);
+        let stall_threshold = settings.stall_threshold;
+        let on_event = {
+            let shared = Arc::clone(&self.shared);
+            let events = self.events.clone();
+            let target_tx = target_tx.clone();
+            let stopping = Arc::clone(&stopping);
+            let size_label = size_label.clone();
+            move |event: &Event| {
+                on_resize_event(
+                    event,
+                    &shared,
+                    &events,
+                    &target_tx,
+                    &stopping,
+                    size,
+                    &size_label,
+                    stall_threshold,
+                )
+            }
+        };
+        let engine = resize::run(
+            Arc::clone(&self.kernel),
+            &mut target_rx,
+            settings,
+            &options,
+            models,
+            on_event,
+        )
+        .instrument(span.clone());
+        tokio::pin!(engine);
+        let result = loop {
+            tokio::select! {
+                result = &mut engine => break result,
+                changed = spec_rx.changed(), if !stopping.load(Ordering::Relaxed) => {
+                    let object = if changed.is_ok() { spec_rx.borrow().clone() } else { None };
+                    match find_target(object.as_ref(), size, target.scope) {
+                        Some(new_target) => {
+                            let mut memory = self.shared.memory();
+                            memory.generation = object.as_ref().and_then(|o| o.metadata.generation);
+                            memory.targets = object.as_ref().map(|o| o.spec.page_sizes.clone()).unwrap_or_default();
+                            if let Some(running) = memory.sizes.get_mut(&size).and_then(|r| r.running.as_mut()) {
+                                running.target = new_target.pages;
+                            }
+                            drop(memory);
+                            span.in_scope(|| info!(new_target = new_target.pages, "target changed mid-resize"));
+                            let _ = target_tx.send(new_target);
+                        }
+                        None => {
+                            // The entry is gone: stop after the write in flight.
+                            span.in_scope(|| info!("target removed mid-resize; stopping at the next step boundary"));
+                            stopping.store(true, Ordering::Relaxed);
+                        }
+                    }
+                }
+                _ = shutdown.changed(), if !stopping.load(Ordering::Relaxed) => {
+                    span.in_scope(|| info!("shutdown requested; stopping at the next step boundary"));
+                    stopping.store(true, Ordering::Relaxed);
+                }
+            }
+        };
+        let outcome = match result {
+            Ok(summary) => {
+                self.record_summary(&summary, target.scope, &span);
+                Some(summary.outcome)
+            }
+            Err(err) => {
+                span.in_scope(|| warn!(error = %err, "resize failed"));
+                self.event(
+                    EventType::Warning,
+                    "ResizeFailed",
+                    format!("{size} {}: {err}", target.scope),
+                );
+                let mut memory = self.shared.memory();
+                if let Some(record) = memory.sizes.get_mut(&size) {
+                    record.running = None;
+                }
+                None
+            }
+        };
+        self.shared.touch(true);
+        outcome
+    }
+
+    fn record_summary(&self, summary: &Summary, scope: PoolScope, span: &tracing::Span) {
+        let size: Option<PageSize> = summary.page_size.parse().ok();
+        let outcome_name = match &summary.outcome {
+            Outcome::Reached => "Reached",
+            Outcome::Blocked { .. } => "Blocked",
+            Outcome::Shortfall { .. } => "Short",
+        };
+        span.in_scope(|| {
+            info!(
+                achieved = summary.achieved,
+                to = summary.to,
+                steps = summary.steps,
+                max_write_seconds = summary.max_write_seconds,
+                duration_seconds = summary.duration_seconds,
+                outcome = outcome_name,
+                "resize finished"
+            )
+        });
+        let api_summary = ResizeSummary {
+            from: summary.from as i64,
+            to: summary.to as i64,
+            achieved: summary.achieved as i64,
+            steps: i64::from(summary.steps),
+            max_step_seconds: summary.max_write_seconds,
+            duration_seconds: summary.duration_seconds,
+            pages_per_second: summary.pages_per_second,
+            outcome: outcome_name.to_string(),
+            finished_at: Some(Time(jiff::Timestamp::now())),
+        };
+        let note = format!(
+            "{} {}: {} -> {} pages (target {}) in {} steps, {:.3}s, max write {:.3}s",
+            summary.page_size,
+            summary.scope,
+            summary.from,
+            summary.achieved,
+            summary.to,
+            summary.steps,
+            summary.duration_seconds,
+            summary.max_write_seconds
+        );
+        let previous = size.and_then(|s| {
+            self.shared
+                .memory()
+                .sizes
+                .get(&s)
+                .and_then(|r| r.outcomes.get(&scope).cloned())
+        });
+        let repeated = previous.as_ref().is_some_and(|(t, o)| {
+            *t == summary.to
+                && std::mem::discriminant(o) == std::mem::discriminant(&summary.outcome)
+        });
+        match &summary.outcome {
+            Outcome::Reached => self.event(EventType::Normal, "ResizeFinished", note),
+            Outcome::Blocked { in_use, reserved, .. } if !repeated => self.event(
+                EventType::Warning,
+                "ShrinkBlocked",
+                format!("{note}; {in_use} pages in use and {reserved} reserved keep the pool above target"),
+            ),
+            Outcome::Shortfall { requested, achieved, reason, .. } if !repeated => self.event(
+                EventType::Warning,
+                "AllocationShort",
+                format!("{note}; requested {requested}, achieved {achieved} ({reason:?})"),
+            ),
+            _ => {}
+        }
+        if let Some(size) = size {
+            let shortfall = match &summary.outcome {
+                Outcome::Shortfall {
+                    requested,
+                    achieved,
+                    ..
+                } => requested.saturating_sub(*achieved),
+                _ => 0,
+            };
+            self.shared
+                .metrics
+                .shortfall_pages
+                .get_or_create(&SizeLabels {
+                    size: size.to_string(),
+                })
+                .set(shortfall as i64);
+            let mut memory = self.shared.memory();
+            let record = memory.sizes.entry(size).or_default();
+            record.running = None;
+            record
+                .outcomes
+                .insert(scope, (summary.to, summary.outcome.clone()));
+            record.last_resize = Some(api_summary);
+        }
+    }
+
+    fn event(&self, type_: EventType, reason: &'static str, note: String) {
+        queue_event(
+            &self.events,
+            &self.shared.metrics,
+            PendingEvent {
+                type_,
+                reason,
+                note,
+            },
+        );
+    }
+
+    /// With `kubeletRestart: AfterResize`, restarts kubelet once the node has
+    /// converged and kubelet's capacity is stale, at most once per change.
+    async fn maybe_restart_kubelet(&self, entries: &[PageSizeTarget]) {
+        use hugepool_crds::settings::KubeletRestart;
+        if self.config.kubelet_restart_command.is_empty()
+            || !entries
+                .iter()
+                .any(|e| e.kubelet_restart == KubeletRestart::AfterResize)
+        {
+            return;
+        }
+        let snapshot =
+            match KernelSnapshot::read_blocking(&self.kernel, &self.config.kernel_release).await {
+                Ok(snapshot) => snapshot,
+                Err(_) => return,
+            };
+        let (pools, due) = {
+            let memory = self.shared.memory();
+            let converged = memory
+                .targets
+                .iter()
+                .all(|e| status::progress(e, &snapshot) == status::Progress::AtTarget);
+            let pools = status::kubelet_pools(&snapshot, &memory);
+            let stale = memory.kubelet.capacity.as_ref().is_some_and(|capacity| {
+                pools.iter().any(|(size, pages)| {
+                    capacity.get(size).copied().unwrap_or(0) != pages * size.bytes()
+                })
+            });
+            let already = memory.kubelet.restarted_for.as_ref() == Some(&pools);
+            let waiting = memory
+                .kubelet
+                .failure
+                .as_ref()
+                .is_some_and(|f| f.pools == pools && Instant::now() < f.retry_at);
+            (pools, converged && stale && !already && !waiting)
+        };
+        if !due {
+            return;
+        }
+        let command = self.config.kubelet_restart_command.clone();
+        info!(
+            ?command,
+            "restarting kubelet so it reports the new hugepage capacity"
+        );
+        let result = run_bounded(&command, self.config.kubelet_restart_timeout).await;
+        {
+            let mut memory = self.shared.memory();
+            match &result {
+                Ok(()) => {
+                    memory.kubelet.restarted_for = Some(pools);
+                    memory.kubelet.failure = None;
+                }
+                Err(message) => {
+                    let attempts = memory
+                        .kubelet
+                        .failure
+                        .as_ref()
+                        .filter(|f| f.pools == pools)
+                        .map_or(1, |f| f.attempts + 1);
+                    let backoff = restart_backoff(attempts);
+                    memory.kubelet.failure = Some(status::RestartFailure {
+                        pools,
+                        attempts,
+                        message: format!("{message} (attempt {attempts}, next in {backoff:?})"),
+                        retry_at: Instant::now() + backoff,
+                    });
+                }
+            }
+        }
+        match result {
+            Ok(()) => self.event(
+                EventType::Normal,
+                "KubeletRestarted",
+                format!("ran {}", command.join(" ")),
+            ),
+            Err(message) => {
+                warn!(%message, "kubelet restart failed");
+                self.event(EventType::Warning, "KubeletRestartFailed", message);
+            }
+        }
+        self.shared.touch(true);
+    }
+}
+
+/// How long a pool another writer moved is left before it is restored: 10 s
+/// the first time, doubling while they keep writing, at most 30 min.
+pub fn other_writer_backoff(times: u32) -> Duration {
+    Duration::from_secs(10)
+        .saturating_mul(1 << times.saturating_sub(1).min(8))
+        .min(Duration::from_secs(1800))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn on_resize_event(
+    event: &Event,
+    shared: &Shared,
+    events: &EventSender,
+    target_tx: &watch::Sender<Target>,
+    stopping: &AtomicBool,
+    size: PageSize,
+    size_label: &str,
+    stall_threshold: Duration,
+) {
+    match event {
+        Event::Step(step) => {
+            shared.liveness.beat();
+            let labels = StepLabels {
+                size: size_label.to_string(),
+                direction: step.direction.as_str().to_string(),
+            };
+            shared
+                .metrics
+                .step_seconds
+                .get_or_create(&labels)
+                .observe(step.latency.as_secs_f64());
+            shared
+                .metrics
+                .pages_moved
+                .get_or_create(&labels)
+                .inc_by(step.after.abs_diff(step.before));
+            debug!(
+                step = step.step,
+                written = step.written,
+                after = step.after,
+                latency_ms = step.latency.as_secs_f64() * 1e3,
+                "step"
+            );
+            if stopping.load(Ordering::Relaxed) {
+                // Make the pool as it is now the target: the engine finishes here.
+                target_tx.send_modify(|t| t.pages = step.after);
+            }
+            shared.touch(false);
+        }
+        Event::Stall {
+            step,
+            direction,
+            pages,
+            elapsed,
+        } => {
+            shared
+                .metrics
+                .stalls
+                .get_or_create(&StallLabels {
+                    reason: "SlowKernelWrite".into(),
+                })
+                .inc();
+            let message = format!(
+                "{size_label} {} write {step} of {pages} pages has taken {:.2}s (stall threshold {})",
+                direction.as_str(),
+                elapsed.as_secs_f64(),
+                duration::format(stall_threshold)
+            );
+            warn!(%message, "slow kernel write");
+            shared.memory().sizes.entry(size).or_default().stall = Some(StallRecord {
+                reason: Reason::SlowKernelWrite,
+                message: message.clone(),
+            });
+            queue_event(
+                events,
+                &shared.metrics,
+                PendingEvent {
+                    type_: EventType::Warning,
+                    reason: "Stalled",
+                    note: message,
+                },
+            );
+            shared.touch(true);
+        }
+        Event::WriteFailed { step, error } => warn!(step, %error, "kernel write failed"),
+        Event::Compacted { scope, error } => {
+            info!(%scope, ?error, "compacted memory before retrying")
+        }
+        Event::Blocked(outcome) => debug!(?outcome, "waiting for pages in use"),
+        Event::Retargeted(target) => info!(pages = target.pages, "retargeted at a step boundary"),
+    }
+}

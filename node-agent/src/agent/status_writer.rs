@@ -1,0 +1,149 @@
+//! The status writer: reads the kernel, builds the status (status.rs) and
+//! patches it, with jittered backoff; also the gauges of what it read.
+
+use super::*;
+
+/// The longest wait between retries of a status write or a kernel read.
+pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// A random wait in `[backoff / 2, backoff]` ("equal jitter").
+pub(super) fn jittered(backoff: Duration) -> Duration {
+    let half = backoff / 2;
+    half + half.mul_f64(fastrand::f64())
+}
+
+/// The part of a status whose change is worth a patch: everything but the
+/// ever-moving MemAvailable.
+pub(super) fn significant(status: &HugePageNodeStatus) -> HugePageNodeStatus {
+    HugePageNodeStatus {
+        memory: None,
+        ..status.clone()
+    }
+}
+
+/// Builds and writes the status whenever something changed (at most once
+/// per `min_patch_interval` unless urgent), and re-reads the kernel every
+/// `refresh_interval`. Failed writes are retried with backoff; meanwhile
+/// the resize loop goes on.
+pub(super) async fn write_status(
+    api: Api<HugePageNode>,
+    kernel: Arc<dyn Kernel>,
+    config: AgentConfig,
+    shared: Arc<Shared>,
+    mut done: watch::Receiver<bool>,
+) {
+    let mut conditions: Vec<Condition> = Vec::new();
+    let mut last_sent: Option<HugePageNodeStatus> = None;
+    let mut last_patch = Instant::now() - config.min_patch_interval;
+    let mut backoff = Duration::from_millis(250);
+    let mut kernel_backoff = Duration::from_millis(250);
+    let mut retry = false;
+    loop {
+        let stopping = *done.borrow();
+        if !stopping && !retry {
+            tokio::select! {
+                _ = shared.changed.notified() => {}
+                _ = tokio::time::sleep(config.refresh_interval) => {}
+                _ = done.changed() => {}
+            }
+        }
+        let urgent = shared.urgent.swap(false, Ordering::Relaxed) || *done.borrow();
+        let since = last_patch.elapsed();
+        if !urgent && since < config.min_patch_interval {
+            tokio::time::sleep(config.min_patch_interval - since).await;
+        }
+        let snapshot = match KernelSnapshot::read_blocking(&kernel, &config.kernel_release).await {
+            Ok(snapshot) => {
+                kernel_backoff = Duration::from_millis(250);
+                snapshot
+            }
+            Err(err) => {
+                warn!(error = %err, retry_in_ms = kernel_backoff.as_millis() as u64, "cannot read the kernel for status");
+                tokio::time::sleep(kernel_backoff).await;
+                kernel_backoff = (kernel_backoff * 2).min(MAX_BACKOFF);
+                if *done.borrow() {
+                    return;
+                }
+                continue;
+            }
+        };
+        let memory = shared.memory().clone();
+        update_gauges(&shared.metrics, &snapshot, &memory);
+        let now = Time(jiff::Timestamp::now());
+        let status = status::build(&snapshot, &memory, &mut conditions, &now);
+        let has_object = memory.generation.is_some();
+        let changed = last_sent.as_ref().map(significant) != Some(significant(&status));
+        if has_object && changed {
+            let body = serde_json::json!({
+                "apiVersion": "hugepool.dev/v1alpha1",
+                "kind": "HugePageNode",
+                "status": status,
+            });
+            let params = PatchParams::apply(AGENT_MANAGER).force();
+            match api
+                .patch_status(&config.node_name, &params, &Patch::Apply(&body))
+                .await
+            {
+                Ok(_) => {
+                    last_sent = Some(status);
+                    last_patch = Instant::now();
+                    backoff = Duration::from_millis(250);
+                    retry = false;
+                    shared.patches.fetch_add(1, Ordering::Relaxed);
+                    shared.ready.store(true, Ordering::Relaxed);
+                }
+                Err(err) => {
+                    // Jittered, so that a fleet of agents does not retry in
+                    // step after an API outage.
+                    let wait = jittered(backoff);
+                    warn!(error = ?err, retry_in_ms = wait.as_millis() as u64, "status write failed");
+                    tokio::time::sleep(wait).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    retry = true;
+                    if *done.borrow() && backoff >= Duration::from_secs(2) {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        }
+        if *done.borrow() {
+            return;
+        }
+    }
+}
+
+pub(super) fn update_gauges(metrics: &Metrics, snapshot: &KernelSnapshot, memory: &AgentMemory) {
+    metrics
+        .mem_available_bytes
+        .set(snapshot.memory.available_bytes as i64);
+    for sizes in &snapshot.sizes {
+        let size = sizes.size.to_string();
+        let pool = sizes.pool;
+        metrics.set_pages(&size, "all", PageState::total, pool.total);
+        metrics.set_pages(&size, "all", PageState::free, pool.free);
+        metrics.set_pages(&size, "all", PageState::reserved, pool.reserved);
+        metrics.set_pages(&size, "all", PageState::surplus, pool.surplus);
+        for numa in &sizes.numa {
+            let id = numa.node.to_string();
+            metrics.set_pages(&size, &id, PageState::total, numa.total);
+            metrics.set_pages(&size, &id, PageState::free, numa.free);
+            metrics.set_pages(&size, &id, PageState::surplus, numa.surplus);
+        }
+        if let Some(entry) = memory
+            .targets
+            .iter()
+            .find(|e| e.size.parse::<PageSize>().ok() == Some(sizes.size))
+        {
+            metrics.set_pages(&size, "all", PageState::target, entry.pages.max(0) as u64);
+            for numa in entry.numa.iter().flatten() {
+                metrics.set_pages(
+                    &size,
+                    &numa.id.to_string(),
+                    PageState::target,
+                    numa.pages.max(0) as u64,
+                );
+            }
+        }
+    }
+}
