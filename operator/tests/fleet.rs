@@ -85,16 +85,24 @@ async fn grow_then_shrink_converges_within_max_unavailable() {
     );
 
     // 25% of 50 rounds up to 13. Nothing is changing now, so the watcher's
-    // bound can move before the pool does.
+    // bound can move before the pool does. Each node's shrink is made to
+    // last seconds (a first shrink starts from a 32 MiB probe and doubles:
+    // 7 writes, 1 s apart), far longer than the operator takes to admit a
+    // wave, so a wave is seen changing together however fast or loaded the
+    // machine is.
     watch.set_limit(13);
     fleet
         .patch_pool(
             &pool,
-            json!({"pages": 512, "rollout": {"maxUnavailable": "25%"}}),
+            json!({
+                "pages": 512,
+                "rollout": {"maxUnavailable": "25%"},
+                "resize": {"maxStepDuration": "50ms", "stepPause": "1s", "stallThreshold": "2s"},
+            }),
         )
         .await;
     let shrunk = fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(90), |p| {
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(300), |p| {
             let status = p.status.clone().unwrap_or_default();
             (status.nodes.converged == 50 && status.pages.current == 50 * 512)
                 .then_some(())
