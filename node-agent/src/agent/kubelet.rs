@@ -3,6 +3,68 @@
 
 use super::*;
 
+/// Runs the restart command for `pools` on its own task, so that the resize
+/// loop never waits for it (up to `timeout`), and records how it ended: the
+/// pools it restarted for, or the failure and when to try again.
+pub(super) fn spawn_restart(
+    shared: Arc<Shared>,
+    events: EventSender,
+    command: Vec<String>,
+    timeout: Duration,
+    pools: BTreeMap<PageSize, u64>,
+) {
+    shared.memory().kubelet.restarting = true;
+    info!(
+        ?command,
+        "restarting kubelet so it reports the new hugepage capacity"
+    );
+    tokio::spawn(async move {
+        let result = run_bounded(&command, timeout).await;
+        {
+            let mut memory = shared.memory();
+            memory.kubelet.restarting = false;
+            match &result {
+                Ok(()) => {
+                    memory.kubelet.restarted_for = Some(pools);
+                    memory.kubelet.failure = None;
+                }
+                Err(message) => {
+                    let attempts = memory
+                        .kubelet
+                        .failure
+                        .as_ref()
+                        .filter(|f| f.pools == pools)
+                        .map_or(1, |f| f.attempts + 1);
+                    let backoff = restart_backoff(attempts);
+                    memory.kubelet.failure = Some(status::RestartFailure {
+                        pools,
+                        attempts,
+                        message: format!("{message} (attempt {attempts}, next in {backoff:?})"),
+                        retry_at: Instant::now() + backoff,
+                    });
+                }
+            }
+        }
+        let event = match result {
+            Ok(()) => PendingEvent {
+                type_: EventType::Normal,
+                reason: "KubeletRestarted",
+                note: format!("ran {}", command.join(" ")),
+            },
+            Err(message) => {
+                warn!(%message, "kubelet restart failed");
+                PendingEvent {
+                    type_: EventType::Warning,
+                    reason: "KubeletRestartFailed",
+                    note: message,
+                }
+            }
+        };
+        queue_event(&events, &shared.metrics, event);
+        shared.touch(true);
+    });
+}
+
 /// Runs `command` to its end or kills it (and everything it started) after
 /// `timeout`; the error says which happened, with the end of its stderr.
 pub(super) async fn run_bounded(command: &[String], timeout: Duration) -> Result<(), String> {

@@ -1,7 +1,6 @@
 //! The resize loop: one pass over every target of the node, each resize run
 //! by the engine and followed through spec changes, its outcome recorded.
 
-use super::kubelet::{restart_backoff, run_bounded};
 use super::*;
 
 /// What the resize loop works with; `run` builds it.
@@ -515,7 +514,8 @@ impl ResizeLoop {
                     capacity.get(size).copied().unwrap_or(0) != pages * size.bytes()
                 })
             });
-            let already = memory.kubelet.restarted_for.as_ref() == Some(&pools);
+            let already =
+                memory.kubelet.restarted_for.as_ref() == Some(&pools) || memory.kubelet.restarting;
             let waiting = memory
                 .kubelet
                 .failure
@@ -526,48 +526,13 @@ impl ResizeLoop {
         if !due {
             return;
         }
-        let command = self.config.kubelet_restart_command.clone();
-        info!(
-            ?command,
-            "restarting kubelet so it reports the new hugepage capacity"
+        super::kubelet::spawn_restart(
+            Arc::clone(&self.shared),
+            self.events.clone(),
+            self.config.kubelet_restart_command.clone(),
+            self.config.kubelet_restart_timeout,
+            pools,
         );
-        let result = run_bounded(&command, self.config.kubelet_restart_timeout).await;
-        {
-            let mut memory = self.shared.memory();
-            match &result {
-                Ok(()) => {
-                    memory.kubelet.restarted_for = Some(pools);
-                    memory.kubelet.failure = None;
-                }
-                Err(message) => {
-                    let attempts = memory
-                        .kubelet
-                        .failure
-                        .as_ref()
-                        .filter(|f| f.pools == pools)
-                        .map_or(1, |f| f.attempts + 1);
-                    let backoff = restart_backoff(attempts);
-                    memory.kubelet.failure = Some(status::RestartFailure {
-                        pools,
-                        attempts,
-                        message: format!("{message} (attempt {attempts}, next in {backoff:?})"),
-                        retry_at: Instant::now() + backoff,
-                    });
-                }
-            }
-        }
-        match result {
-            Ok(()) => self.event(
-                EventType::Normal,
-                "KubeletRestarted",
-                format!("ran {}", command.join(" ")),
-            ),
-            Err(message) => {
-                warn!(%message, "kubelet restart failed");
-                self.event(EventType::Warning, "KubeletRestartFailed", message);
-            }
-        }
-        self.shared.touch(true);
     }
 }
 

@@ -75,6 +75,8 @@ pub struct KubeletView {
     pub failure: Option<RestartFailure>,
     /// This agent has no restart command (`--kubelet-restart-command=`).
     pub restarts_disabled: bool,
+    /// A restart command is running (on its own task).
+    pub restarting: bool,
 }
 
 /// A kubelet restart that failed (the command's exit, error or timeout).
