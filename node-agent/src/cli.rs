@@ -12,8 +12,8 @@ use hugepool_crds::PageSize;
 use serde::Serialize;
 use tokio::sync::watch;
 
+use crate::kernel::kmsg::{self, KernelLogEvent};
 use crate::kernel::{Kernel, PoolScope, SysfsKernel};
-use crate::kmsg::{self, KernelLogEvent};
 use crate::resize::model::SavedModel;
 use crate::resize::{
     self, CostModels, Event, Options, Outcome, Settings, ShortfallReason, Summary, Target,
@@ -124,7 +124,7 @@ pub struct RunArgs {
 impl RunArgs {
     pub fn config(&self, kernel: &KernelArgs) -> crate::agent::AgentConfig {
         let mut config = crate::agent::AgentConfig::new(&self.node_name);
-        config.kernel_release = crate::agent::snapshot::kernel_release();
+        config.kernel_release = crate::kernel::release();
         config.blocked_poll = self.blocked_poll;
         config.retry_interval = self.retry_interval;
         config.refresh_interval = self.refresh_interval;

@@ -1,18 +1,17 @@
 //! The hugepool node agent: reads and sizes this node's hugetlb pools.
 //!
 //! - [`kernel`]: what the agent needs from the kernel, behind one trait, with
-//!   the real sysfs/procfs implementation and an in-memory simulation.
+//!   the real sysfs/procfs implementation and an in-memory simulation; the
+//!   kernel log (`kernel::kmsg`: soft lockups, RCU stalls and hung tasks in
+//!   the kernel's own records) and the release (`kernel::release`).
 //! - [`resize`]: the budgeted resize engine (the algorithm is in
 //!   `resize/planner.rs`).
-//! - [`kmsg`]: recognises soft lockups, RCU stalls and hung tasks in the
-//!   kernel log.
 //! - [`cli`]: the command line of the `hugepool-agent` binary.
 
 pub mod agent;
 pub mod cli;
 pub mod error;
 pub mod kernel;
-pub mod kmsg;
 pub mod resize;
 
 pub use error::{Error, Result};

@@ -468,8 +468,8 @@ fn the_kernel_log_device_yields_records_the_parser_reads() {
     // The ring buffer holds at least the boot messages; read a few from the
     // start (the read would block only after the last one).
     let mut headers = Vec::new();
-    hugepool_agent::kmsg::read_lines(path, false, |line| {
-        if let Some((header, message)) = hugepool_agent::kmsg::split_record(line) {
+    hugepool_agent::kernel::kmsg::read_lines(path, false, |line| {
+        if let Some((header, message)) = hugepool_agent::kernel::kmsg::split_record(line) {
             assert!(!message.is_empty() || header.sequence > 0, "{line:?}");
             headers.push(header);
         }
@@ -485,7 +485,7 @@ fn the_kernel_log_device_yields_records_the_parser_reads() {
 /// facility) does not, so no process can fake a kernel stall.
 #[test]
 fn a_real_kernel_record_counts_and_a_user_space_imitation_does_not() {
-    use hugepool_agent::kmsg::{from_kernel, parse_record, split_record};
+    use hugepool_agent::kernel::kmsg::{from_kernel, parse_record, split_record};
     let path = std::path::Path::new("/dev/kmsg");
     let writable = std::fs::OpenOptions::new().write(true).open(path).is_ok()
         && std::fs::OpenOptions::new()
@@ -506,7 +506,7 @@ fn a_real_kernel_record_counts_and_a_user_space_imitation_does_not() {
     std::fs::write("/proc/sys/vm/drop_caches", "1").expect("write drop_caches");
     let kernel_text = format!("({tid}): drop_caches: 1");
     let (mut kernel, mut user) = (None, None);
-    hugepool_agent::kmsg::read_lines(path, false, |line| {
+    hugepool_agent::kernel::kmsg::read_lines(path, false, |line| {
         if let Some((header, message)) = split_record(line) {
             if message.ends_with(&kernel_text) {
                 kernel = Some(header.priority);

@@ -54,8 +54,8 @@ use self::status::{AgentMemory, KernelLogState, Running, StallRecord};
 use self::status_writer::write_status;
 pub use self::watchers::node_capacity;
 use self::watchers::{watch_kernel_log, watch_kubelet_capacity, watch_own_node_spec};
+use crate::kernel::kmsg::KernelLogEvent;
 use crate::kernel::{Kernel, PoolScope};
-use crate::kmsg::KernelLogEvent;
 use crate::resize::{self, CostModels, Direction, Event, Outcome, Settings, Summary, Target};
 use hugepool_crds::conditions::Reason;
 

@@ -56,17 +56,3 @@ impl KernelSnapshot {
         self.sizes.iter().find(|s| s.size == size)
     }
 }
-
-/// The running kernel's release (`uname -r`). A container shares the host's
-/// kernel, so this needs no mount of the host's procfs.
-pub fn kernel_release() -> String {
-    // SAFETY: uname fills the zeroed struct we own.
-    let mut name: libc::utsname = unsafe { std::mem::zeroed() };
-    if unsafe { libc::uname(&mut name) } != 0 {
-        return "unknown".into();
-    }
-    // SAFETY: uname NUL-terminates release within the array.
-    unsafe { std::ffi::CStr::from_ptr(name.release.as_ptr()) }
-        .to_string_lossy()
-        .into_owned()
-}

@@ -162,7 +162,8 @@ pub(super) fn watch_kernel_log(path: PathBuf, shared: Arc<Shared>, events: Event
                         &shared,
                         KernelLogState::Watching(path.display().to_string()),
                     );
-                    crate::kmsg::watch(&path, true, on_record).map_err(|err| err.to_string())
+                    crate::kernel::kmsg::watch(&path, true, on_record)
+                        .map_err(|err| err.to_string())
                 }
                 Err(open_error) => {
                     let refused = format!("cannot open {}: {open_error}", path.display());
@@ -171,7 +172,7 @@ pub(super) fn watch_kernel_log(path: PathBuf, shared: Arc<Shared>, events: Event
                         &shared,
                         KernelLogState::Watching(format!("syslog(2) ({refused})")),
                     );
-                    crate::kmsg::watch_syslog(KERNEL_LOG_POLL, on_record)
+                    crate::kernel::kmsg::watch_syslog(KERNEL_LOG_POLL, on_record)
                         .map_err(|err| format!("{refused}; {err}"))
                 }
             };

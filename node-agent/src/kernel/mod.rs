@@ -1,11 +1,13 @@
 //! What the agent needs from the kernel, behind one trait.
 //!
-//! [`SysfsKernel`] reads and writes the real files (see KERNEL.md in the
-//! design notes); [`SimulatedKernel`] is an in-memory kernel with the same
-//! pool semantics for tests and fleet simulations. Parsing lives in
-//! [`parse`] and is pure.
+//! [`SysfsKernel`] reads and writes the real files (docs/design.md, "The
+//! node agent", has what was measured); [`SimulatedKernel`] is an in-memory
+//! kernel with the same pool semantics for tests and fleet simulations.
+//! Parsing lives in [`parse`] and is pure; [`kmsg`] reads the kernel log and
+//! [`release`] names the running kernel.
 
 pub mod fixture;
+pub mod kmsg;
 pub mod parse;
 mod simulated;
 mod sysfs;
@@ -16,6 +18,20 @@ use hugepool_crds::PageSize;
 use serde::Serialize;
 
 use crate::Result;
+
+/// The running kernel's release (`uname -r`). A container shares the host's
+/// kernel, so this needs no mount of the host's procfs.
+pub fn release() -> String {
+    // SAFETY: uname fills the zeroed struct we own.
+    let mut name: libc::utsname = unsafe { std::mem::zeroed() };
+    if unsafe { libc::uname(&mut name) } != 0 {
+        return "unknown".into();
+    }
+    // SAFETY: uname NUL-terminates release within the array.
+    unsafe { std::ffi::CStr::from_ptr(name.release.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
 
 pub use simulated::{SimConfig, SimNode, SimSize, SimulatedKernel, WriteCost};
 pub use sysfs::SysfsKernel;

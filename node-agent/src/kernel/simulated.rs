@@ -1,5 +1,5 @@
 //! An in-memory kernel with the hugetlb pool semantics of the real one (as
-//! measured in KERNEL.md), write costs `a + b*pages`, and injectable faults.
+//! measured in docs/kernel.md), write costs `a + b*pages`, and injectable faults.
 //!
 //! Cheap to clone (shared state behind an `Arc`), so one test process can run
 //! many simulated agents. `time_scale` shrinks the real time a write sleeps.
@@ -605,7 +605,7 @@ mod tests {
 
     #[test]
     fn shrink_below_in_use_turns_the_rest_into_surplus_like_the_kernel() {
-        // KERNEL.md: 100 pages, 60 in use, write 10 -> nr 60, free 0, surplus 50.
+        // docs/kernel.md: 100 pages, 60 in use, write 10 -> nr 60, free 0, surplus 50.
         let kernel = instant(SimConfig::single_node(8 << 30));
         kernel.preset(MI2, PoolScope::Global, 100).unwrap();
         assert_eq!(kernel.hold_pages(MI2, 0, 60).unwrap(), 60);

@@ -1,4 +1,4 @@
-//! The real kernel: the sysfs and procfs files of KERNEL.md, under injected
+//! The real kernel: the sysfs and procfs files of docs/kernel.md, under injected
 //! roots so tests can point it at a fake tree.
 
 use std::fs;
