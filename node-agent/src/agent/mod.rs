@@ -1,7 +1,7 @@
 //! The cluster agent (`hugepool-agent run`): converges this node's
 //! HugePageNode `.spec` with the resize engine and reports `.status`,
-//! Events and metrics. What the status says is decided in [`status`]
-//! (pure); this module holds the configuration, the state the loops share
+//! Events and metrics. What to do about each pool is decided in `decide.rs`
+//! and what the status says in [`status`] (both pure); this module holds the configuration, the state the loops share
 //! and the wiring (`run`).
 //!
 //! Loops run side by side, so that an unreachable API server never stops
@@ -12,6 +12,7 @@
 //! (`watchers.rs`), and the Event publisher (`events.rs`). `/healthz` is
 //! the resize loop's heartbeat (`liveness.rs`).
 
+mod decide;
 mod events;
 mod kubelet;
 pub mod liveness;

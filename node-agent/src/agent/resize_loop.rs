@@ -1,6 +1,7 @@
 //! The resize loop: one pass over every target of the node, each resize run
 //! by the engine and followed through spec changes, its outcome recorded.
 
+use super::decide::{Action, decide};
 use super::*;
 
 /// What the resize loop works with; `run` builds it.
@@ -123,37 +124,34 @@ impl ResizeLoop {
                         continue;
                     }
                 };
-                if observed.persistent() == target.pages && observed.surplus() == 0 {
-                    continue;
-                }
                 let last = self
                     .shared
                     .memory()
                     .sizes
                     .get(&size)
                     .and_then(|r| r.outcomes.get(&target.scope).cloned());
-                // Reached earlier, moved since without a write of ours:
-                // someone else writes this pool (tuned, sysctl.d, a second
-                // tool). Say so, and restore it only after a backoff that
-                // grows while they keep writing, instead of fighting them.
-                if matches!(&last, Some((t, Outcome::Reached)) if *t == target.pages) {
-                    let wait = self.other_writer(size, target, observed.persistent());
-                    if !wait.is_zero() {
-                        next_check = next_check.min(wait);
+                let retry_due = self.retry_due(size);
+                match decide(target.pages, &observed, last.as_ref(), retry_due) {
+                    Action::Idle => continue,
+                    Action::WaitBlocked => {
+                        next_check = next_check.min(self.config.blocked_poll);
                         continue;
                     }
-                }
-                let still_blocked = matches!(&last, Some((t, Outcome::Blocked { .. })) if *t == target.pages)
-                    && observed.shrink_floor() >= observed.persistent();
-                let recently_short =
-                    matches!(&last, Some((t, Outcome::Shortfall { .. })) if *t == target.pages);
-                if still_blocked {
-                    next_check = next_check.min(self.config.blocked_poll);
-                    continue;
-                }
-                if recently_short && !self.retry_due(size) {
-                    next_check = next_check.min(self.config.retry_interval);
-                    continue;
+                    Action::WaitRetry => {
+                        next_check = next_check.min(self.config.retry_interval);
+                        continue;
+                    }
+                    // Someone else writes this pool (tuned, sysctl.d, a
+                    // second tool): say so, and restore it only after a
+                    // backoff that grows while they keep writing.
+                    Action::OtherWriter => {
+                        let wait = self.other_writer(size, target, observed.persistent());
+                        if !wait.is_zero() {
+                            next_check = next_check.min(wait);
+                            continue;
+                        }
+                    }
+                    Action::Resize => {}
                 }
                 let outcome = self.resize(entry, target, spec_rx, shutdown, models).await;
                 match outcome {
