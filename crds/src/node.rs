@@ -16,6 +16,7 @@ use crate::settings::{AllocationSettings, KubeletRestart, NumaTarget, ResizeSett
     version = "v1alpha1",
     kind = "HugePageNode",
     shortname = "hpn",
+    category = "hugepool",
     status = "HugePageNodeStatus",
     derive = "PartialEq",
     doc = "The hugetlb pool targets of one node and what its agent reports",
@@ -52,6 +53,7 @@ use crate::settings::{AllocationSettings, KubeletRestart, NumaTarget, ResizeSett
     )
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+/// The targets the node's agent must reach now, written by the operator.
 pub struct HugePageNodeSpec {
     /// One entry per page size, keyed by size.
     #[serde(default)]
@@ -64,6 +66,7 @@ pub struct HugePageNodeSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PageSizeTarget {
+    /// The page size, such as 2Mi or 1Gi.
     #[schemars(regex(pattern = crate::pool::PAGE_SIZE_PATTERN), length(max = 8))]
     pub size: String,
     /// Persistent pages the agent must reach now.
@@ -77,6 +80,7 @@ pub struct PageSizeTarget {
     /// The pool this target comes from.
     #[serde(default)]
     pub pool: String,
+    /// The pool's generation this target was written for.
     #[serde(default)]
     pub pool_generation: i64,
     #[serde(default)]
@@ -110,18 +114,26 @@ impl PageSizeTarget {
     }
 }
 
+/// What the node's kernel holds and its agent reports, written by the agent.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct HugePageNodeStatus {
+    /// The generation of `.spec` the agent has seen.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The running kernel.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel: Option<KernelInfo>,
+    /// The node's memory from /proc/meminfo.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryInfo>,
+    /// Every page size the kernel offers, as it reports it.
     #[serde(default)]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["size".into()]))]
     pub page_sizes: Vec<PageSizeStatus>,
+    /// Converged, Resizing, Stalled, AllocationFailed, ShrinkBlocked,
+    /// KubeletCapacityStale, KernelLogUnavailable (agent) and Draining
+    /// (operator): docs/design.md, "Conditions".
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
@@ -130,6 +142,7 @@ pub struct HugePageNodeStatus {
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct KernelInfo {
+    /// `uname -r`.
     pub release: String,
     /// HugeTLB Vmemmap Optimisation (`vm.hugetlb_optimize_vmemmap`).
     pub hvo: bool,
@@ -138,7 +151,9 @@ pub struct KernelInfo {
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct MemoryInfo {
+    /// MemTotal.
     pub total_bytes: i64,
+    /// MemAvailable.
     pub available_bytes: i64,
 }
 
@@ -146,15 +161,22 @@ pub struct MemoryInfo {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct PageSizeStatus {
+    /// The page size, such as 2Mi.
     pub size: String,
+    /// The target the agent works toward, when `.spec` has one for the size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<i64>,
     /// `nr_hugepages` as the kernel reads it (persistent + surplus).
     pub total: i64,
+    /// `free_hugepages`: not mapped by any process (reserved ones included).
     pub free: i64,
+    /// `resv_hugepages`: promised to mappings, not faulted in yet.
     pub reserved: i64,
+    /// `surplus_hugepages`: in use above the persistent pool.
     pub surplus: i64,
+    /// `total - free`: mapped by processes.
     pub in_use: i64,
+    /// The same counts per NUMA node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["id".into()]))]
     pub numa: Vec<NumaStatus>,
@@ -165,9 +187,13 @@ pub struct PageSizeStatus {
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct NumaStatus {
+    /// The NUMA node's id.
     pub id: i32,
+    /// Its `nr_hugepages`.
     pub total: i64,
+    /// Its `free_hugepages`.
     pub free: i64,
+    /// Its `surplus_hugepages`.
     pub surplus: i64,
 }
 
@@ -175,15 +201,23 @@ pub struct NumaStatus {
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ResizeSummary {
+    /// Persistent pages when it started.
     pub from: i64,
+    /// Its target.
     pub to: i64,
+    /// Persistent pages when it ended.
     pub achieved: i64,
+    /// Kernel writes it took.
     pub steps: i64,
+    /// The longest single write.
     pub max_step_seconds: f64,
+    /// From the first write to the end, pauses included.
     pub duration_seconds: f64,
+    /// Pages moved per second over the whole resize.
     pub pages_per_second: f64,
     /// Reached, Blocked, Short, Stalled or Failed.
     pub outcome: String,
+    /// When it ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Time>,
 }

@@ -20,6 +20,7 @@ pub const PAGE_SIZE_PATTERN: &str = r"^(1|2|4|8|16|32|64|128|256|512)(Ki|Mi|Gi|T
     version = "v1alpha1",
     kind = "HugePagePool",
     shortname = "hpp",
+    category = "hugepool",
     status = "HugePagePoolStatus",
     derive = "PartialEq",
     doc = "A hugetlb page pool to hold on every node a selector picks",
@@ -33,6 +34,7 @@ pub const PAGE_SIZE_PATTERN: &str = r"^(1|2|4|8|16|32|64|128|256|512)(Ki|Mi|Gi|T
     validation = Rule::new("has(self.spec.pages) != has(self.spec.memory)").message("exactly one of spec.pages and spec.memory must be set").field_path(".spec"),
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+/// What the pool holds on each selected node and how the change rolls out.
 #[x_kube(validation = Rule::new("!has(self.memory) || quantity(self.memory).asInteger() % quantity(self.pageSize).asInteger() == 0").message("memory must be a multiple of pageSize").field_path(".memory"))]
 #[x_kube(validation = Rule::new("!has(self.numa) || self.numa.policy != 'Explicit' || !has(self.pages) || self.numa.nodes.map(n, n.pages).sum() == self.pages").message("numa.nodes pages must add up to pages").field_path(".numa.nodes"))]
 pub struct HugePagePoolSpec {
@@ -58,10 +60,13 @@ pub struct HugePagePoolSpec {
     pub resize: ResizeSettings,
     #[serde(default)]
     pub allocation: AllocationSettings,
+    /// How many nodes change at once.
     #[serde(default)]
     pub rollout: RolloutSpec,
+    /// Whether and how long pods holding the pages are evicted so a shrink can finish.
     #[serde(default)]
     pub drain: DrainSpec,
+    /// Whether the agent restarts the kubelet so it reports the new capacity.
     #[serde(default)]
     pub kubelet: KubeletSpec,
     #[serde(default)]
@@ -72,6 +77,7 @@ pub struct HugePagePoolSpec {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[x_kube(validation = Rule::new("self.policy == 'Explicit' ? has(self.nodes) && size(self.nodes) > 0 : !has(self.nodes)").message("numa.nodes is required with policy Explicit and not allowed otherwise").field_path(".nodes"))]
 pub struct NumaSpec {
+    /// Spread (evenly over the node's NUMA nodes) or Explicit (the counts in nodes).
     #[serde(default)]
     pub policy: NumaPolicy,
     /// Explicit per-NUMA-node counts; ids must be unique.
@@ -109,6 +115,7 @@ impl Default for RolloutSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DrainSpec {
+    /// IfNeeded evicts pods that hold pages a shrink needs; Never only reports them.
     #[serde(default)]
     pub policy: DrainPolicy,
     /// How long evictions may take before the node fails with DrainTimeout.
@@ -133,22 +140,29 @@ impl Default for DrainSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KubeletSpec {
+    /// Never, or AfterResize: restart the kubelet once the node has converged
+    /// (the kubelet reads hugepage capacity only when it starts).
     #[serde(default)]
     pub restart: KubeletRestart,
 }
 
+/// Where the pool's rollout stands, written by the operator.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct HugePagePoolStatus {
+    /// The pool generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Selected nodes by where they stand.
     #[serde(default)]
     pub nodes: PoolNodeCounts,
+    /// Pages over all selected nodes.
     #[serde(default)]
     pub pages: PoolPages,
     /// Up to 10 failed nodes with their reasons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failed_nodes: Vec<FailedNode>,
+    /// Available, Progressing and Degraded (docs/design.md, "Conditions").
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
@@ -157,10 +171,15 @@ pub struct HugePagePoolStatus {
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct PoolNodeCounts {
+    /// Nodes the pool selects (or still releases).
     pub selected: i64,
+    /// Nodes at the pool's current target.
     pub converged: i64,
+    /// Nodes whose target moved and that have not reported converged yet.
     pub updating: i64,
+    /// Nodes waiting for a rollout slot (or owned by an older pool).
     pub pending: i64,
+    /// Nodes that failed at their current target; they keep their slot.
     pub failed: i64,
     /// `converged/selected`, for `kubectl get hpp`.
     #[serde(default)]
@@ -179,8 +198,11 @@ pub struct PoolPages {
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct FailedNode {
+    /// The Node's name.
     pub name: String,
+    /// Why it failed: AllocationFailed, DrainTimeout, InvalidSpec, ...
     pub reason: String,
+    /// What its agent or the operator said.
     #[serde(default)]
     pub message: String,
 }

@@ -134,8 +134,10 @@ pub enum DeletionPolicy {
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NumaTarget {
+    /// The NUMA node's id (`/sys/devices/system/node/node<id>`).
     #[schemars(range(min = 0, max = 1023))]
     pub id: i32,
+    /// Pages on that NUMA node.
     #[schemars(range(min = 0))]
     pub pages: i64,
 }

@@ -20,3 +20,49 @@ fn committed_crds_match_the_types() {
         "CRD manifests are out of date: {drifted:?}. Regenerate them with `make crds`."
     );
 }
+
+/// `kubectl explain` explains every field, and `kubectl get hugepool` lists
+/// both kinds.
+#[test]
+fn every_field_is_described_and_both_kinds_are_in_the_hugepool_category() {
+    use kube::CustomResourceExt;
+    fn undescribed(schema: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+        if let Some(properties) = schema.get("properties").and_then(|p| p.as_object()) {
+            for (name, property) in properties {
+                let here = format!("{path}.{name}");
+                if property.get("description").is_none() {
+                    out.push(here.clone());
+                }
+                undescribed(property, &here, out);
+            }
+        }
+        if let Some(items) = schema.get("items") {
+            undescribed(items, &format!("{path}[]"), out);
+        }
+    }
+    for crd in [
+        hugepool_crds::HugePagePool::crd(),
+        hugepool_crds::HugePageNode::crd(),
+    ] {
+        let kind = crd.spec.names.kind.clone();
+        assert_eq!(
+            crd.spec.names.categories.as_deref(),
+            Some(&["hugepool".to_string()][..]),
+            "{kind} categories"
+        );
+        let mut missing = Vec::new();
+        for version in &crd.spec.versions {
+            let schema = version
+                .schema
+                .as_ref()
+                .and_then(|s| s.open_api_v3_schema.as_ref())
+                .expect("a schema");
+            let schema = serde_json::to_value(schema).expect("schema as JSON");
+            undescribed(&schema, "", &mut missing);
+        }
+        assert!(
+            missing.is_empty(),
+            "{kind} fields without a description: {missing:?}"
+        );
+    }
+}

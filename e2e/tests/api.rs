@@ -612,3 +612,54 @@ async fn kubectl_get_prints_the_printer_columns() {
     let _ = nodes.delete(&node_name, &DeleteParams::default()).await;
     delete_pool(&env.client, &name).await;
 }
+
+/// `kubectl explain` reads the descriptions the types carry, and `kubectl get
+/// hugepool` lists both kinds (their category).
+#[tokio::test]
+async fn kubectl_explain_describes_fields_and_the_category_lists_both_kinds() {
+    let Some(env) = setup().await else { return };
+    let name = unique_name("category");
+    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 8}))
+        .await
+        .unwrap();
+    let run = |args: &[&str]| {
+        let output = env.control_plane.kubectl(args).unwrap();
+        assert!(
+            output.status.success(),
+            "kubectl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    // The apiserver publishes the CRD's OpenAPI a moment after it is
+    // established; explain reads it from there.
+    let explained = {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let output = env
+                .control_plane
+                .kubectl(&["explain", "hugepagepool.spec.rollout"])
+                .unwrap();
+            let text = String::from_utf8_lossy(&output.stdout).into_owned();
+            if output.status.success() && text.contains("maxUnavailable") {
+                break text;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "kubectl explain never described spec.rollout: {text}{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+    };
+    assert!(
+        explained.contains("How many nodes change at once"),
+        "{explained}"
+    );
+    let listed = run(&["get", "hugepool", "-o", "name"]);
+    assert!(
+        listed.contains(&format!("hugepagepool.hugepool.dev/{name}")),
+        "{listed}"
+    );
+    delete_pool(&env.client, &name).await;
+}
