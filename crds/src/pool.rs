@@ -45,9 +45,10 @@ pub struct HugePagePoolSpec {
     #[schemars(regex(pattern = PAGE_SIZE_PATTERN), length(max = 8))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("pageSize is immutable"))]
     pub page_size: String,
-    /// Pages per node. Exactly one of pages and memory.
+    /// Pages per node (at most 16777216: 32 TiB of 2Mi pages). Exactly one of
+    /// pages and memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 0, max = 16777216))]
     pub pages: Option<i64>,
     /// Memory per node as a quantity, a multiple of pageSize. Exactly one of pages and memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -90,9 +91,9 @@ pub struct NumaSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RolloutSpec {
-    /// Nodes changing at once: an integer >= 1 or a percentage 1%-100% (rounded up).
+    /// Nodes changing at once: an integer 1-100000 or a percentage 1%-100% (rounded up).
     #[serde(default = "default_max_unavailable")]
-    #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 : self.matches('^([1-9][0-9]?|100)%$')").message("maxUnavailable must be an integer >= 1 or a percentage 1%-100%"))]
+    #[x_kube(validation = Rule::new("type(self) == int ? self >= 1 && self <= 100000 : self.matches('^([1-9][0-9]?|100)%$')").message("maxUnavailable must be an integer 1-100000 or a percentage 1%-100%"))]
     pub max_unavailable: IntOrString,
     /// A paused rollout admits no new nodes; nodes already changing finish.
     #[serde(default)]
@@ -118,9 +119,12 @@ pub struct DrainSpec {
     /// IfNeeded evicts pods that hold pages a shrink needs; Never only reports them.
     #[serde(default)]
     pub policy: DrainPolicy,
-    /// How long evictions may take before the node fails with DrainTimeout.
+    /// How long evictions may take before the node fails with DrainTimeout
+    /// (Go duration, > 0, at most 24h).
     #[serde(default = "default_drain_timeout")]
-    #[schemars(regex(pattern = crate::duration::PATTERN))]
+    #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("drain.timeout must be greater than 0"))]
+    #[x_kube(validation = Rule::new("duration(self) <= duration('24h')").message("drain.timeout must be at most 24h"))]
     pub timeout: String,
 }
 

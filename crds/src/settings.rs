@@ -11,19 +11,24 @@ use crate::duration;
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[x_kube(validation = Rule::new("duration(self.stallThreshold) >= duration(self.maxStepDuration)").message("stallThreshold must not be shorter than maxStepDuration").field_path(".stallThreshold"))]
 pub struct ResizeSettings {
-    /// Time budget of one kernel write (Go duration, > 0).
+    /// Time budget of one kernel write (Go duration, > 0, at most 10s).
     #[serde(default = "default_max_step_duration")]
-    #[schemars(regex(pattern = duration::PATTERN))]
+    #[schemars(regex(pattern = duration::PATTERN), length(max = 32))]
     #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("maxStepDuration must be greater than 0"))]
+    #[x_kube(validation = Rule::new("duration(self) <= duration('10s')").message("maxStepDuration must be at most 10s"))]
     pub max_step_duration: String,
-    /// Pause between two writes, so other writers of the pool get a turn.
+    /// Pause between two writes, so other writers of the pool get a turn
+    /// (Go duration, at most 1m).
     #[serde(default = "default_step_pause")]
-    #[schemars(regex(pattern = duration::PATTERN))]
+    #[schemars(regex(pattern = duration::PATTERN), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) <= duration('1m')").message("stepPause must be at most 1m"))]
     pub step_pause: String,
-    /// One write slower than this is reported as a stall (Go duration, > 0).
+    /// One write slower than this is reported as a stall (Go duration, > 0,
+    /// at most 10m).
     #[serde(default = "default_stall_threshold")]
-    #[schemars(regex(pattern = duration::PATTERN))]
+    #[schemars(regex(pattern = duration::PATTERN), length(max = 32))]
     #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("stallThreshold must be greater than 0"))]
+    #[x_kube(validation = Rule::new("duration(self) <= duration('10m')").message("stallThreshold must be at most 10m"))]
     pub stall_threshold: String,
 }
 
@@ -58,9 +63,11 @@ pub struct AllocationSettings {
     /// Compact memory before retrying.
     #[serde(default = "default_compact")]
     pub compact: bool,
-    /// Growth never takes MemAvailable below this (a byte quantity).
+    /// Growth never takes MemAvailable below this (a byte quantity, at least
+    /// 100Mi: the kubelet's default hard-eviction threshold).
     #[serde(default = "default_min_mem_available")]
-    #[schemars(regex(pattern = crate::quantity::BYTES_PATTERN))]
+    #[schemars(regex(pattern = crate::quantity::BYTES_PATTERN), length(max = 32))]
+    #[x_kube(validation = Rule::new("quantity(self).compareTo(quantity('100Mi')) >= 0").message("minMemAvailable must be at least 100Mi, the kubelet's default hard-eviction threshold (memory.available<100Mi)"))]
     pub min_mem_available: String,
 }
 
@@ -137,7 +144,7 @@ pub struct NumaTarget {
     /// The NUMA node's id (`/sys/devices/system/node/node<id>`).
     #[schemars(range(min = 0, max = 1023))]
     pub id: i32,
-    /// Pages on that NUMA node.
-    #[schemars(range(min = 0))]
+    /// Pages on that NUMA node (at most 16777216).
+    #[schemars(range(min = 0, max = 16777216))]
     pub pages: i64,
 }

@@ -334,6 +334,54 @@ fn invalid_pools() -> Vec<(&'static str, Value, &'static str)> {
             base(json!({"pagez": 3})),
             "spec.pagez",
         ),
+        // Upper bounds on every number and duration.
+        (
+            "pages beyond 16777216",
+            base(json!({"pages": 16_777_217})),
+            "spec.pages",
+        ),
+        (
+            "a NUMA node's pages beyond 16777216",
+            base(
+                json!({"pages": null, "memory": "64Gi", "numa": {"policy": "Explicit", "nodes": [{"id": 0, "pages": 16_777_217}]}}),
+            ),
+            "spec.numa.nodes[0].pages",
+        ),
+        (
+            "maxUnavailable beyond 100000",
+            base(json!({"rollout": {"maxUnavailable": 100_001}})),
+            "maxUnavailable must be an integer 1-100000",
+        ),
+        (
+            "maxStepDuration beyond 10s",
+            base(json!({"resize": {"maxStepDuration": "11s", "stallThreshold": "1m"}})),
+            "maxStepDuration must be at most 10s",
+        ),
+        (
+            "stepPause beyond 1m",
+            base(json!({"resize": {"stepPause": "2m"}})),
+            "stepPause must be at most 1m",
+        ),
+        (
+            "stallThreshold beyond 10m",
+            base(json!({"resize": {"stallThreshold": "11m"}})),
+            "stallThreshold must be at most 10m",
+        ),
+        (
+            "drain timeout of 0",
+            base(json!({"drain": {"timeout": "0s"}})),
+            "drain.timeout must be greater than 0",
+        ),
+        (
+            "drain timeout beyond 24h",
+            base(json!({"drain": {"timeout": "25h"}})),
+            "drain.timeout must be at most 24h",
+        ),
+        (
+            "minMemAvailable below the kubelet's eviction threshold",
+            base(json!({"allocation": {"minMemAvailable": "64Mi"}})),
+            "minMemAvailable must be at least 100Mi",
+        ),
         (
             "unknown nested field",
             base(json!({"resize": {"budget": "1s"}})),
