@@ -710,3 +710,48 @@ fn helm_uninstall_runs_the_operators_uninstall_first_and_deploy_has_no_hooks() {
         "no hook when disabled"
     );
 }
+
+#[test]
+fn the_chart_refuses_two_writers() {
+    let Some(helm) = helm() else { return };
+    for (values, says) in [
+        (
+            "operator.leaderElection.enabled=false",
+            "operator.replicas is 2 without operator.leaderElection.enabled",
+        ),
+        (
+            "agent.updateStrategy.rollingUpdate.maxSurge=1",
+            "maxSurge is 1: a surge runs two agents on one node",
+        ),
+        (
+            "agent.updateStrategy.rollingUpdate.maxSurge=25%",
+            "maxSurge is 25%",
+        ),
+    ] {
+        let output = Command::new(&helm)
+            .current_dir(repo())
+            .args(["template", "hugepool", "charts/hugepool", "--set", values])
+            .output()
+            .expect("run helm template");
+        let text = output_text(&output);
+        assert!(!output.status.success(), "--set {values} rendered");
+        assert!(text.contains(says), "--set {values}: {text}");
+    }
+    // What stays allowed: one replica without a Lease, no surge.
+    helm_template(
+        &helm,
+        &[
+            "--set",
+            "operator.leaderElection.enabled=false,operator.replicas=1",
+            "--set",
+            "agent.updateStrategy.rollingUpdate.maxSurge=0",
+        ],
+    );
+    // The agent is node-critical by default.
+    let docs = committed_manifests();
+    let agent = find(&docs, "DaemonSet", "hugepool-agent");
+    assert_eq!(
+        agent["spec"]["template"]["spec"]["priorityClassName"],
+        "system-node-critical"
+    );
+}
