@@ -366,7 +366,7 @@ fn rbac_is_the_designs_list() {
         find(&docs, "ClusterRole", "hugepool-agent")["rules"],
         json!([
             rule("hugepool.dev", "hugepagenodes", &["get", "list", "watch"]),
-            rule("hugepool.dev", "hugepagenodes/status", &["patch", "update"]),
+            rule("hugepool.dev", "hugepagenodes/status", &["patch"]),
             rule("", "nodes", &["get", "list", "watch"]),
             rule("events.k8s.io", "events", &["create", "patch"]),
         ])
@@ -753,5 +753,212 @@ fn the_chart_refuses_two_writers() {
     assert_eq!(
         agent["spec"]["template"]["spec"]["priorityClassName"],
         "system-node-critical"
+    );
+}
+
+/// A client that authenticates with `token` only (no client certificate).
+async fn token_client(kubeconfig: &Path, token: &str) -> kube::Client {
+    let kubeconfig = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .expect("config");
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.to_string().into()),
+        ..Default::default()
+    };
+    kube::Client::try_from(config).expect("client")
+}
+
+/// The chart's policy on a real apiserver with real pod-bound tokens: the
+/// agent on node A may write HugePageNode A's status and nothing else.
+#[tokio::test]
+async fn an_agent_writes_only_its_own_nodes_status() {
+    use hugepool_crds::{HugePageNode, node::HugePageNodeSpec};
+    use k8s_openapi::api::authentication::v1::{
+        BoundObjectReference, TokenRequest, TokenRequestSpec,
+    };
+    use k8s_openapi::api::core::v1::{Node, Pod, ServiceAccount};
+    use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+
+    let Some(env) = setup().await else { return };
+    let Some(helm) = helm() else { return };
+    let client = env.control_plane.client().await.expect("client");
+    let kubeconfig = &env.control_plane.kubeconfig;
+    let namespace = unique_name("vap");
+    let release = unique_name("own");
+    let rendered = Command::new(&helm)
+        .current_dir(repo())
+        .args([
+            "template",
+            &release,
+            "charts/hugepool",
+            "--namespace",
+            &namespace,
+        ])
+        .args(["--show-only", "templates/agent-policy.yaml"])
+        .args(["--show-only", "templates/rbac-agent.yaml"])
+        .args(["--show-only", "templates/serviceaccounts.yaml"])
+        .output()
+        .expect("helm template");
+    assert!(rendered.status.success(), "{}", output_text(&rendered));
+    let yaml = String::from_utf8(rendered.stdout).expect("utf-8");
+    let created = kubectl(kubeconfig, &["create", "namespace", &namespace], "");
+    assert!(created.status.success(), "{}", output_text(&created));
+    let applied = kubectl(kubeconfig, &["apply", "-f", "-"], &yaml);
+    assert!(applied.status.success(), "{}", output_text(&applied));
+    let account = format!("{release}-hugepool-agent");
+
+    // Two nodes, an agent pod bound to each (no kubelet runs them: the
+    // token only needs the pod and its node), and their HugePageNodes.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), &namespace);
+    let names = [unique_name("node-a"), unique_name("node-b")];
+    let mut tokens = Vec::new();
+    for name in &names {
+        let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+        nodes
+            .create(&PostParams::default(), &node)
+            .await
+            .expect("Node");
+        hpns.create(
+            &PostParams::default(),
+            &HugePageNode::new(name, HugePageNodeSpec::default()),
+        )
+        .await
+        .expect("HugePageNode");
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": format!("agent-{name}")},
+            "spec": {"nodeName": name, "serviceAccountName": account,
+                     "containers": [{"name": "agent", "image": "hugepool-agent"}]},
+        }))
+        .unwrap();
+        let pod = pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .expect("Pod");
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: vec![],
+                bound_object_ref: Some(BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    name: pod.metadata.name.clone(),
+                    uid: pod.metadata.uid.clone(),
+                }),
+                expiration_seconds: Some(600),
+            },
+            ..Default::default()
+        };
+        let issued: TokenRequest = accounts
+            .create_subresource("token", &account, &PostParams::default(), &request)
+            .await
+            .expect("TokenRequest");
+        tokens.push(issued.status.expect("token").token);
+    }
+    let (a, b) = (&names[0], &names[1]);
+    let agent_a = token_client(kubeconfig, &tokens[0]).await;
+    let as_a: Api<HugePageNode> = Api::all(agent_a.clone());
+    let write_status = |api: Api<HugePageNode>, name: String| async move {
+        let body = json!({
+            "apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePageNode",
+            "status": {"observedGeneration": 1},
+        });
+        api.patch_status(
+            &name,
+            &PatchParams::apply(hugepool_crds::AGENT_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    };
+    // A policy takes effect a moment after it is created: wait until A's
+    // write of B is refused by it, then check everything else.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let refused = loop {
+        match write_status(as_a.clone(), b.clone()).await {
+            Err(message) if message.contains("may write only HugePageNode") => break message,
+            other => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "A's write of B's status was never refused by the policy: {other:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+        }
+    };
+    assert!(
+        refused.contains(&format!(
+            "the hugepool agent on node {a} may write only HugePageNode {a}, not {b}"
+        )),
+        "{refused}"
+    );
+    write_status(as_a.clone(), a.clone())
+        .await
+        .expect("A writes its own status");
+    assert_eq!(
+        hpns.get(a)
+            .await
+            .unwrap()
+            .status
+            .unwrap()
+            .observed_generation,
+        Some(1)
+    );
+    // B's own token works for B.
+    let as_b: Api<HugePageNode> = Api::all(token_client(kubeconfig, &tokens[1]).await);
+    write_status(as_b, b.clone())
+        .await
+        .expect("B writes its own status");
+    // Not the spec, not even its own (RBAC has no such verb; the policy
+    // would refuse it too).
+    let spec = as_a
+        .patch(
+            a,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"pageSizes": []}})),
+        )
+        .await;
+    assert!(spec.is_err(), "A patched its own spec");
+    // A token of the account bound to no pod carries no node: refused.
+    let unbound: TokenRequest = accounts
+        .create_subresource(
+            "token",
+            &account,
+            &PostParams::default(),
+            &TokenRequest {
+                spec: TokenRequestSpec {
+                    audiences: vec![],
+                    expiration_seconds: Some(600),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("TokenRequest");
+    let loose: Api<HugePageNode> =
+        Api::all(token_client(kubeconfig, &unbound.status.unwrap().token).await);
+    let refused = write_status(loose, a.clone()).await.unwrap_err();
+    assert!(
+        refused.contains("needs a token bound to a pod on a node"),
+        "{refused}"
+    );
+
+    for name in &names {
+        let _ = hpns.delete(name, &DeleteParams::default()).await;
+        let _ = nodes.delete(name, &DeleteParams::default()).await;
+    }
+    let deleted = kubectl(kubeconfig, &["delete", "-f", "-", "--wait=false"], &yaml);
+    assert!(deleted.status.success(), "{}", output_text(&deleted));
+    let _ = kubectl(
+        kubeconfig,
+        &["delete", "namespace", &namespace, "--wait=false"],
+        "",
     );
 }
