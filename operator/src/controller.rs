@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use futures::{FutureExt, StreamExt};
 use hugepool_crds::conditions::{find_condition, set_condition};
 use hugepool_crds::{
-    HugePageNode, HugePagePool, NodeConditionType, OPERATOR_MANAGER, POOL_FINALIZER,
+    HugePageNode, HugePagePool, NodeConditionType, OPERATOR_MANAGER, POOL_FINALIZER, PageSize,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod, Taint};
@@ -484,11 +484,42 @@ async fn carry_out_drain(
             })?
             .items
     };
-    // Pods that eviction cannot move are named in the condition, so the
-    // node says what blocks its shrink.
+    // Only the fewest pods whose own requests free what the shrink needs
+    // (the agent's word alone drains nothing), never those eviction cannot
+    // move; the condition names both.
+    let mut chosen: Vec<&Pod> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    for &size in &drain.evict {
+        let selection = drain::choose(&on_node, size, must_free(node_state, plan, size));
+        notes.extend(selection.unexplained);
+        for pod in selection.evict {
+            if !chosen.iter().any(|c| c.metadata.uid == pod.metadata.uid) {
+                chosen.push(pod);
+            }
+        }
+    }
+    if !chosen.is_empty() {
+        let named: Vec<String> = chosen
+            .iter()
+            .map(|p| {
+                let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(p, s)).sum();
+                format!(
+                    "{}/{} ({pages} pages)",
+                    p.namespace().unwrap_or_default(),
+                    p.name_any()
+                )
+            })
+            .collect();
+        notes.push(format!("evicting {}", named.join(", ")));
+    }
     let kept = drain::unevictable_consumers(&on_node, &drain.evict);
+    if !kept.is_empty() {
+        notes.push(format!("not evicted: {}", kept.join(", ")));
+    }
     let condition_update = drain.condition.clone().map(|mut update| {
-        if !kept.is_empty() {
+        if update.status && !notes.is_empty() {
+            update.message = format!("{}; {}", update.message, notes.join("; "));
+        } else if !kept.is_empty() {
             update.message = format!("{}; not evicted: {}", update.message, kept.join(", "));
         }
         update
@@ -535,7 +566,7 @@ async fn carry_out_drain(
         return Ok(false);
     }
     let pool = drain.pools.first().cloned().unwrap_or_default();
-    for pod in drain::hugepage_consumers(&on_node, &drain.evict) {
+    for pod in chosen {
         let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
         if written
             .evictions
@@ -609,6 +640,26 @@ async fn set_drain_taint(
     info!(node = %name, taint, "draining taint updated");
     written.nodes.insert(name, (updated, Instant::now()));
     Ok(())
+}
+
+/// Pages of `size` that must come back before the node's shrink can
+/// finish: what its agent reports in use and reserved, above the target.
+fn must_free(node_state: Option<&HugePageNode>, plan: &NodePlan, size: PageSize) -> u64 {
+    let target = plan
+        .spec
+        .page_sizes
+        .iter()
+        .find(|e| e.size.parse::<PageSize>().ok() == Some(size))
+        .map_or(0, |e| e.pages.max(0) as u64);
+    let held = node_state
+        .and_then(|s| s.status.as_ref())
+        .and_then(|s| {
+            s.page_sizes
+                .iter()
+                .find(|r| r.size.parse::<PageSize>().ok() == Some(size))
+        })
+        .map_or(0, |r| (r.in_use.max(0) + r.reserved.max(0)) as u64);
+    held.saturating_sub(target)
 }
 
 /// The merge patch that sets the Node's taints with or without

@@ -97,6 +97,95 @@ pub fn hugepage_consumers<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> Vec<&'a Po
     consumers
 }
 
+/// Pages of `size` the pod may hold: what its containers request (or are
+/// limited to; for hugepages the two are equal), as the kubelet counts a
+/// pod: the larger of the containers' sum and the largest init container.
+pub fn pages_held(pod: &Pod, size: PageSize) -> u64 {
+    let Some(spec) = &pod.spec else {
+        return 0;
+    };
+    let name = size.resource_name();
+    let bytes = |resources: &Option<ResourceRequirements>| {
+        resources
+            .as_ref()
+            .and_then(|r| {
+                [&r.requests, &r.limits]
+                    .into_iter()
+                    .flatten()
+                    .find_map(|amounts| amounts.get(&name))
+            })
+            .and_then(|q| hugepool_crds::quantity::parse_bytes(&q.0).ok())
+            .unwrap_or(0)
+    };
+    let containers: u64 = spec.containers.iter().map(|c| bytes(&c.resources)).sum();
+    let init = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .map(|c| bytes(&c.resources))
+        .max()
+        .unwrap_or(0);
+    containers.max(init) / size.bytes()
+}
+
+/// Which pods a drain of `size` evicts, when `must_free` pages of it have
+/// to come back for the shrink to finish.
+#[derive(Debug, PartialEq)]
+pub struct Selection<'a> {
+    pub evict: Vec<&'a Pod>,
+    /// Why nothing is evicted although pages are held, for the Draining message.
+    pub unexplained: Option<String>,
+}
+
+/// The fewest pods whose requests free `must_free` pages of `size`: the
+/// agent's word alone (its reported pages in use) never evicts anything
+/// the pods' own requests cannot explain. Lower priority first, then the
+/// larger holders (fewest pods), then by name; pods already terminating
+/// count as freeing their pages; DaemonSet-owned and static pods are never
+/// chosen.
+pub fn choose(pods: &[Pod], size: PageSize, must_free: u64) -> Selection<'_> {
+    let going: u64 = pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_some())
+        .filter(|p| requests_hugepages(p, &[size]))
+        .map(|p| pages_held(p, size))
+        .sum();
+    let held: u64 = holding(pods, &[size]).map(|p| pages_held(p, size)).sum();
+    if held + going < must_free {
+        return Selection {
+            evict: Vec::new(),
+            unexplained: Some(format!(
+                "not evicting: pods on the node request {} pages of {size}, but {must_free} \
+                 must be freed (pages held outside pods cannot be drained)",
+                held + going
+            )),
+        };
+    }
+    let mut candidates = hugepage_consumers(pods, &[size]);
+    candidates.sort_by_key(|p| {
+        let priority = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+        (
+            priority,
+            std::cmp::Reverse(pages_held(p, size)),
+            p.namespace(),
+            p.name_any(),
+        )
+    });
+    let mut freed = going;
+    let mut evict = Vec::new();
+    for pod in candidates {
+        if freed >= must_free {
+            break;
+        }
+        freed += pages_held(pod, size);
+        evict.push(pod);
+    }
+    Selection {
+        evict,
+        unexplained: None,
+    }
+}
+
 /// The holders of `sizes` that are never evicted, as `namespace/name (why)`,
 /// for the node's Draining condition.
 pub fn unevictable_consumers(pods: &[Pod], sizes: &[PageSize]) -> Vec<String> {
@@ -278,5 +367,61 @@ mod tests {
             waits.push(backoff.next_try.as_second());
         }
         assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+    }
+
+    fn with_priority(mut pod: Pod, priority: i32) -> Pod {
+        pod.spec.as_mut().unwrap().priority = Some(priority);
+        pod
+    }
+
+    fn names(selection: &Selection<'_>) -> Vec<String> {
+        selection.evict.iter().map(|p| p.name_any()).collect()
+    }
+
+    #[test]
+    fn a_drain_evicts_the_fewest_pods_that_free_what_the_shrink_needs() {
+        let two_mi = PageSize::SIZE_2MI;
+        let pods = vec![
+            pod("small", &[("hugepages-2Mi", "16Mi")]),  // 8 pages
+            pod("large", &[("hugepages-2Mi", "64Mi")]),  // 32 pages
+            pod("medium", &[("hugepages-2Mi", "32Mi")]), // 16 pages
+            pod("web", &[("memory", "1Gi")]),
+        ];
+        assert_eq!(pages_held(&pods[1], two_mi), 32);
+        // 20 pages: the large one alone.
+        assert_eq!(names(&choose(&pods, two_mi, 20)), ["large"]);
+        // 40: large and medium, not all three.
+        assert_eq!(names(&choose(&pods, two_mi, 40)), ["large", "medium"]);
+        // Nothing to free: nobody goes.
+        assert!(choose(&pods, two_mi, 0).evict.is_empty());
+        // Lower priority goes first, even when smaller.
+        let ranked = vec![
+            with_priority(pod("important", &[("hugepages-2Mi", "64Mi")]), 1000),
+            with_priority(pod("batch", &[("hugepages-2Mi", "16Mi")]), 0),
+        ];
+        assert_eq!(names(&choose(&ranked, two_mi, 8)), ["batch"]);
+        assert_eq!(names(&choose(&ranked, two_mi, 9)), ["batch", "important"]);
+    }
+
+    #[test]
+    fn pages_the_pods_cannot_explain_evict_nothing() {
+        let pods = vec![pod("dpdk", &[("hugepages-2Mi", "16Mi")])];
+        let selection = choose(&pods, PageSize::SIZE_2MI, 100);
+        assert!(selection.evict.is_empty());
+        let why = selection.unexplained.expect("a reason");
+        assert!(
+            why.contains("request 8 pages of 2Mi, but 100 must be freed"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_terminating_holder_counts_as_freeing_its_pages() {
+        let mut going = pod("going", &[("hugepages-2Mi", "32Mi")]);
+        going.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        let pods = vec![going, pod("next", &[("hugepages-2Mi", "32Mi")])];
+        // 16 pages are on their way back: nobody else needs to go.
+        assert!(choose(&pods, PageSize::SIZE_2MI, 16).evict.is_empty());
+        assert_eq!(names(&choose(&pods, PageSize::SIZE_2MI, 20)), ["next"]);
     }
 }

@@ -543,6 +543,99 @@ async fn blocked_shrink_drains_hugepage_consumers_under_taint() {
     fleet.shutdown().await;
 }
 
+/// A drain evicts the fewest pods that free what the shrink needs: of three
+/// consumers (8, 32 and 16 pages) a shrink that must free 30 pages evicts
+/// only the 32-page one; pages no pod's requests explain evict nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_evicts_the_fewest_pods_and_never_more_than_the_pods_explain() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(&env, "fewest", FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 512, json!(2));
+    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "60s"});
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    let (consumers, unexplained) = (fleet.node_name(0), fleet.node_name(1));
+    // Node 0: pods hold 56 pages; node 1: 40 pages held by no pod.
+    fleet
+        .node(&consumers)
+        .kernel
+        .hold_pages(MI2, 0, 56)
+        .expect("hold");
+    fleet
+        .node(&unexplained)
+        .kernel
+        .hold_pages(MI2, 0, 40)
+        .expect("hold");
+    support::create_namespace(&fleet.client, &scope).await;
+    for (name, bytes) in [("small", "16Mi"), ("large", "64Mi"), ("medium", "32Mi")] {
+        support::run_pod(
+            &fleet.client,
+            &scope,
+            support::pod(name, &consumers, "dpdk", Some(bytes)),
+        )
+        .await;
+    }
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![
+            ("small".into(), consumers.clone(), 8),
+            ("large".into(), consumers.clone(), 32),
+            ("medium".into(), consumers.clone(), 16),
+        ],
+    );
+    // Down to 26 pages: node 0 must free 56 - 26 = 30.
+    fleet.patch_pool(&pool, json!({"pages": 26})).await;
+    wait_for("node 0 shrunk to 26", Duration::from_secs(90), || async {
+        let (total, _) = fleet.node(&consumers).pages_2mi();
+        (total == 26).then_some(()).ok_or(format!("pool {total}"))
+    })
+    .await;
+    let evicted: Vec<String> = kubelet
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .evicted
+        .iter()
+        .map(|(name, _)| name.clone())
+        .collect();
+    assert_eq!(evicted, ["large"], "only the pod that alone frees 30 pages");
+    // Node 1's 40 pages are held by no pod: the drain says so and waits.
+    let state = wait_for(
+        "node 1 says why it evicts nothing",
+        Duration::from_secs(60),
+        || async {
+            let state = fleet.node_state(&unexplained).await;
+            let draining = state
+                .status
+                .as_ref()
+                .and_then(|s| support::condition(&s.conditions, "Draining"))
+                .cloned();
+            match draining {
+                Some(c) if c.message.contains("not evicting") => Ok(c),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(
+        state
+            .message
+            .contains("pods on the node request 0 pages of 2Mi, but 14 must be freed"),
+        "{}",
+        state.message
+    );
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}
+
 /// A PodDisruptionBudget that allows no disruption keeps the consumer in
 /// place: the drain gives up after `drain.timeout`, the taint goes, and the
 /// pool reports DrainTimeout with the node in `failedNodes`.
