@@ -442,6 +442,32 @@ fn play_kubelet(
     (record, task)
 }
 
+/// A fleet of `nodes` with the operator running and a 512-page pool that
+/// drains (policy IfNeeded, `timeout`) at most `max_unavailable` nodes at
+/// once, Available; returns the fleet, its scope and the pool's name.
+async fn drain_fleet(
+    env: &hugepool_e2e::TestEnv,
+    prefix: &str,
+    nodes: usize,
+    max_unavailable: i64,
+    timeout: &str,
+) -> (Fleet, String, String) {
+    let mut fleet =
+        Fleet::start(env, prefix, FleetSpec::new(nodes).label(ROLE_LABEL, "dpdk")).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 512, json!(max_unavailable));
+    spec["drain"] = json!({"policy": "IfNeeded", "timeout": timeout});
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    (fleet, scope, pool)
+}
+
 /// A node whose shrink is blocked by pages in use is drained: the pods that
 /// request hugepages-2Mi on it are evicted while it carries the draining
 /// taint, a pod without hugepages and a consumer on a node that is not
@@ -450,18 +476,7 @@ fn play_kubelet(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocked_shrink_drains_hugepage_consumers_under_taint() {
     let Some(env) = setup().await else { return };
-    let mut fleet = Fleet::start(&env, "drain", FleetSpec::new(3).label(ROLE_LABEL, "dpdk")).await;
-    fleet.start_operator(None).await;
-    let scope = fleet.scope.clone();
-    let pool = format!("{scope}-pool");
-    let mut spec = pool_spec(&scope, "dpdk", 512, json!(1));
-    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "60s"});
-    fleet.create_pool(&pool, spec).await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
-        .await;
+    let (fleet, scope, pool) = drain_fleet(&env, "drain", 3, 1, "60s").await;
 
     let (blocked, free) = (fleet.node_name(0), fleet.node_name(1));
     assert_eq!(
@@ -549,18 +564,7 @@ async fn blocked_shrink_drains_hugepage_consumers_under_taint() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_evicts_the_fewest_pods_and_never_more_than_the_pods_explain() {
     let Some(env) = setup().await else { return };
-    let mut fleet = Fleet::start(&env, "fewest", FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
-    fleet.start_operator(None).await;
-    let scope = fleet.scope.clone();
-    let pool = format!("{scope}-pool");
-    let mut spec = pool_spec(&scope, "dpdk", 512, json!(2));
-    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "60s"});
-    fleet.create_pool(&pool, spec).await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
-        .await;
+    let (fleet, scope, pool) = drain_fleet(&env, "fewest", 2, 2, "60s").await;
     let (consumers, unexplained) = (fleet.node_name(0), fleet.node_name(1));
     // Node 0: pods hold 56 pages; node 1: 40 pages held by no pod.
     fleet
@@ -642,18 +646,7 @@ async fn a_drain_evicts_the_fewest_pods_and_never_more_than_the_pods_explain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_blocked_by_pdb_times_out() {
     let Some(env) = setup().await else { return };
-    let mut fleet = Fleet::start(&env, "pdb", FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
-    fleet.start_operator(None).await;
-    let scope = fleet.scope.clone();
-    let pool = format!("{scope}-pool");
-    let mut spec = pool_spec(&scope, "dpdk", 512, json!(1));
-    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "5s"});
-    fleet.create_pool(&pool, spec).await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
-        .await;
+    let (fleet, scope, pool) = drain_fleet(&env, "pdb", 2, 1, "5s").await;
 
     let blocked = fleet.node_name(0);
     assert_eq!(
