@@ -487,6 +487,23 @@ spec:
 
     /// A bare pod holding `pages` x 2Mi through MAP_HUGETLB, with the
     /// `hugepages-2Mi` limit the kubelet admits it by.
+    /// A holder of 16 of the pool's 64 pages that a PodDisruptionBudget
+    /// never lets go; waits until it holds them.
+    async fn start_protected_holder(&self) {
+        self.apply(
+            r#"
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata: {name: holder, namespace: default}
+spec:
+  maxUnavailable: 0
+  selector: {matchLabels: {app: hugepage-holder}}
+"#,
+        );
+        self.start_holder("holder", 16);
+        self.wait_in_use(64, 16).await;
+    }
+
     fn start_holder(&self, name: &str, pages: u32) {
         self.apply(&format!(
             r#"
@@ -690,18 +707,7 @@ async fn a_pod_disruption_budget_holds_the_drain_until_it_times_out() {
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
     node.with_pool(64, "20s").await;
-    node.apply(
-        r#"
-apiVersion: policy/v1
-kind: PodDisruptionBudget
-metadata: {name: holder, namespace: default}
-spec:
-  maxUnavailable: 0
-  selector: {matchLabels: {app: hugepage-holder}}
-"#,
-    );
-    node.start_holder("holder", 16);
-    node.wait_in_use(64, 16).await;
+    node.start_protected_holder().await;
     node.set_pool_pages(8);
 
     let reason = wait_for("DrainTimeout", Duration::from_secs(300), || async {
@@ -1033,18 +1039,7 @@ async fn helm_uninstall_mid_drain_leaves_no_taint_and_no_stuck_finalizer() {
     node.with_pool(64, "10m").await;
     // A consumer its PDB never lets go: the Release shrink of the deleted
     // pool drains under the taint, and the pool waits on its finalizer.
-    node.apply(
-        r#"
-apiVersion: policy/v1
-kind: PodDisruptionBudget
-metadata: {name: holder, namespace: default}
-spec:
-  maxUnavailable: 0
-  selector: {matchLabels: {app: hugepage-holder}}
-"#,
-    );
-    node.start_holder("holder", 16);
-    node.wait_in_use(64, 16).await;
+    node.start_protected_holder().await;
     node.kubectl(&["delete", "hugepagepool", "consumers-2mi", "--wait=false"]);
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
     let pools: Api<HugePagePool> = Api::all(client.clone());

@@ -584,12 +584,21 @@ async fn memory_guard_stops_growth_and_reports_allocation_failed() {
 }
 
 /// A script that records each call, standing in for `systemctl restart kubelet`.
+/// A kubelet-restart command that records each call (a line in the
+/// returned file), then runs `then` (shell, `$calls` is that file).
 fn recording_script(dir: &Path) -> (PathBuf, PathBuf) {
+    recording_script_then(dir, "")
+}
+
+fn recording_script_then(dir: &Path, then: &str) -> (PathBuf, PathBuf) {
     let calls = dir.join("kubelet-restarts");
     let script = dir.join("restart-kubelet.sh");
     std::fs::write(
         &script,
-        format!("#!/bin/sh\necho restarted >> {}\n", calls.display()),
+        format!(
+            "#!/bin/sh\ncalls={}\necho restarted >> \"$calls\"\n{then}\n",
+            calls.display()
+        ),
     )
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
@@ -729,19 +738,10 @@ async fn a_failed_kubelet_restart_is_reported_and_retried_until_it_works() {
     let dir = std::env::temp_dir().join(unique_name("kubelet-fails"));
     std::fs::create_dir_all(&dir).unwrap();
     // Fails the first time, as a systemctl without the unit would.
-    let calls_file = dir.join("kubelet-restarts");
-    let script = dir.join("restart-kubelet.sh");
-    std::fs::write(
-        &script,
-        format!(
-            "#!/bin/sh\necho call >> {calls}\n\
-             [ \"$(wc -l < {calls})\" -ge 2 ] || {{ echo 'Unit kubelet.service not found.' >&2; exit 5; }}\n",
-            calls = calls_file.display()
-        ),
-    )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (script, calls_file) = recording_script_then(
+        &dir,
+        "[ \"$(wc -l < \"$calls\")\" -ge 2 ] || { echo 'Unit kubelet.service not found.' >&2; exit 5; }",
+    );
     let name = unique_name("agent-kubelet-fails");
     let mut restart = entry(64);
     restart.kubelet_restart = KubeletRestart::AfterResize;
@@ -751,27 +751,16 @@ async fn a_failed_kubelet_restart_is_reported_and_retried_until_it_works() {
         &name,
         &["--kubelet-restart-command", script.to_str().unwrap()],
     );
-    let object = wait_for(
+    let (failed, _) = wait_for_condition(
         &env.client,
         &name,
         &agent,
         Duration::from_secs(60),
+        NodeConditionType::KubeletCapacityStale,
+        "True",
         "KubeletRestartFailed",
-        |o| {
-            condition_is(
-                o,
-                NodeConditionType::KubeletCapacityStale,
-                "True",
-                "KubeletRestartFailed",
-            )
-        },
     )
     .await;
-    let failed = find_condition(
-        &object.status.as_ref().unwrap().conditions,
-        NodeConditionType::KubeletCapacityStale,
-    )
-    .unwrap();
     assert!(
         failed.message.contains("Unit kubelet.service not found.")
             && failed.message.contains("exit status: 5")
@@ -781,20 +770,14 @@ async fn a_failed_kubelet_restart_is_reported_and_retried_until_it_works() {
     );
     wait_for_event(&env.client, &name, "KubeletRestartFailed").await;
     // After its backoff the agent tries again, and the second call works.
-    wait_for(
+    wait_for_condition(
         &env.client,
         &name,
         &agent,
         Duration::from_secs(90),
-        "KubeletRestarted after the retry",
-        |o| {
-            condition_is(
-                o,
-                NodeConditionType::KubeletCapacityStale,
-                "True",
-                "KubeletRestarted",
-            )
-        },
+        NodeConditionType::KubeletCapacityStale,
+        "True",
+        "KubeletRestarted",
     )
     .await;
     assert_eq!(calls(&calls_file), 2, "one failure, one retry");
@@ -826,20 +809,16 @@ async fn another_writer_of_the_pool_is_reported_and_not_fought() {
     // Someone else (tuned, a sysctl.d file) sets the pool.
     real.set_pool(MI2, 16);
     let moved = Instant::now();
-    let object = wait_for(
+    let (converged, _) = wait_for_condition(
         &env.client,
         &name,
         &agent,
         Duration::from_secs(60),
-        "Converged=False/OtherWriter",
-        |o| condition_is(o, NodeConditionType::Converged, "False", "OtherWriter"),
+        NodeConditionType::Converged,
+        "False",
+        "OtherWriter",
     )
     .await;
-    let converged = find_condition(
-        &object.status.as_ref().unwrap().conditions,
-        NodeConditionType::Converged,
-    )
-    .unwrap();
     assert!(
         converged
             .message

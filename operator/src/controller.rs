@@ -184,7 +184,7 @@ fn node_reference(node: &Node) -> ObjectReference {
     }
 }
 
-fn has_drain_taint(node: &Node) -> bool {
+pub(crate) fn has_drain_taint(node: &Node) -> bool {
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
@@ -386,18 +386,29 @@ async fn add_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Result<H
     })
 }
 
-async fn remove_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Result<()> {
-    let finalizers: Vec<&String> = pool
+/// The merge patch that removes `hugepool.dev/release` from the pool's
+/// finalizers (an atomic list: guarded by the resourceVersion it was read
+/// at), or `None` when the pool does not carry it.
+pub fn release_patch(pool: &HugePagePool) -> Option<serde_json::Value> {
+    let kept: Vec<&String> = pool
         .finalizers()
         .iter()
         .filter(|f| *f != POOL_FINALIZER)
         .collect();
-    let patch = json!({
-        "metadata": {
-            "resourceVersion": pool.resource_version(),
-            "finalizers": finalizers,
-        }
-    });
+    (kept.len() != pool.finalizers().len()).then(|| {
+        json!({
+            "metadata": {
+                "resourceVersion": pool.resource_version(),
+                "finalizers": kept,
+            }
+        })
+    })
+}
+
+async fn remove_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Result<()> {
+    let Some(patch) = release_patch(pool) else {
+        return Ok(());
+    };
     match api
         .patch(
             &pool.name_any(),

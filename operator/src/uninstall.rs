@@ -19,7 +19,7 @@ use serde_json::json;
 use tokio::time::Instant;
 use tracing::info;
 
-use crate::controller::taint_patch;
+use crate::controller::{has_drain_taint, release_patch, taint_patch};
 
 /// What to stop and how long to wait for it.
 #[derive(Clone, Debug)]
@@ -75,7 +75,7 @@ pub async fn uninstall(client: Client, config: &UninstallConfig) -> Result<Repor
         .await
         .map_err(api_error("listing Nodes"))?
     {
-        if tainted(&node) {
+        if has_drain_taint(&node) {
             let name = node.name_any();
             untaint(&nodes, node).await?;
             report.untainted.push(name);
@@ -161,13 +161,6 @@ async fn stop_operator(client: &Client, config: &UninstallConfig) -> Result<usiz
     }
 }
 
-fn tainted(node: &Node) -> bool {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == DRAINING_TAINT))
-}
-
 /// Writes `patch(object)` guarded by the object's resourceVersion; on a
 /// conflict reads the object again and retries (a Node's status moves often).
 async fn patch_fresh<K, F>(api: &Api<K>, mut object: K, patch: F) -> Result<(), kube::Error>
@@ -215,31 +208,24 @@ where
 
 async fn untaint(nodes: &Api<Node>, node: Node) -> Result<(), UninstallError> {
     let name = node.name_any();
-    patch_fresh(nodes, node, |n| tainted(n).then(|| taint_patch(n, false)))
-        .await
-        .map_err(api_error(format!(
-            "removing {DRAINING_TAINT} from Node {name}"
-        )))?;
+    patch_fresh(nodes, node, |n| {
+        has_drain_taint(n).then(|| taint_patch(n, false))
+    })
+    .await
+    .map_err(api_error(format!(
+        "removing {DRAINING_TAINT} from Node {name}"
+    )))?;
     info!(node = %name, "uninstall: draining taint removed");
     Ok(())
 }
 
 async fn release(pools: &Api<HugePagePool>, pool: HugePagePool) -> Result<(), UninstallError> {
     let name = pool.name_any();
-    patch_fresh(pools, pool, |p| {
-        let kept: Vec<&String> = p
-            .finalizers()
-            .iter()
-            .filter(|f| *f != POOL_FINALIZER)
-            .collect();
-        (kept.len() != p.finalizers().len()).then(
-            || json!({"metadata": {"resourceVersion": p.resource_version(), "finalizers": kept}}),
-        )
-    })
-    .await
-    .map_err(api_error(format!(
-        "removing {POOL_FINALIZER} from HugePagePool {name}"
-    )))?;
+    patch_fresh(pools, pool, release_patch)
+        .await
+        .map_err(api_error(format!(
+            "removing {POOL_FINALIZER} from HugePagePool {name}"
+        )))?;
     info!(pool = %name, "uninstall: release finalizer removed");
     Ok(())
 }

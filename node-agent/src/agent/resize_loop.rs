@@ -178,20 +178,18 @@ impl ResizeLoop {
         let now = Instant::now();
         let mut memory = self.shared.memory();
         let record = memory.sizes.entry(size).or_default();
-        let writer = record.other_writer.get_or_insert(status::OtherWriter {
-            scope: target.scope,
-            target: target.pages,
-            found,
-            times: 0,
-            restore_at: now,
-            restored: true,
-        });
-        if writer.target != target.pages || writer.scope != target.scope {
-            writer.target = target.pages;
-            writer.scope = target.scope;
-            writer.times = 0;
-            writer.restored = true;
-        }
+        // A record for another target (or none) starts over.
+        let writer = match &mut record.other_writer {
+            Some(w) if w.target == target.pages && w.scope == target.scope => w,
+            slot => slot.insert(status::OtherWriter {
+                scope: target.scope,
+                target: target.pages,
+                found,
+                times: 0,
+                restore_at: now,
+                restored: true,
+            }),
+        };
         if !writer.restored {
             // The move already counted: wait out its backoff, then restore.
             let wait = writer.restore_at.saturating_duration_since(now);

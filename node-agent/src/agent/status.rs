@@ -247,6 +247,15 @@ fn size_status(
     }
 }
 
+/// How a message names a pool file after its size: nothing for the size's
+/// global pool, " NUMA node N" for a node's.
+fn scope_label(scope: PoolScope) -> String {
+    match scope {
+        PoolScope::Global => String::new(),
+        PoolScope::Node(n) => format!(" NUMA node {n}"),
+    }
+}
+
 fn shortfall_reason(reason: ShortfallReason) -> Reason {
     match reason {
         ShortfallReason::Fragmented | ShortfallReason::NoProgress => Reason::Fragmented,
@@ -278,7 +287,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
             Progress::Blocked { numa, target, persistent, in_use, reserved, surplus } => blocked.push(format!(
                 "{}{}: target {target} is below {in_use} pages in use + {reserved} reserved; pool is {persistent} with {surplus} surplus",
                 entry.size,
-                numa.map(|n| format!(" NUMA node {n}")).unwrap_or_default()
+                scope_label(numa.map_or(PoolScope::Global, PoolScope::Node))
             )),
             Progress::Away { target, persistent, surplus } => {
                 let mut part = format!("{}: {persistent}/{target} pages", entry.size);
@@ -298,10 +307,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
                     .any(|t| t.scope == writer.scope && t.pages == writer.target)
             })
         {
-            let scope = match writer.scope {
-                PoolScope::Global => String::new(),
-                PoolScope::Node(n) => format!(" NUMA node {n}"),
-            };
+            let scope = scope_label(writer.scope);
             other_writers.push(format!(
                 "{}{scope}: another writer set the pool to {} (target {}), {} times; \
                  the agent restores it {}s after each move",
@@ -339,10 +345,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
             if *wanted != target.pages || record.running.is_some() {
                 continue;
             }
-            let scope = match target.scope {
-                PoolScope::Global => String::new(),
-                PoolScope::Node(n) => format!(" NUMA node {n}"),
-            };
+            let scope = scope_label(target.scope);
             if *reason == ShortfallReason::NoProgress {
                 // Writes the plan allowed changed nothing: a stall of the
                 // kernel, on a shrink or a grow; only a grow also falls short
@@ -799,23 +802,14 @@ mod tests {
 
     #[test]
     fn shortfall_sets_allocation_failed_with_the_reason_and_numbers() {
-        let mut memory = memory(vec![target("2Mi", 6000)]);
-        memory.sizes.insert(
-            PageSize::SIZE_2MI,
-            SizeRecord {
-                outcomes: BTreeMap::from([(
-                    PoolScope::Global,
-                    (
-                        6000,
-                        Outcome::Shortfall {
-                            requested: 6000,
-                            achieved: 4057,
-                            reason: ShortfallReason::MemoryGuard,
-                            detail: None,
-                        },
-                    ),
-                )]),
-                ..Default::default()
+        let memory = with_outcome(
+            memory(vec![target("2Mi", 6000)]),
+            6000,
+            Outcome::Shortfall {
+                requested: 6000,
+                achieved: 4057,
+                reason: ShortfallReason::MemoryGuard,
+                detail: None,
             },
         );
         let status = built(&snapshot(4057, 4057, 0, 0), &memory);
