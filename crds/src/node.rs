@@ -68,7 +68,7 @@ pub struct HugePageNodeSpec {
 pub struct PageSizeTarget {
     /// The page size, such as 2Mi or 1Gi.
     #[schemars(regex(pattern = crate::pool::PAGE_SIZE_PATTERN), length(max = 8))]
-    pub size: String,
+    pub size: crate::PageSize,
     /// Persistent pages the agent must reach now.
     #[schemars(range(min = 0))]
     pub pages: i64,
@@ -158,11 +158,11 @@ pub struct MemoryInfo {
 }
 
 /// What the kernel reports for one page size, and the last resize of it.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct PageSizeStatus {
     /// The page size, such as 2Mi.
-    pub size: String,
+    pub size: crate::PageSize,
     /// The target the agent works toward, when `.spec` has one for the size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<i64>,
@@ -182,6 +182,23 @@ pub struct PageSizeStatus {
     pub numa: Vec<NumaStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_resize: Option<ResizeSummary>,
+}
+
+impl PageSizeStatus {
+    /// A size the kernel holds no pages of.
+    pub fn empty(size: crate::PageSize) -> Self {
+        Self {
+            size,
+            target: None,
+            total: 0,
+            free: 0,
+            reserved: 0,
+            surplus: 0,
+            in_use: 0,
+            numa: Vec::new(),
+            last_resize: None,
+        }
+    }
 }
 
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]

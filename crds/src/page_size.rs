@@ -87,6 +87,36 @@ impl FromStr for PageSize {
     }
 }
 
+/// In the API a page size is its canonical quantity (`2Mi`): objects are
+/// parsed once, where they are read, and every schema-valid spelling
+/// (`PAGE_SIZE_PATTERN`) parses.
+impl serde::Serialize for PageSize {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PageSize {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl schemars::JsonSchema for PageSize {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "PageSize".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({ "type": "string" })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +160,25 @@ mod tests {
         ] {
             assert_eq!(PageSize::from_sysfs_dir(bad), None, "{bad:?} parsed");
         }
+    }
+
+    #[test]
+    fn every_size_the_schema_admits_parses_and_reads_back_the_same() {
+        let pattern = crate::pool::PAGE_SIZE_PATTERN;
+        let (counts, units) = ("1|2|4|8|16|32|64|128|256|512", "Ki|Mi|Gi|Ti");
+        assert_eq!(pattern, format!("^({counts})({units})$"));
+        for count in counts.split('|') {
+            for unit in units.split('|') {
+                let text = format!("{count}{unit}");
+                let size: PageSize = serde_json::from_value(serde_json::json!(text)).unwrap();
+                assert_eq!(serde_json::to_value(size).unwrap(), serde_json::json!(text));
+            }
+        }
+        let err = serde_json::from_value::<PageSize>(serde_json::json!("3Mi")).unwrap_err();
+        assert!(
+            err.to_string().contains("invalid page size \"3Mi\""),
+            "{err}"
+        );
     }
 
     proptest! {

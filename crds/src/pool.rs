@@ -44,7 +44,7 @@ pub struct HugePagePoolSpec {
     /// Huge page size, such as 2Mi or 1Gi. Immutable.
     #[schemars(regex(pattern = PAGE_SIZE_PATTERN), length(max = 8))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("pageSize is immutable"))]
-    pub page_size: String,
+    pub page_size: crate::PageSize,
     /// Pages per node (at most 16777216: 32 TiB of 2Mi pages). Exactly one of
     /// pages and memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]

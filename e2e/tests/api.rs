@@ -5,7 +5,7 @@
 use hugepool_crds::node::{HugePageNodeStatus, PageSizeStatus, PageSizeTarget};
 use hugepool_crds::pool::{HugePagePoolStatus, PoolNodeCounts};
 use hugepool_crds::settings::{DeletionPolicy, DrainPolicy, KubeletRestart, NumaPolicy};
-use hugepool_crds::{HugePageNode, HugePageNodeSpec, HugePagePool};
+use hugepool_crds::{HugePageNode, HugePageNodeSpec, HugePagePool, PageSize};
 use hugepool_e2e::{setup, unique_name};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -77,7 +77,7 @@ async fn minimal_pool_gets_every_default_from_the_server() {
         .await
         .unwrap();
     let spec = &pool.spec;
-    assert_eq!(spec.page_size, "2Mi");
+    assert_eq!(spec.page_size, PageSize::SIZE_2MI);
     assert_eq!(spec.pages, Some(16));
     assert_eq!(spec.memory, None);
     assert_eq!(spec.resize.max_step_duration, "50ms");
@@ -590,7 +590,7 @@ async fn kubectl_get_prints_the_printer_columns() {
         &node_name,
         HugePageNodeSpec {
             page_sizes: vec![PageSizeTarget {
-                size: "2Mi".into(),
+                size: PageSize::SIZE_2MI,
                 pages: 64,
                 numa: None,
                 pool: name.clone(),
@@ -605,12 +605,11 @@ async fn kubectl_get_prints_the_printer_columns() {
     nodes.create(&PostParams::default(), &hpn).await.unwrap();
     let node_status = HugePageNodeStatus {
         page_sizes: vec![PageSizeStatus {
-            size: "2Mi".into(),
             target: Some(64),
             total: 64,
             free: 60,
             in_use: 4,
-            ..Default::default()
+            ..PageSizeStatus::empty(PageSize::SIZE_2MI)
         }],
         conditions: vec![
             condition("Converged", "True", "AtTarget"),

@@ -12,7 +12,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use hugepool_crds::{HugePageNode, HugePagePool};
+use hugepool_crds::{HugePageNode, HugePagePool, PageSize};
 use hugepool_e2e::{OwnedControlPlane, in_ci_mode, lock_machine_kernel};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -327,7 +327,7 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
     let reported = hpn
         .status
         .as_ref()
-        .and_then(|s| s.page_sizes.iter().find(|p| p.size == "2Mi"))
+        .and_then(|s| s.page_sizes.iter().find(|p| p.size == PageSize::SIZE_2MI))
         .cloned()
         .expect("2Mi in the node's status");
     let sys = |file| i64::try_from(read_sys(file)).expect("fits");

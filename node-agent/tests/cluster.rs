@@ -13,7 +13,7 @@ use hugepool_agent::kernel::Kernel;
 use hugepool_crds::conditions::{NodeConditionType, find_condition};
 use hugepool_crds::node::PageSizeTarget;
 use hugepool_crds::settings::{AllocationSettings, KubeletRestart, ResizeSettings};
-use hugepool_crds::{HugePageNode, OPERATOR_MANAGER};
+use hugepool_crds::{HugePageNode, OPERATOR_MANAGER, PageSize};
 use hugepool_e2e::{OwnedControlPlane, install_crds, setup, unique_name};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
@@ -126,7 +126,7 @@ impl Drop for AgentProcess {
 
 fn entry(pages: i64) -> PageSizeTarget {
     PageSizeTarget {
-        size: "2Mi".into(),
+        size: PageSize::SIZE_2MI,
         pages,
         numa: None,
         pool: "e2e".into(),
@@ -293,7 +293,12 @@ fn converged_at(object: &HugePageNode, pages: i64) -> bool {
     let Some(status) = object.status.as_ref() else {
         return false;
     };
-    let Some(entry) = object.spec.page_sizes.iter().find(|e| e.size == "2Mi") else {
+    let Some(entry) = object
+        .spec
+        .page_sizes
+        .iter()
+        .find(|e| e.size == PageSize::SIZE_2MI)
+    else {
         return false;
     };
     entry.pages == pages
@@ -318,7 +323,7 @@ fn assert_status_matches_sysfs(object: &HugePageNode, agent: &AgentProcess) {
     let two_mi = status
         .page_sizes
         .iter()
-        .find(|s| s.size == "2Mi")
+        .find(|s| s.size == PageSize::SIZE_2MI)
         .expect("2Mi status");
     assert_eq!(two_mi.total, sysfs("nr_hugepages"));
     assert_eq!(two_mi.free, sysfs("free_hugepages"));

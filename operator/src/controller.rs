@@ -660,15 +660,11 @@ fn must_free(node_state: Option<&HugePageNode>, plan: &NodePlan, size: PageSize)
         .spec
         .page_sizes
         .iter()
-        .find(|e| e.size.parse::<PageSize>().ok() == Some(size))
+        .find(|e| e.size == size)
         .map_or(0, |e| e.pages.max(0) as u64);
     let held = node_state
         .and_then(|s| s.status.as_ref())
-        .and_then(|s| {
-            s.page_sizes
-                .iter()
-                .find(|r| r.size.parse::<PageSize>().ok() == Some(size))
-        })
+        .and_then(|s| s.page_sizes.iter().find(|r| r.size == size))
         .map_or(0, |r| (r.in_use.max(0) + r.reserved.max(0)) as u64);
     held.saturating_sub(target)
 }

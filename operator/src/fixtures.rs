@@ -32,7 +32,7 @@ pub fn pool(name: &str, created: i64, label: &str, size: &str, pages: i64) -> Hu
                 match_labels: Some(BTreeMap::from([(label.to_string(), "true".to_string())])),
                 match_expressions: None,
             },
-            page_size: size.into(),
+            page_size: size.parse().expect("a page size"),
             pages: Some(pages),
             memory: None,
             numa: None,
@@ -99,7 +99,6 @@ pub fn converge(hpn: &mut HugePageNode) {
         .page_sizes
         .iter()
         .map(|entry| PageSizeStatus {
-            size: entry.size.clone(),
             target: Some(entry.pages),
             total: entry.pages,
             free: entry.pages,
@@ -114,7 +113,7 @@ pub fn converge(hpn: &mut HugePageNode) {
                     surplus: 0,
                 })
                 .collect(),
-            ..PageSizeStatus::default()
+            ..PageSizeStatus::empty(entry.size)
         })
         .collect();
     let now = Time(at(0));

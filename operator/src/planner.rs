@@ -202,8 +202,7 @@ struct PoolRules<'a> {
     pool: &'a HugePagePool,
     name: String,
     generation: i64,
-    size: Option<PageSize>,
-    size_text: String,
+    size: PageSize,
     selector: Option<Selector>,
     pages: i64,
     deleting: bool,
@@ -214,13 +213,7 @@ impl<'a> PoolRules<'a> {
     fn read(pool: &'a HugePagePool) -> Self {
         let spec = &pool.spec;
         let mut problems = Vec::new();
-        let size = match spec.page_size.parse::<PageSize>() {
-            Ok(size) => Some(size),
-            Err(err) => {
-                problems.push(err.to_string());
-                None
-            }
-        };
+        let size = spec.page_size;
         let selector = match Selector::try_from(spec.node_selector.clone()) {
             Ok(selector) => Some(selector),
             Err(err) => {
@@ -228,22 +221,19 @@ impl<'a> PoolRules<'a> {
                 None
             }
         };
-        let pages = match (&spec.pages, &spec.memory, size) {
-            (Some(pages), None, _) => *pages,
-            (None, Some(memory), Some(size)) => {
-                match hugepool_crds::quantity::parse_bytes(memory) {
-                    Ok(bytes) if bytes % size.bytes() == 0 => (bytes / size.bytes()) as i64,
-                    Ok(_) => {
-                        problems.push(format!("memory {memory} is not a multiple of {size}"));
-                        0
-                    }
-                    Err(err) => {
-                        problems.push(err.to_string());
-                        0
-                    }
+        let pages = match (&spec.pages, &spec.memory) {
+            (Some(pages), None) => *pages,
+            (None, Some(memory)) => match hugepool_crds::quantity::parse_bytes(memory) {
+                Ok(bytes) if bytes % size.bytes() == 0 => (bytes / size.bytes()) as i64,
+                Ok(_) => {
+                    problems.push(format!("memory {memory} is not a multiple of {size}"));
+                    0
                 }
-            }
-            (None, Some(_), None) => 0,
+                Err(err) => {
+                    problems.push(err.to_string());
+                    0
+                }
+            },
             _ => {
                 problems.push("exactly one of pages and memory must be set".into());
                 0
@@ -279,7 +269,6 @@ impl<'a> PoolRules<'a> {
             pool,
             name: pool.metadata.name.clone().unwrap_or_default(),
             generation: pool.metadata.generation.unwrap_or(0),
-            size_text: size.map_or_else(|| spec.page_size.clone(), |s| s.to_string()),
             size,
             selector,
             pages,
@@ -313,7 +302,7 @@ impl<'a> PoolRules<'a> {
     fn entry(&self, pages: i64, numa: Option<Vec<NumaTarget>>) -> PageSizeTarget {
         let spec = &self.pool.spec;
         PageSizeTarget {
-            size: self.size_text.clone(),
+            size: self.size,
             pages,
             numa,
             pool: self.name.clone(),
@@ -424,7 +413,7 @@ fn placed_as_desired(
 }
 
 /// The NUMA node ids the agent reports, preferring the entry of `size`.
-fn reported_numa_ids(node_state: Option<&HugePageNode>, size: &str) -> Vec<i32> {
+fn reported_numa_ids(node_state: Option<&HugePageNode>, size: PageSize) -> Vec<i32> {
     let Some(status) = node_state.and_then(|n| n.status.as_ref()) else {
         return Vec::new();
     };
@@ -514,7 +503,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         let member = classify(
             &rules[*index],
             node_name,
-            size,
+            *size,
             want,
             node_states.get(node_name).copied(),
             nodes.get(node_name).copied(),
@@ -523,7 +512,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     }
 
     let mut plan = Plan::default();
-    let mut decisions: BTreeMap<(&str, &str), Decision> = BTreeMap::new();
+    let mut decisions: BTreeMap<(&str, PageSize), Decision> = BTreeMap::new();
     for (index, pool) in rules.iter().enumerate() {
         let pool_members = members.remove(&index).unwrap_or_default();
         let pool_conflicts = conflicts.remove(&index).unwrap_or_default();
@@ -536,7 +525,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
                     && node_states.get(node).is_some_and(|state| {
                         state.spec.page_sizes.iter().any(|e| {
                             e.pool == pool.name
-                                && &e.size == size
+                                && e.size == *size
                                 && entry_state(state, e) != EntryState::Converged
                         })
                     })
@@ -546,7 +535,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             settle_pool(pool, pool_members, pool_conflicts, shadow_busy);
         for (node, decision) in pool_decisions {
             if let Some((&name, _)) = nodes.get_key_value(node.as_str()) {
-                decisions.insert((name, pool.size_text.as_str()), decision);
+                decisions.insert((name, pool.size), decision);
             }
         }
         plan.pools.insert(pool.name.clone(), pool_plan);
@@ -556,12 +545,12 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     for &node_name in nodes.keys() {
         let state = node_states.get(node_name).copied();
         let current: &[PageSizeTarget] = state.map_or(&[], |s| &s.spec.page_sizes);
-        let mut sizes: BTreeSet<&str> = current.iter().map(|e| e.size.as_str()).collect();
+        let mut sizes: BTreeSet<PageSize> = current.iter().map(|e| e.size).collect();
         sizes.extend(
             owners
                 .keys()
                 .filter(|(n, _)| *n == node_name)
-                .map(|(_, size)| size.as_str()),
+                .map(|(_, size)| *size),
         );
         let mut entries = Vec::new();
         for size in sizes {
@@ -576,9 +565,9 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
                     .position(|r| r.name == entry.pool)
                     .is_some_and(|index| {
                         owners
-                            .get(&(node_name, size.to_string()))
+                            .get(&(node_name, size))
                             .is_some_and(|(owner, _)| *owner == index)
-                            || shadowed.contains(&(node_name, size.to_string(), index))
+                            || shadowed.contains(&(node_name, size, index))
                     })
             });
             match decisions.get(&(node_name, size)) {
@@ -588,7 +577,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
                 _ => {}
             }
         }
-        entries.sort_by_key(|e| (e.size.parse::<PageSize>().ok(), e.size.clone()));
+        entries.sort_by_key(|e| e.size);
         let spec = HugePageNodeSpec {
             page_sizes: entries,
         };
@@ -639,11 +628,11 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
 
 struct Ownership<'a> {
     /// For every (node, size) the oldest pool that wants it.
-    owners: BTreeMap<(&'a str, String), (usize, Want)>,
+    owners: BTreeMap<(&'a str, PageSize), (usize, Want)>,
     /// Per losing pool, the nodes it selects but does not get, with the owner.
     conflicts: BTreeMap<usize, Vec<(String, String)>>,
     /// (node, size, pool) a pool wants but an older pool owns.
-    shadowed: BTreeSet<(&'a str, String, usize)>,
+    shadowed: BTreeSet<(&'a str, PageSize, usize)>,
 }
 
 fn assign_owners<'a>(
@@ -651,7 +640,7 @@ fn assign_owners<'a>(
     nodes: &BTreeMap<&'a str, &Node>,
     node_states: &NodeStates<'_>,
 ) -> Ownership<'a> {
-    let mut owners: BTreeMap<(&'a str, String), (usize, Want)> = BTreeMap::new();
+    let mut owners: BTreeMap<(&'a str, PageSize), (usize, Want)> = BTreeMap::new();
     let mut conflicts: BTreeMap<usize, Vec<(String, String)>> = BTreeMap::new();
     let mut shadowed = BTreeSet::new();
     for (&node_name, &node) in nodes {
@@ -660,10 +649,10 @@ fn assign_owners<'a>(
         for (index, pool) in rules.iter().enumerate() {
             let held = entries
                 .iter()
-                .any(|e| e.pool == pool.name && e.size == pool.size_text);
+                .any(|e| e.pool == pool.name && e.size == pool.size);
             let selected = pool.invalid.is_none() && !pool.deleting && pool.selects(node);
             let want = if selected {
-                let ids = reported_numa_ids(state, &pool.size_text);
+                let ids = reported_numa_ids(state, pool.size);
                 Want::Active(pool.desired_entry(&ids))
             } else if !held {
                 continue;
@@ -674,9 +663,9 @@ fn assign_owners<'a>(
             } else {
                 continue;
             };
-            let key = (node_name, pool.size_text.clone());
+            let key = (node_name, pool.size);
             if let Some((owner, _)) = owners.get(&key) {
-                shadowed.insert((node_name, pool.size_text.clone(), index));
+                shadowed.insert((node_name, pool.size, index));
                 if selected {
                     let owner = rules[*owner].name.clone();
                     conflicts
@@ -700,7 +689,7 @@ fn assign_owners<'a>(
 fn classify(
     pool: &PoolRules<'_>,
     node_name: &str,
-    size: &str,
+    size: PageSize,
     want: &Want,
     state: Option<&HugePageNode>,
     node: Option<&Node>,
@@ -754,9 +743,7 @@ fn classify(
     };
     member.desired = Some(desired.clone());
     if matches!(want, Want::Active(_)) && member.state == NodeState::Converged {
-        member.capacity_stale = pool
-            .size
-            .is_some_and(|size| kubelet_capacity_stale(node, size, desired.pages));
+        member.capacity_stale = kubelet_capacity_stale(node, pool.size, desired.pages);
     }
     if matches!(want, Want::Release(_))
         && held.is_some_and(|e| e.pages == 0)
@@ -968,9 +955,8 @@ fn plan_drain(
         let pool = rules.iter().find(|r| r.name == entry.pool);
         if let Some(pool) = pool
             && pool.drain_policy() == DrainPolicy::IfNeeded
-            && let Some(size) = pool.size
         {
-            blocked.push((pool, size));
+            blocked.push((pool, pool.size));
         }
     }
 
@@ -1117,8 +1103,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
                 "{summary}; the kubelet on {} still reports the old {} capacity (it reads it \
                  when it starts: restart it, or set kubelet.restart: AfterResize)",
                 name_nodes(&plan.capacity_stale),
-                pool.size
-                    .map_or_else(|| pool.size_text.clone(), PageSize::resource_name),
+                pool.size.resource_name(),
             ),
         )
     } else if counts.converged == counts.selected {
@@ -1238,7 +1223,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
                 "{} nodes selected by this pool belong for {} pages to the older pool {}, \
                  this pool leaves them alone: {}",
                 conflict_nodes.len(),
-                pool.size_text,
+                pool.size,
                 conflict_owners.into_iter().collect::<Vec<_>>().join(", "),
                 name_nodes(&conflict_nodes)
             ),

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hugepool_agent::kernel::SimulatedKernel;
-use hugepool_crds::{HugePageNode, HugePagePool, HugePagePoolStatus};
+use hugepool_crds::{HugePageNode, HugePagePool, HugePagePoolStatus, PageSize};
 use hugepool_e2e::setup;
 use hugepool_operator::LeaderConfig;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -77,7 +77,7 @@ async fn grow_then_shrink_converges_within_max_unavailable() {
         .wait_kernels(&names, 2048, Duration::from_secs(5))
         .await;
     let record = watch.assert_bounded();
-    let key = (pool.clone(), "2Mi".to_string());
+    let key = (pool.clone(), MI2);
     let grow_max = record.max_changing.get(&key).copied().unwrap_or_default();
     assert!(
         (2..=7).contains(&grow_max),
@@ -151,7 +151,7 @@ fn reason_of(pool: &HugePagePool, type_: &str) -> (String, String, String) {
 }
 
 /// The pool named on the node's `size` entry, if any.
-fn entry_pool(state: &HugePageNode, size: &str) -> Option<(String, i64)> {
+fn entry_pool(state: &HugePageNode, size: PageSize) -> Option<(String, i64)> {
     state
         .spec
         .page_sizes
@@ -237,7 +237,7 @@ async fn overlapping_pools_older_wins_newer_reports_conflict() {
     for name in &shared {
         let state = fleet.node_state(name).await;
         assert_eq!(
-            entry_pool(&state, "2Mi"),
+            entry_pool(&state, MI2),
             Some((older.clone(), 1024)),
             "{name}"
         );
@@ -298,7 +298,7 @@ async fn relabelled_nodes_leave_and_join_as_deletion_policy_says() {
         Duration::from_secs(30),
         || async {
             let state = fleet.node_state(&kept).await;
-            match entry_pool(&state, "2Mi") {
+            match entry_pool(&state, MI2) {
                 None => Ok(()),
                 Some(entry) => Err(format!("{entry:?}")),
             }
@@ -312,7 +312,7 @@ async fn relabelled_nodes_leave_and_join_as_deletion_policy_says() {
         Duration::from_secs(30),
         || async {
             let state = fleet.node_state(&released).await;
-            match entry_pool(&state, "2Mi") {
+            match entry_pool(&state, MI2) {
                 None => Ok(()),
                 Some(entry) => Err(format!("{entry:?}")),
             }
@@ -796,7 +796,7 @@ async fn allocation_failures_halt_the_rollout_at_max_unavailable() {
         let name = fleet.node_name(index);
         assert_eq!(fleet.node(&name).pages_2mi(), (0, 0), "{name}");
         assert_eq!(
-            entry_pool(&fleet.node_state(&name).await, "2Mi"),
+            entry_pool(&fleet.node_state(&name).await, MI2),
             None,
             "{name}"
         );
@@ -902,7 +902,7 @@ async fn leader_killed_mid_rollout_the_other_replica_finishes_within_bound() {
     let record = watch.assert_bounded();
     let most = record
         .max_changing
-        .get(&(pool.clone(), "2Mi".to_string()))
+        .get(&(pool.clone(), MI2))
         .copied()
         .unwrap_or_default();
     assert!((2..=4).contains(&most), "{most} nodes changing at most");
@@ -990,7 +990,7 @@ async fn release_deletion_returns_every_node_to_zero_before_the_pool_goes() {
         .await;
     for name in fleet.node_names() {
         assert_eq!(
-            entry_pool(&fleet.node_state(&name).await, "2Mi"),
+            entry_pool(&fleet.node_state(&name).await, MI2),
             None,
             "{name}"
         );

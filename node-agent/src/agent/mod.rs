@@ -251,7 +251,7 @@ mod tests {
 
     fn entry(pages: i64) -> PageSizeTarget {
         PageSizeTarget {
-            size: "2Mi".into(),
+            size: PageSize::SIZE_2MI,
             pages,
             numa: None,
             pool: "p".into(),

@@ -32,7 +32,8 @@ pub fn settings_for(entry: &PageSizeTarget) -> Settings {
 
 /// The engine targets of one entry: one per NUMA node when the entry lists
 /// them, otherwise one write of the size's global file.
-pub fn targets_for(entry: &PageSizeTarget, size: PageSize) -> Vec<Target> {
+pub fn targets_for(entry: &PageSizeTarget) -> Vec<Target> {
+    let size = entry.size;
     match &entry.numa {
         Some(numa) => numa
             .iter()
@@ -55,14 +56,8 @@ pub(super) fn find_target(
     size: PageSize,
     scope: PoolScope,
 ) -> Option<Target> {
-    let entry = object?
-        .spec
-        .page_sizes
-        .iter()
-        .find(|e| e.size.parse::<PageSize>().ok() == Some(size))?;
-    targets_for(entry, size)
-        .into_iter()
-        .find(|t| t.scope == scope)
+    let entry = object?.spec.page_sizes.iter().find(|e| e.size == size)?;
+    targets_for(entry).into_iter().find(|t| t.scope == scope)
 }
 
 impl ResizeLoop {
@@ -99,13 +94,11 @@ impl ResizeLoop {
         };
         let mut next_check = self.config.refresh_interval;
         for entry in &entries {
-            let Ok(size) = entry.size.parse::<PageSize>() else {
-                continue;
-            };
+            let size = entry.size;
             if !offered.contains(&size) {
                 continue; // reported as UnsupportedPageSize by the status
             }
-            let targets = targets_for(entry, size);
+            let targets = targets_for(entry);
             if targets
                 .iter()
                 .any(|t| matches!(t.scope, PoolScope::Node(n) if !numa_nodes.contains(&n)))

@@ -140,9 +140,7 @@ pub enum Progress {
 
 /// Compares one target entry with the kernel.
 pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
-    let Ok(size) = entry.size.parse::<PageSize>() else {
-        return Progress::Unsupported(format!("{} is not a valid page size", entry.size));
-    };
+    let size = entry.size;
     let Some(sizes) = snapshot.size(size) else {
         let offered: Vec<String> = snapshot.sizes.iter().map(|s| s.size.to_string()).collect();
         return Progress::Unsupported(format!(
@@ -226,7 +224,7 @@ fn size_status(
 ) -> PageSizeStatus {
     let pool = sizes.pool;
     PageSizeStatus {
-        size: sizes.size.to_string(),
+        size: sizes.size,
         target: entry.map(|e| e.pages),
         total: pool.total as i64,
         free: pool.free as i64,
@@ -278,8 +276,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
     let mut running = Vec::new();
     let mut stalls = Vec::new();
     for entry in &memory.targets {
-        let size = entry.size.parse::<PageSize>().ok();
-        let record = size.and_then(|s| memory.sizes.get(&s));
+        let record = memory.sizes.get(&entry.size);
         match progress(entry, snapshot) {
             Progress::AtTarget => converged_parts.push(format!("{}: {}/{} pages", entry.size, entry.pages, entry.pages)),
             Progress::Unsupported(why) => unsupported.push(why),
@@ -301,11 +298,9 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         if let Some(writer) = &record.other_writer
             && !writer.restored
             && record.running.is_none()
-            && size.is_some_and(|s| {
-                super::targets_for(entry, s)
-                    .iter()
-                    .any(|t| t.scope == writer.scope && t.pages == writer.target)
-            })
+            && super::targets_for(entry)
+                .iter()
+                .any(|t| t.scope == writer.scope && t.pages == writer.target)
         {
             let scope = scope_label(writer.scope);
             other_writers.push(format!(
@@ -326,10 +321,7 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         }
         // Each pool file's outcome against that file's own target (a NUMA
         // node's, or the size's global one).
-        for target in size
-            .map(|s| super::targets_for(entry, s))
-            .unwrap_or_default()
-        {
+        for target in super::targets_for(entry) {
             let Some((
                 wanted,
                 Outcome::Shortfall {
@@ -511,7 +503,7 @@ pub fn kubelet_pools(snapshot: &KernelSnapshot, memory: &AgentMemory) -> BTreeMa
     memory
         .targets
         .iter()
-        .filter_map(|entry| entry.size.parse::<PageSize>().ok())
+        .map(|entry| entry.size)
         .filter_map(|size| snapshot.size(size).map(|s| (size, s.pool.persistent())))
         .collect()
 }
@@ -596,10 +588,7 @@ pub fn build(
         .sizes
         .iter()
         .map(|sizes| {
-            let entry = memory
-                .targets
-                .iter()
-                .find(|t| t.size.parse::<PageSize>().ok() == Some(sizes.size));
+            let entry = memory.targets.iter().find(|t| t.size == sizes.size);
             size_status(sizes, entry, memory.sizes.get(&sizes.size))
         })
         .collect();
@@ -659,7 +648,7 @@ mod tests {
 
     fn target(size: &str, pages: i64) -> PageSizeTarget {
         PageSizeTarget {
-            size: size.into(),
+            size: size.parse().unwrap(),
             pages,
             numa: None,
             pool: "p".into(),
@@ -741,14 +730,14 @@ mod tests {
         let two_mi = &status.page_sizes[0];
         assert_eq!(
             (
-                two_mi.size.as_str(),
+                two_mi.size,
                 two_mi.target,
                 two_mi.total,
                 two_mi.free,
                 two_mi.reserved,
                 two_mi.in_use
             ),
-            ("2Mi", Some(4096), 4096, 1000, 10, 3096)
+            (PageSize::SIZE_2MI, Some(4096), 4096, 1000, 10, 3096)
         );
         assert_eq!(two_mi.numa[0].total, 4096);
         assert_eq!(status.page_sizes[1].target, None, "1Gi has no target");

@@ -130,11 +130,7 @@ pub(super) fn update_gauges(metrics: &Metrics, snapshot: &KernelSnapshot, memory
             metrics.set_pages(&size, &id, PageState::free, numa.free);
             metrics.set_pages(&size, &id, PageState::surplus, numa.surplus);
         }
-        if let Some(entry) = memory
-            .targets
-            .iter()
-            .find(|e| e.size.parse::<PageSize>().ok() == Some(sizes.size))
-        {
+        if let Some(entry) = memory.targets.iter().find(|e| e.size == sizes.size) {
             metrics.set_pages(&size, "all", PageState::target, entry.pages.max(0) as u64);
             for numa in entry.numa.iter().flatten() {
                 metrics.set_pages(

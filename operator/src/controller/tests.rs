@@ -599,12 +599,12 @@ async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
     let status = status_of(&mut state);
     status.observed_generation = Some(2);
     status.page_sizes = vec![PageSizeStatus {
-        size: "2Mi".into(),
+        size: PageSize::SIZE_2MI,
         target: Some(0),
         total: 2,
         surplus: 2,
         in_use: 2,
-        ..PageSizeStatus::default()
+        ..PageSizeStatus::empty(PageSize::SIZE_2MI)
     }];
     set_condition(
         &mut status.conditions,

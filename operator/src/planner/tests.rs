@@ -22,6 +22,7 @@ fn condition<'a>(plan: &'a Plan, pool: &str, type_: PoolConditionType) -> (&'a s
 }
 
 fn target_of(plan: &Plan, node: &str, size: &str) -> Option<i64> {
+    let size: PageSize = size.parse().expect("a page size");
     plan.nodes[node]
         .spec
         .page_sizes
@@ -95,10 +96,10 @@ fn a_node_keeps_its_slot_until_it_reports_converged_for_its_target() {
     // The agent saw the generation but is not at target yet.
     status_of(&mut hpns[0]).observed_generation = Some(1);
     status_of(&mut hpns[0]).page_sizes = vec![PageSizeStatus {
-        size: "2Mi".into(),
+        size: PageSize::SIZE_2MI,
         target: Some(64),
         total: 40,
-        ..PageSizeStatus::default()
+        ..PageSizeStatus::empty(PageSize::SIZE_2MI)
     }];
     let plan = run_plan(&pools, &nodes, &hpns, 1);
     assert!(plan.pools["dpdk"].admitted.is_empty());
@@ -212,13 +213,13 @@ fn pools_of_different_sizes_share_a_node() {
         pool("big", 1, "x", "1Gi", 2),
     ];
     let plan = run_plan(&pools, &[node("w", &["x"])], &[], 0);
-    let sizes: Vec<&str> = plan.nodes["w"]
+    let sizes: Vec<PageSize> = plan.nodes["w"]
         .spec
         .page_sizes
         .iter()
-        .map(|e| e.size.as_str())
+        .map(|e| e.size)
         .collect();
-    assert_eq!(sizes, ["2Mi", "1Gi"]);
+    assert_eq!(sizes, [PageSize::SIZE_2MI, PageSize::SIZE_1GI]);
     assert!(plan.pools["big"].conflicts.is_empty());
 }
 
@@ -341,7 +342,7 @@ fn spread_targets_numa_nodes_once_the_agent_reported_them() {
     let nodes = vec![node("w-1", &["dpdk"]), node("w-2", &["dpdk"])];
     let mut reported = hpn("w-1", 1, vec![]);
     status_of(&mut reported).page_sizes = vec![PageSizeStatus {
-        size: "2Mi".into(),
+        size: PageSize::SIZE_2MI,
         numa: vec![
             NumaStatus {
                 id: 0,
@@ -352,7 +353,7 @@ fn spread_targets_numa_nodes_once_the_agent_reported_them() {
                 ..NumaStatus::default()
             },
         ],
-        ..PageSizeStatus::default()
+        ..PageSizeStatus::empty(PageSize::SIZE_2MI)
     }];
     let plan = run_plan(&pools, &nodes, &[reported], 0);
     let numa = plan.nodes["w-1"].spec.page_sizes[0].numa.clone().unwrap();
@@ -416,9 +417,9 @@ fn explicit_numa_node_the_node_lacks_fails_that_node_only() {
     });
     let mut single = hpn("w-1", 1, vec![]);
     status_of(&mut single).page_sizes = vec![PageSizeStatus {
-        size: "2Mi".into(),
+        size: PageSize::SIZE_2MI,
         numa: vec![NumaStatus::default()],
-        ..PageSizeStatus::default()
+        ..PageSizeStatus::empty(PageSize::SIZE_2MI)
     }];
     let nodes = vec![node("w-1", &["dpdk"]), node("w-2", &["dpdk"])];
     let explicit = with_max_unavailable(explicit, IntOrString::Int(2));
@@ -591,13 +592,13 @@ fn blocked_shrink(policy: DrainPolicy) -> (Vec<HugePagePool>, Vec<Node>, Vec<Hug
     let status = status_of(&mut hpns[0]);
     status.observed_generation = generation;
     status.page_sizes = vec![PageSizeStatus {
-        size: "2Mi".into(),
+        size: PageSize::SIZE_2MI,
         target: Some(0),
         total: 3,
         free: 0,
         surplus: 3,
         in_use: 3,
-        ..PageSizeStatus::default()
+        ..PageSizeStatus::empty(PageSize::SIZE_2MI)
     }];
     set_condition(
         &mut status.conditions,
@@ -835,8 +836,8 @@ fn changing(world: &World, plan: Option<&Plan>, pool: &str) -> BTreeSet<String> 
         .pools
         .iter()
         .find(|p| p.metadata.name.as_deref() == Some(pool))
-        .map(|p| p.spec.page_size.clone())
-        .unwrap_or_default();
+        .map(|p| p.spec.page_size)
+        .expect("the pool is in the world");
     let ours = |e: &&hugepool_crds::node::PageSizeTarget| e.pool == pool && e.size == size;
     let mut nodes = BTreeSet::new();
     for hpn in &world.hpns {
@@ -959,7 +960,7 @@ proptest! {
     fn each_node_size_has_one_owner_and_it_is_the_oldest_pool_wanting_it(world in arb_world()) {
         let plan = world_plan(&world);
         for (node_name, node_plan) in &plan.nodes {
-            let sizes: BTreeSet<&str> = node_plan.spec.page_sizes.iter().map(|e| e.size.as_str()).collect();
+            let sizes: BTreeSet<PageSize> = node_plan.spec.page_sizes.iter().map(|e| e.size).collect();
             prop_assert_eq!(sizes.len(), node_plan.spec.page_sizes.len());
             let before = world.hpns.iter().find(|h| h.metadata.name.as_ref() == Some(node_name));
             let node = world.nodes.iter().find(|n| n.metadata.name.as_ref() == Some(node_name)).unwrap();
@@ -1212,7 +1213,7 @@ fn a_pool_is_not_available_while_a_kubelet_reports_the_old_capacity() {
 #[test]
 fn the_right_total_in_the_wrong_numa_split_is_not_converged() {
     let target = PageSizeTarget {
-        size: "2Mi".into(),
+        size: PageSize::SIZE_2MI,
         pages: 1024,
         numa: Some(vec![
             NumaTarget { id: 0, pages: 512 },

@@ -547,7 +547,7 @@ fn start_agent(client: &Client, name: &str, kernel: SimulatedKernel) -> SimNode 
 /// Whether `state` reports its `entry` converged, by the contract in
 /// docs/design.md: the agent has seen this generation and reports the
 /// target, reached as `PageSizeTarget::reached_by` defines it.
-pub fn entry_converged(state: &HugePageNode, size: &str, pages: i64) -> bool {
+pub fn entry_converged(state: &HugePageNode, size: PageSize, pages: i64) -> bool {
     let Some(status) = &state.status else {
         return false;
     };
@@ -566,13 +566,13 @@ pub fn entry_converged(state: &HugePageNode, size: &str, pages: i64) -> bool {
 /// Nodes changing per (pool, size) in one consistent view of the fleet.
 pub fn changing(
     states: &BTreeMap<String, HugePageNode>,
-) -> BTreeMap<(String, String), Vec<String>> {
-    let mut changing: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+) -> BTreeMap<(String, PageSize), Vec<String>> {
+    let mut changing: BTreeMap<(String, PageSize), Vec<String>> = BTreeMap::new();
     for (name, state) in states {
         for entry in &state.spec.page_sizes {
-            if !entry_converged(state, &entry.size, entry.pages) {
+            if !entry_converged(state, entry.size, entry.pages) {
                 changing
-                    .entry((entry.pool.clone(), entry.size.clone()))
+                    .entry((entry.pool.clone(), entry.size))
                     .or_default()
                     .push(name.clone());
             }
@@ -587,9 +587,9 @@ pub struct RolloutRecord {
     /// Views checked (one per HugePageNode change).
     pub views: u64,
     /// The most nodes changing at once, per (pool, size).
-    pub max_changing: BTreeMap<(String, String), usize>,
+    pub max_changing: BTreeMap<(String, PageSize), usize>,
     /// Views with more than the limit changing, as (pool, size, nodes).
-    pub violations: Vec<(String, String, Vec<String>)>,
+    pub violations: Vec<(String, PageSize, Vec<String>)>,
 }
 
 /// Watches the fleet's HugePageNodes and, after every event, counts the
@@ -648,10 +648,7 @@ impl RolloutWatch {
                     let mut record = record.lock().unwrap_or_else(|p| p.into_inner());
                     record.views += 1;
                     for ((pool, size), nodes) in changing(&states) {
-                        let max = record
-                            .max_changing
-                            .entry((pool.clone(), size.clone()))
-                            .or_default();
+                        let max = record.max_changing.entry((pool.clone(), size)).or_default();
                         *max = (*max).max(nodes.len());
                         if nodes.len() > limit {
                             record.violations.push((pool, size, nodes));
