@@ -200,7 +200,7 @@ pub trait EntryForTest {
 impl EntryForTest for HugePagePool {
     fn entry_for_test(&self, pages: i64) -> PageSizeTarget {
         PageSizeTarget {
-            size: self.spec.page_size.clone(),
+            size: self.spec.page_size,
             pages,
             numa: None,
             pool: self.metadata.name.clone().unwrap_or_default(),

@@ -907,12 +907,12 @@ impl World {
                 h.spec
                     .page_sizes
                     .iter()
-                    .map(|e| (e.pool.clone(), e.size.clone(), e.pages))
+                    .map(|e| (e.pool.clone(), e.size, e.pages))
                     .collect::<Vec<_>>(),
                 status.map(|s| s
                     .page_sizes
                     .iter()
-                    .map(|r| (r.size.clone(), r.target, r.total))
+                    .map(|r| (r.size, r.target, r.total))
                     .collect::<Vec<_>>()),
                 status.map(|s| s
                     .conditions
