@@ -1,8 +1,15 @@
-//! What the resize loop does about one pool file (a size's global pool, or
-//! one NUMA node's), decided from what the kernel reports now and how the
-//! agent's last resize of that file ended. Pure, so that every case is a
+//! What the resize loop does, decided from what the kernel reports now and
+//! what the agent remembers: per pool file (a size's global pool, or one
+//! NUMA node's) whether to resize, wait or leave it; whether a kubelet
+//! restart is due; and when to look again. Pure, so that every case is a
 //! unit or property test; `resize_loop.rs` reads the inputs and acts.
 
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use hugepool_crds::PageSize;
+
+use super::status::KubeletView;
 use crate::resize::{Observation, Outcome};
 
 /// What to do about one pool file now.
@@ -51,9 +58,98 @@ pub fn decide(
     }
 }
 
+/// How long the loop leaves things before it looks again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waits {
+    /// Nothing to wait for: look again after this long anyway.
+    pub refresh: Duration,
+    /// A shrink waits for pages in use to be let go.
+    pub blocked_poll: Duration,
+    /// A short grow waits this long before its retry.
+    pub retry: Duration,
+}
+
+/// What a pass left to wait for, and so when the loop wakes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wake {
+    /// A file waits for pages in use (or a pool that could not be read).
+    Blocked,
+    /// A short grow waits for its retry.
+    Retry,
+    /// A pool another writer moved is restored after this long.
+    After(Duration),
+}
+
+/// When to look again: the soonest of what the pass waits for, at most the
+/// refresh interval.
+pub fn next_wake(waiting: impl IntoIterator<Item = Wake>, waits: &Waits) -> Duration {
+    waiting
+        .into_iter()
+        .map(|wake| match wake {
+            Wake::Blocked => waits.blocked_poll,
+            Wake::Retry => waits.retry,
+            Wake::After(wait) => wait,
+        })
+        .fold(waits.refresh, Duration::min)
+}
+
+/// Whether to restart the kubelet after a pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Restart {
+    /// No entry asks for restarts, or the agent has no restart command.
+    NotWanted,
+    /// The node has not reached every target yet.
+    NotConverged,
+    /// The kubelet reports the pools (or it was restarted for them, or its
+    /// capacity has not been read yet).
+    UpToDate,
+    /// A restart is running.
+    Running,
+    /// The last restart for these pools failed; retry after this long.
+    WaitRetry(Duration),
+    /// Restart it now.
+    Due,
+}
+
+/// Decides the kubelet restart: `wanted` when an entry says AfterResize
+/// and the agent has a restart command; `pools` what the node holds now
+/// (size -> persistent pages); `view` what the agent knows of the kubelet.
+pub fn kubelet_restart(
+    wanted: bool,
+    converged: bool,
+    pools: &BTreeMap<PageSize, u64>,
+    view: &KubeletView,
+    now: Instant,
+) -> Restart {
+    if !wanted {
+        return Restart::NotWanted;
+    }
+    if !converged {
+        return Restart::NotConverged;
+    }
+    if view.restarting {
+        return Restart::Running;
+    }
+    let stale = view.capacity.as_ref().is_some_and(|capacity| {
+        pools
+            .iter()
+            .any(|(size, pages)| capacity.get(size).copied().unwrap_or(0) != pages * size.bytes())
+    });
+    if !stale || view.restarted_for.as_ref() == Some(pools) {
+        return Restart::UpToDate;
+    }
+    match &view.failure {
+        Some(failure) if failure.pools == *pools && now < failure.retry_at => {
+            Restart::WaitRetry(failure.retry_at - now)
+        }
+        _ => Restart::Due,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::status::RestartFailure;
     use crate::kernel::{NumaCounts, PoolCounts};
     use crate::resize::ShortfallReason;
     use proptest::prelude::*;
@@ -182,6 +278,166 @@ mod tests {
             }
             if action == Action::WaitRetry {
                 prop_assert!(!retry_due);
+            }
+        }
+    }
+
+    fn pools(pages: u64) -> BTreeMap<PageSize, u64> {
+        BTreeMap::from([(PageSize::SIZE_2MI, pages)])
+    }
+
+    fn kubelet_reports(pages: u64) -> KubeletView {
+        KubeletView {
+            capacity: Some(BTreeMap::from([(
+                PageSize::SIZE_2MI,
+                pages * PageSize::SIZE_2MI.bytes(),
+            )])),
+            ..KubeletView::default()
+        }
+    }
+
+    #[test]
+    fn the_kubelet_is_restarted_once_per_change_after_the_node_converged() {
+        let now = Instant::now();
+        let stale = kubelet_reports(0);
+        assert_eq!(
+            kubelet_restart(false, true, &pools(64), &stale, now),
+            Restart::NotWanted
+        );
+        assert_eq!(
+            kubelet_restart(true, false, &pools(64), &stale, now),
+            Restart::NotConverged
+        );
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &stale, now),
+            Restart::Due
+        );
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &kubelet_reports(64), now),
+            Restart::UpToDate
+        );
+        let unread = KubeletView::default();
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &unread, now),
+            Restart::UpToDate,
+            "capacity not read yet"
+        );
+        let running = KubeletView {
+            restarting: true,
+            ..stale.clone()
+        };
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &running, now),
+            Restart::Running
+        );
+        // Restarted for 64 and the Node still says 0 (the kubelet has not
+        // posted it yet): not again for the same pools, but for the next.
+        let done = KubeletView {
+            restarted_for: Some(pools(64)),
+            ..stale.clone()
+        };
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &done, now),
+            Restart::UpToDate
+        );
+        assert_eq!(
+            kubelet_restart(true, true, &pools(8), &done, now),
+            Restart::Due
+        );
+        // A failure waits out its backoff, for these pools only.
+        let failed = KubeletView {
+            failure: Some(RestartFailure {
+                pools: pools(64),
+                attempts: 1,
+                message: "exit 1".into(),
+                retry_at: now + Duration::from_secs(10),
+            }),
+            ..stale
+        };
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &failed, now),
+            Restart::WaitRetry(Duration::from_secs(10))
+        );
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &failed, now + Duration::from_secs(10)),
+            Restart::Due
+        );
+        assert_eq!(
+            kubelet_restart(true, true, &pools(8), &failed, now),
+            Restart::Due
+        );
+    }
+
+    #[test]
+    fn the_loop_wakes_for_the_soonest_wait_and_at_least_every_refresh() {
+        let waits = Waits {
+            refresh: Duration::from_secs(15),
+            blocked_poll: Duration::from_secs(2),
+            retry: Duration::from_secs(300),
+        };
+        assert_eq!(next_wake([], &waits), Duration::from_secs(15));
+        assert_eq!(next_wake([Wake::Retry], &waits), Duration::from_secs(15));
+        assert_eq!(
+            next_wake([Wake::Retry, Wake::Blocked], &waits),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            next_wake([Wake::After(Duration::from_millis(500)), Wake::Blocked], &waits),
+            Duration::from_millis(500)
+        );
+    }
+
+    fn restart_view() -> impl Strategy<Value = (KubeletView, u64, u64)> {
+        (
+            proptest::option::of(0u64..4),
+            proptest::option::of(0u64..4),
+            proptest::option::of((0u64..4, 0u64..20)),
+            any::<bool>(),
+            0u64..4,
+            0u64..20,
+        )
+            .prop_map(|(reports, restarted, failed, restarting, node_pages, now_s)| {
+                let view = KubeletView {
+                    capacity: reports.map(|pages| kubelet_reports(pages).capacity.unwrap()),
+                    restarted_for: restarted.map(pools),
+                    failure: failed.map(|(pages, at)| RestartFailure {
+                        pools: pools(pages),
+                        attempts: 1,
+                        message: String::new(),
+                        retry_at: base() + Duration::from_secs(at),
+                    }),
+                    restarts_disabled: false,
+                    restarting,
+                };
+                (view, node_pages, now_s)
+            })
+    }
+
+    fn base() -> Instant {
+        static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *BASE.get_or_init(Instant::now)
+    }
+
+    proptest! {
+        #[test]
+        fn a_restart_is_due_only_for_a_converged_node_the_kubelet_misreports(
+            (view, pages, now_s) in restart_view(),
+            wanted in any::<bool>(),
+            converged in any::<bool>(),
+        ) {
+            let now = base() + Duration::from_secs(now_s);
+            let decision = kubelet_restart(wanted, converged, &pools(pages), &view, now);
+            if decision == Restart::Due {
+                prop_assert!(wanted && converged && !view.restarting);
+                let reported = view.capacity.as_ref().unwrap()[&PageSize::SIZE_2MI];
+                prop_assert_ne!(reported, pages * PageSize::SIZE_2MI.bytes());
+                prop_assert_ne!(view.restarted_for.as_ref(), Some(&pools(pages)));
+                if let Some(failure) = &view.failure && failure.pools == pools(pages) {
+                    prop_assert!(now >= failure.retry_at);
+                }
+            }
+            if let Restart::WaitRetry(wait) = decision {
+                prop_assert!(!wait.is_zero());
             }
         }
     }

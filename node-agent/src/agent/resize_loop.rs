@@ -1,7 +1,7 @@
 //! The resize loop: one pass over every target of the node, each resize run
 //! by the engine and followed through spec changes, its outcome recorded.
 
-use super::decide::{Action, decide};
+use super::decide::{Action, Restart, Wake, Waits, decide, kubelet_restart, next_wake};
 use super::*;
 
 /// What the resize loop works with; `run` builds it.
@@ -92,7 +92,7 @@ impl ResizeLoop {
                 return self.config.blocked_poll;
             }
         };
-        let mut next_check = self.config.refresh_interval;
+        let mut waiting = Vec::new();
         for entry in &entries {
             let size = entry.size;
             if !offered.contains(&size) {
@@ -113,7 +113,7 @@ impl ResizeLoop {
                     Ok(observed) => observed,
                     Err(err) => {
                         warn!(error = %err, %size, scope = %target.scope, "cannot read the pool");
-                        next_check = next_check.min(self.config.blocked_poll);
+                        waiting.push(Wake::Blocked);
                         continue;
                     }
                 };
@@ -127,11 +127,11 @@ impl ResizeLoop {
                 match decide(target.pages, &observed, last.as_ref(), retry_due) {
                     Action::Idle => continue,
                     Action::WaitBlocked => {
-                        next_check = next_check.min(self.config.blocked_poll);
+                        waiting.push(Wake::Blocked);
                         continue;
                     }
                     Action::WaitRetry => {
-                        next_check = next_check.min(self.config.retry_interval);
+                        waiting.push(Wake::Retry);
                         continue;
                     }
                     // Someone else writes this pool (tuned, sysctl.d, a
@@ -140,7 +140,7 @@ impl ResizeLoop {
                     Action::OtherWriter => {
                         let wait = self.other_writer(size, target, observed.persistent());
                         if !wait.is_zero() {
-                            next_check = next_check.min(wait);
+                            waiting.push(Wake::After(wait));
                             continue;
                         }
                     }
@@ -148,21 +148,25 @@ impl ResizeLoop {
                 }
                 let outcome = self.resize(entry, target, spec_rx, shutdown, models).await;
                 match outcome {
-                    Some(Outcome::Blocked { .. }) => {
-                        next_check = next_check.min(self.config.blocked_poll)
-                    }
-                    Some(Outcome::Shortfall { .. }) => {
-                        next_check = next_check.min(self.config.retry_interval)
-                    }
+                    Some(Outcome::Blocked { .. }) | None => waiting.push(Wake::Blocked),
+                    Some(Outcome::Shortfall { .. }) => waiting.push(Wake::Retry),
                     Some(Outcome::Reached) => {}
-                    None => next_check = next_check.min(self.config.blocked_poll),
                 }
             }
         }
-        if !*shutdown.borrow() {
-            self.maybe_restart_kubelet(&entries).await;
+        if !*shutdown.borrow()
+            && let Some(wait) = self.maybe_restart_kubelet(&entries).await
+        {
+            waiting.push(Wake::After(wait));
         }
-        next_check
+        next_wake(
+            waiting,
+            &Waits {
+                refresh: self.config.refresh_interval,
+                blocked_poll: self.config.blocked_poll,
+                retry: self.config.retry_interval,
+            },
+        )
     }
 
     /// Records that another writer moved `target`'s pool to `found`, and
@@ -476,44 +480,35 @@ impl ResizeLoop {
     }
 
     /// With `kubeletRestart: AfterResize`, restarts kubelet once the node has
-    /// converged and kubelet's capacity is stale, at most once per change.
-    async fn maybe_restart_kubelet(&self, entries: &[PageSizeTarget]) {
+    /// converged and kubelet's capacity is stale, at most once per change
+    /// (`decide::kubelet_restart`); returns when a failed restart is retried.
+    async fn maybe_restart_kubelet(&self, entries: &[PageSizeTarget]) -> Option<Duration> {
         use hugepool_crds::settings::KubeletRestart;
-        if self.config.kubelet_restart_command.is_empty()
-            || !entries
+        let wanted = !self.config.kubelet_restart_command.is_empty()
+            && entries
                 .iter()
-                .any(|e| e.kubelet_restart == KubeletRestart::AfterResize)
-        {
-            return;
+                .any(|e| e.kubelet_restart == KubeletRestart::AfterResize);
+        if !wanted {
+            return None;
         }
-        let snapshot =
-            match KernelSnapshot::read_blocking(&self.kernel, &self.config.kernel_release).await {
-                Ok(snapshot) => snapshot,
-                Err(_) => return,
-            };
-        let (pools, due) = {
+        let snapshot = KernelSnapshot::read_blocking(&self.kernel, &self.config.kernel_release)
+            .await
+            .ok()?;
+        let (pools, decision) = {
             let memory = self.shared.memory();
             let converged = memory
                 .targets
                 .iter()
                 .all(|e| status::progress(e, &snapshot) == status::Progress::AtTarget);
             let pools = status::kubelet_pools(&snapshot, &memory);
-            let stale = memory.kubelet.capacity.as_ref().is_some_and(|capacity| {
-                pools.iter().any(|(size, pages)| {
-                    capacity.get(size).copied().unwrap_or(0) != pages * size.bytes()
-                })
-            });
-            let already =
-                memory.kubelet.restarted_for.as_ref() == Some(&pools) || memory.kubelet.restarting;
-            let waiting = memory
-                .kubelet
-                .failure
-                .as_ref()
-                .is_some_and(|f| f.pools == pools && Instant::now() < f.retry_at);
-            (pools, converged && stale && !already && !waiting)
+            let decision =
+                kubelet_restart(wanted, converged, &pools, &memory.kubelet, Instant::now());
+            (pools, decision)
         };
-        if !due {
-            return;
+        match decision {
+            Restart::Due => {}
+            Restart::WaitRetry(wait) => return Some(wait),
+            _ => return None,
         }
         super::kubelet::spawn_restart(
             Arc::clone(&self.shared),
@@ -522,6 +517,7 @@ impl ResizeLoop {
             self.config.kubelet_restart_timeout,
             pools,
         );
+        None
     }
 }
 
