@@ -71,10 +71,16 @@ pub enum Command {
     Run(RunArgs),
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
+pub use hugepool_runtime::LogFormat;
+
+/// A command line, split as a POSIX shell would (quotes and backslashes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommandLine(pub Vec<String>);
+
+fn parse_command(text: &str) -> std::result::Result<CommandLine, String> {
+    shlex::split(text)
+        .map(CommandLine)
+        .ok_or_else(|| format!("unbalanced quotes or a trailing backslash in {text:?}"))
 }
 
 #[derive(Debug, Args)]
@@ -83,18 +89,21 @@ pub struct RunArgs {
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,
     /// Address of /metrics, /healthz and /readyz.
-    #[arg(long, default_value = "0.0.0.0:9478", env = "HUGEPOOL_METRICS_ADDR")]
+    #[arg(long, default_value = "[::]:9478", env = "HUGEPOOL_METRICS_ADDR")]
     pub metrics_addr: std::net::SocketAddr,
-    /// Command that restarts kubelet (`kubeletRestart: AfterResize`); split on spaces.
+    /// Command that restarts kubelet (`kubeletRestart: AfterResize`), split
+    /// as a shell would (quote an argument with spaces); empty disables
+    /// restarts.
     #[arg(
         long,
         default_value = "nsenter --target 1 --mount --uts --ipc --net --pid -- systemctl restart kubelet",
-        env = "HUGEPOOL_KUBELET_RESTART_COMMAND"
+        env = "HUGEPOOL_KUBELET_RESTART_COMMAND",
+        value_parser = parse_command
     )]
-    pub kubelet_restart_command: String,
+    pub kubelet_restart_command: CommandLine,
     /// How long the kubelet-restart command may run before it is killed and
     /// counted as failed (failures are retried with backoff).
-    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    #[arg(long, default_value = "2m", value_parser = hugepool_runtime::duration_arg)]
     pub kubelet_restart_timeout: Duration,
     /// Do not watch the kernel log for lockups.
     #[arg(long)]
@@ -105,17 +114,17 @@ pub struct RunArgs {
     #[arg(long, env = "HUGEPOOL_WRITER_LOCK")]
     pub writer_lock: Option<PathBuf>,
     /// How often a blocked shrink is re-checked.
-    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = hugepool_runtime::duration_arg)]
     pub blocked_poll: Duration,
     /// How long after a shortfall growth is tried again.
-    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, default_value = "5m", value_parser = hugepool_runtime::duration_arg)]
     pub retry_interval: Duration,
     /// `/healthz` fails (and the kubelet restarts the agent) once the resize
     /// loop has not come round for this long outside a wait it announced.
-    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, default_value = "5m", value_parser = hugepool_runtime::duration_arg)]
     pub liveness_timeout: Duration,
     /// How often the kernel is re-read for status when nothing happens.
-    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    #[arg(long, default_value = "15s", value_parser = hugepool_runtime::duration_arg)]
     pub refresh_interval: Duration,
     #[arg(long, value_enum, default_value = "text", env = "HUGEPOOL_LOG_FORMAT")]
     pub log_format: LogFormat,
@@ -128,11 +137,7 @@ impl RunArgs {
         config.blocked_poll = self.blocked_poll;
         config.retry_interval = self.retry_interval;
         config.refresh_interval = self.refresh_interval;
-        config.kubelet_restart_command = self
-            .kubelet_restart_command
-            .split_whitespace()
-            .map(String::from)
-            .collect();
+        config.kubelet_restart_command = self.kubelet_restart_command.0.clone();
         config.kubelet_restart_timeout = self.kubelet_restart_timeout;
         config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
         config
@@ -157,13 +162,13 @@ pub struct ResizeArgs {
     #[arg(long, value_name = "ID", allow_hyphen_values = true, value_parser = parse_node)]
     pub numa_node: Option<u32>,
     /// Time budget of one kernel write.
-    #[arg(long, default_value = "50ms", value_parser = parse_duration)]
+    #[arg(long, default_value = "50ms", value_parser = hugepool_runtime::duration_arg)]
     pub max_step_duration: Duration,
     /// Pause between writes.
-    #[arg(long, default_value = "5ms", value_parser = parse_duration)]
+    #[arg(long, default_value = "5ms", value_parser = hugepool_runtime::duration_arg)]
     pub step_pause: Duration,
     /// A write slower than this is reported as a stall.
-    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = hugepool_runtime::duration_arg)]
     pub stall_threshold: Duration,
     /// Growth never takes MemAvailable below this.
     #[arg(long, default_value = "1Gi", value_parser = parse_bytes)]
@@ -175,7 +180,7 @@ pub struct ResizeArgs {
     #[arg(long)]
     pub no_compact: bool,
     /// When pages in use block a shrink, wait this long for their release.
-    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    #[arg(long, default_value = "0s", value_parser = hugepool_runtime::duration_arg)]
     pub wait_blocked: Duration,
     #[arg(long, value_enum, default_value = "text")]
     pub output: Output,
@@ -203,10 +208,6 @@ fn parse_node(text: &str) -> std::result::Result<u32, String> {
 fn parse_retries(text: &str) -> std::result::Result<u32, String> {
     text.parse()
         .map_err(|_| format!("expected a non-negative number of retries, got {text:?}"))
-}
-
-fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
-    hugepool_crds::duration::parse(text).map_err(|err| err.to_string())
 }
 
 fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
@@ -533,6 +534,49 @@ mod tests {
             Command::Resize(args) => args,
             Command::Run(_) => unreachable!("parsed a resize command line"),
         }
+    }
+
+    fn run_args(args: &[&str]) -> std::result::Result<RunArgs, String> {
+        let mut all = vec!["run", "--node-name", "n1"];
+        all.extend_from_slice(args);
+        match parse(&all)?.command {
+            Command::Run(args) => Ok(args),
+            Command::Resize(_) => unreachable!("parsed a run command line"),
+        }
+    }
+
+    #[test]
+    fn the_kubelet_restart_command_is_split_as_a_shell_would() {
+        let args = run_args(&[
+            "--kubelet-restart-command",
+            r#"nsenter -t 1 -m -- sh -c 'systemctl restart "kubelet"' a\ b"#,
+        ])
+        .unwrap();
+        assert_eq!(
+            args.kubelet_restart_command.0,
+            [
+                "nsenter",
+                "-t",
+                "1",
+                "-m",
+                "--",
+                "sh",
+                "-c",
+                r#"systemctl restart "kubelet""#,
+                "a b"
+            ]
+        );
+        let disabled = run_args(&["--kubelet-restart-command="]).unwrap();
+        assert!(disabled.kubelet_restart_command.0.is_empty());
+        let default = run_args(&[]).unwrap();
+        assert_eq!(
+            default.kubelet_restart_command.0.last().map(String::as_str),
+            Some("kubelet")
+        );
+        assert_eq!(default.metrics_addr.to_string(), "[::]:9478");
+        let err = run_args(&["--kubelet-restart-command", "sh -c 'unclosed"]).unwrap_err();
+        assert!(err.contains("--kubelet-restart-command"), "{err}");
+        assert!(err.contains("unbalanced quotes"), "{err}");
     }
 
     #[test]

@@ -38,23 +38,9 @@ fn main() -> ExitCode {
 
 fn init_logging(command: &Command) {
     // `resize` prints its own progress; `run` logs at info by default.
-    let (default_level, json) = match command {
-        Command::Resize(_) => ("warn", false),
-        Command::Run(args) => ("info", args.log_format == LogFormat::Json),
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let builder = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(filter);
-    if json {
-        builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .init();
-    } else {
-        builder.init();
+    match command {
+        Command::Resize(_) => hugepool_runtime::init_logging(LogFormat::Text, "warn"),
+        Command::Run(args) => hugepool_runtime::init_logging(args.log_format, "info"),
     }
 }
 
@@ -97,33 +83,23 @@ async fn run_agent(kernel_args: &KernelArgs, args: &RunArgs) -> anyhow::Result<(
     );
     // Waiting for the writer lock is no wedged loop either.
     shared.liveness.idle_for(std::time::Duration::MAX);
-    let bound = agent::server::serve(
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let (bound, _server) = hugepool_runtime::serve(
         args.metrics_addr,
-        Arc::new(registry),
-        Arc::clone(&shared.ready),
-        Arc::clone(&shared.liveness),
+        Arc::new(agent::server::AgentProbes {
+            registry: Arc::new(registry),
+            ready: Arc::clone(&shared.ready),
+            liveness: Arc::clone(&shared.liveness),
+        }),
+        // Served until the process exits: the last status is written after
+        // the signal, and probes may come meanwhile.
+        std::future::pending(),
     )
     .await?;
     tracing::info!(node = %config.node_name, metrics = %bound, "hugepool agent starting");
-    // The status writer and the watchers back off themselves (with jitter);
-    // kube's own retry layer would hide failures inside their calls.
-    let mut kube_config = kube::Config::infer().await?;
-    kube_config.default_retry = false;
-    let client = kube::Client::try_from(kube_config)?;
-    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let client = hugepool_runtime::kube_client().await?;
     tokio::spawn(async move {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(err) => {
-                    tracing::error!(error = %err, "cannot listen for SIGTERM");
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
+        hugepool_runtime::shutdown_signal().await;
         tracing::info!("signal received; finishing the write in flight");
         let _ = shutdown_tx.send(true);
     });

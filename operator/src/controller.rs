@@ -36,7 +36,7 @@ use crate::drain::{self, Eviction, EvictionBackoff};
 use crate::error::{Error, Result};
 use crate::events;
 use crate::leader::{LeaderConfig, Leadership};
-use crate::metrics::{self, Health, Metrics};
+use crate::metrics::{Health, Metrics};
 use crate::planner::{self, NodePlan, Plan, PlanInput};
 
 /// How the operator runs; `main` fills it from flags, tests directly.
@@ -747,23 +747,15 @@ pub async fn run(
     let metrics = Arc::new(Metrics::default());
     let ready = Arc::new(AtomicBool::new(false));
     if let Some(addr) = config.listen {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| Error::Serve { addr, source })?;
-        let router = metrics::router(Health {
+        let probes = Arc::new(Health {
             metrics: metrics.clone(),
             ready: ready.clone(),
         });
-        let stop = shutdown.clone();
-        tasks.0.push(tokio::spawn(async move {
-            if let Err(err) = axum::serve(listener, router)
-                .with_graceful_shutdown(stop)
-                .await
-            {
-                warn!(error = %err, "metrics server stopped");
-            }
-        }));
-        info!(%addr, "serving /metrics, /healthz and /readyz");
+        let (bound, task) = hugepool_runtime::serve(addr, probes, shutdown.clone())
+            .await
+            .map_err(|source| Error::Serve { addr, source })?;
+        tasks.0.push(task);
+        info!(addr = %bound, "serving /metrics, /healthz and /readyz");
     }
     let leadership = match &config.leader {
         Some(leader) => Leadership::elect(client.clone(), leader).await?,

@@ -4,8 +4,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
 use hugepool_operator::{Config, LeaderConfig};
+use hugepool_runtime::{LogFormat, init_logging, kube_client, shutdown_signal};
 
 #[derive(Parser, Debug)]
 #[command(name = "hugepool-operator", version, about)]
@@ -33,7 +34,7 @@ struct UninstallArgs {
     #[arg(long, default_value = "hugepool-operator")]
     deployment: String,
     /// How long the operator's pods may take to exit (Go duration).
-    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    #[arg(long, default_value = "2m", value_parser = hugepool_runtime::duration_arg)]
     timeout: Duration,
     #[arg(long, env = "HUGEPOOL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -42,12 +43,12 @@ struct UninstallArgs {
 #[derive(Args, Debug)]
 struct RunArgs {
     /// Address of /metrics, /healthz and /readyz.
-    #[arg(long, env = "HUGEPOOL_LISTEN", default_value = "0.0.0.0:8080")]
+    #[arg(long, env = "HUGEPOOL_LISTEN", default_value = "[::]:8080")]
     listen: SocketAddr,
     #[command(flatten)]
     leader: LeaderArgs,
     /// Re-plan at least this often without events (Go duration).
-    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, default_value = "5m", value_parser = hugepool_runtime::duration_arg)]
     resync: Duration,
     #[arg(long, env = "HUGEPOOL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -67,63 +68,11 @@ struct LeaderArgs {
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
     /// How long a Lease holds after its last renewal (Go duration).
-    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    #[arg(long, default_value = "15s", value_parser = hugepool_runtime::duration_arg)]
     lease_duration: Duration,
     /// How long before expiry the holder renews (Go duration).
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = hugepool_runtime::duration_arg)]
     lease_grace: Duration,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    hugepool_crds::duration::parse(text).map_err(|e| e.to_string())
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut terminate =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(signal) => signal,
-                Err(_) => {
-                    let _ = interrupt.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = interrupt => {}
-            _ = terminate.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = interrupt.await;
-}
-
-async fn client() -> anyhow::Result<kube::Client> {
-    let mut kube_config = kube::Config::infer()
-        .await
-        .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
-    // An eviction a PodDisruptionBudget refuses is a 429 that must come back
-    // at once (the drain backs off itself); kube's default retry would repeat
-    // it for minutes inside the call and hold up every reconcile.
-    kube_config.default_retry = false;
-    kube::Client::try_from(kube_config).context("building the Kubernetes client")
 }
 
 #[tokio::main]
@@ -135,13 +84,13 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn uninstall(args: UninstallArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    init_logging(args.log_format, "info");
     let config = hugepool_operator::uninstall::UninstallConfig {
         namespace: args.namespace,
         deployment: args.deployment,
         timeout: args.timeout,
     };
-    let report = hugepool_operator::uninstall::uninstall(client().await?, &config)
+    let report = hugepool_operator::uninstall::uninstall(kube_client().await?, &config)
         .await
         .context("uninstalling")?;
     println!(
@@ -157,7 +106,7 @@ async fn uninstall(args: UninstallArgs) -> anyhow::Result<()> {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    init_logging(args.log_format);
+    init_logging(args.log_format, "info");
     let identity = args
         .leader
         .identity
@@ -177,7 +126,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         resync: args.resync,
         ..Config::default()
     };
-    hugepool_operator::run(client().await?, config, shutdown_signal())
+    hugepool_operator::run(kube_client().await?, config, shutdown_signal())
         .await
         .context("running the operator")
 }

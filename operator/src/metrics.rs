@@ -5,11 +5,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
-use axum::routing::get;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -192,7 +187,8 @@ impl Metrics {
     }
 }
 
-/// What the HTTP endpoints read.
+/// What the HTTP endpoints read (`/healthz` is always ok: the watches and
+/// the controller restart themselves; `/readyz` waits for the caches).
 #[derive(Clone)]
 pub struct Health {
     pub metrics: Arc<Metrics>,
@@ -201,29 +197,20 @@ pub struct Health {
     pub ready: Arc<AtomicBool>,
 }
 
-/// `/metrics`, `/healthz` and `/readyz`.
-pub fn router(health: Health) -> Router {
-    Router::new()
-        .route("/metrics", get(serve_metrics))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(serve_ready))
-        .with_state(health)
-}
+impl hugepool_runtime::Probes for Health {
+    fn metrics(&self) -> String {
+        self.metrics.encode()
+    }
 
-async fn serve_metrics(State(health): State<Health>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        health.metrics.encode(),
-    )
-}
+    fn live(&self) -> Result<(), String> {
+        Ok(())
+    }
 
-async fn serve_ready(State(health): State<Health>) -> impl IntoResponse {
-    if health.ready.load(Ordering::Relaxed) {
-        (StatusCode::OK, "ready")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "caches not synced")
+    fn ready(&self) -> Result<(), String> {
+        if self.ready.load(Ordering::Relaxed) {
+            Ok(())
+        } else {
+            Err("caches not synced".into())
+        }
     }
 }

@@ -359,7 +359,13 @@ mod tests {
             Restart::WaitRetry(Duration::from_secs(10))
         );
         assert_eq!(
-            kubelet_restart(true, true, &pools(64), &failed, now + Duration::from_secs(10)),
+            kubelet_restart(
+                true,
+                true,
+                &pools(64),
+                &failed,
+                now + Duration::from_secs(10)
+            ),
             Restart::Due
         );
         assert_eq!(
@@ -382,7 +388,10 @@ mod tests {
             Duration::from_secs(2)
         );
         assert_eq!(
-            next_wake([Wake::After(Duration::from_millis(500)), Wake::Blocked], &waits),
+            next_wake(
+                [Wake::After(Duration::from_millis(500)), Wake::Blocked],
+                &waits
+            ),
             Duration::from_millis(500)
         );
     }
@@ -396,21 +405,23 @@ mod tests {
             0u64..4,
             0u64..20,
         )
-            .prop_map(|(reports, restarted, failed, restarting, node_pages, now_s)| {
-                let view = KubeletView {
-                    capacity: reports.map(|pages| kubelet_reports(pages).capacity.unwrap()),
-                    restarted_for: restarted.map(pools),
-                    failure: failed.map(|(pages, at)| RestartFailure {
-                        pools: pools(pages),
-                        attempts: 1,
-                        message: String::new(),
-                        retry_at: base() + Duration::from_secs(at),
-                    }),
-                    restarts_disabled: false,
-                    restarting,
-                };
-                (view, node_pages, now_s)
-            })
+            .prop_map(
+                |(reports, restarted, failed, restarting, node_pages, now_s)| {
+                    let view = KubeletView {
+                        capacity: reports.map(|pages| kubelet_reports(pages).capacity.unwrap()),
+                        restarted_for: restarted.map(pools),
+                        failure: failed.map(|(pages, at)| RestartFailure {
+                            pools: pools(pages),
+                            attempts: 1,
+                            message: String::new(),
+                            retry_at: base() + Duration::from_secs(at),
+                        }),
+                        restarts_disabled: false,
+                        restarting,
+                    };
+                    (view, node_pages, now_s)
+                },
+            )
     }
 
     fn base() -> Instant {

@@ -1,7 +1,7 @@
 //! The resize loop: one pass over every target of the node, each resize run
 //! by the engine and followed through spec changes, its outcome recorded.
 
-use super::decide::{Action, Restart, Wake, Waits, decide, kubelet_restart, next_wake};
+use super::decide::{Action, Restart, Waits, Wake, decide, kubelet_restart, next_wake};
 use super::*;
 
 /// What the resize loop works with; `run` builds it.
