@@ -999,3 +999,139 @@ async fn release_deletion_returns_every_node_to_zero_before_the_pool_goes() {
     drop(watch);
     fleet.shutdown().await;
 }
+
+/// Per-NUMA pools on nodes whose NUMA nodes each have memory of their own:
+/// a Spread pool reaches an even split on every NUMA node, and the one node
+/// whose second NUMA node is too small is failed for that NUMA node alone
+/// (the others converge); an Explicit pool reaches its exact split, and the
+/// node without the NUMA node it names fails alone and is not written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numa_pools_reach_each_numa_nodes_own_share_and_fail_only_where_one_cannot() {
+    let Some(env) = setup().await else { return };
+    // Nodes 0-3 "spread", 4-5 "explicit". Node 3's NUMA node 1 has 1 GiB:
+    // room for at most 512 x 2Mi of its 1024. Node 5 has one NUMA node.
+    let spec = FleetSpec::new(6)
+        .label_nodes(0..4, ROLE_LABEL, "spread")
+        .label_nodes(4..6, ROLE_LABEL, "explicit")
+        .numa_nodes(0..3, &[8 * support::GIB, 8 * support::GIB])
+        .numa_nodes(3..4, &[8 * support::GIB, support::GIB])
+        .numa_nodes(4..5, &[8 * support::GIB, 8 * support::GIB]);
+    let mut fleet = Fleet::start(&env, "numa", spec).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+
+    let spread = format!("{scope}-spread");
+    let mut spread_spec = pool_spec(&scope, "spread", 2048, json!("100%"));
+    spread_spec["numa"] = json!({"policy": "Spread"});
+    fleet.create_pool(&spread, spread_spec).await;
+    let explicit = format!("{scope}-explicit");
+    let mut explicit_spec = pool_spec(&scope, "explicit", 400, json!("100%"));
+    explicit_spec["numa"] = json!({
+        "policy": "Explicit",
+        "nodes": [{"id": 0, "pages": 100}, {"id": 1, "pages": 300}],
+    });
+    fleet.create_pool(&explicit, explicit_spec).await;
+
+    let short = fleet.node_name(3);
+    let spread_done = fleet
+        .wait_pool(&spread, "Degraded", "True", Duration::from_secs(90), |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 3 && status.nodes.failed == 1)
+                .then_some(())
+                .ok_or(format!("{:?}", status.nodes))
+        })
+        .await;
+    let failed: Vec<(String, String)> = status_of(&spread_done)
+        .failed_nodes
+        .iter()
+        .map(|f| (f.name.clone(), f.reason.clone()))
+        .collect();
+    assert_eq!(failed, [(short.clone(), "AllocationFailed".to_string())]);
+    for index in 0..3 {
+        let name = fleet.node_name(index);
+        assert_eq!(
+            fleet.node(&name).numa_pages_2mi(),
+            [(0, 1024), (1, 1024)],
+            "{name}"
+        );
+    }
+    // The short NUMA node got what fits in its 1 GiB; its sibling reached
+    // its own share.
+    let numa = fleet.node(&short).numa_pages_2mi();
+    assert_eq!(numa[0], (0, 1024), "{short}: {numa:?}");
+    assert!(numa[1].1 <= 512, "{short}: {numa:?}");
+    let state = fleet.node_state(&short).await;
+    let status = state.status.clone().unwrap_or_default();
+    let failed = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "AllocationFailed")
+        .expect("AllocationFailed condition");
+    assert_eq!(failed.status, "True", "{failed:?}");
+    assert!(
+        failed.message.contains("2Mi NUMA node 1: requested 1024"),
+        "names the NUMA node: {}",
+        failed.message
+    );
+
+    let whole = fleet.node_name(4);
+    let single = fleet.node_name(5);
+    let explicit_done = fleet
+        .wait_pool(
+            &explicit,
+            "Degraded",
+            "True",
+            Duration::from_secs(90),
+            |p| {
+                let status = status_of(p);
+                (status.nodes.converged == 1 && status.nodes.failed == 1)
+                    .then_some(())
+                    .ok_or(format!("{:?}", status.nodes))
+            },
+        )
+        .await;
+    // The operator learns from the agent's report that the node has no NUMA
+    // node 1 (its first target went out before that report: the agent
+    // refuses it as InvalidTarget and touches nothing).
+    let failed: Vec<(String, String, String)> = status_of(&explicit_done)
+        .failed_nodes
+        .iter()
+        .map(|f| (f.name.clone(), f.reason.clone(), f.message.clone()))
+        .collect();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(
+        (&failed[0].0, failed[0].1.as_str()),
+        (&single, "InvalidSpec")
+    );
+    assert!(failed[0].2.contains('1'), "names the NUMA node: {failed:?}");
+    let agent_says = wait_for(
+        "the agent to refuse the target",
+        Duration::from_secs(30),
+        || {
+            let fleet = &fleet;
+            let single = &single;
+            async move {
+                let state = fleet.node_state(single).await;
+                let conditions = state.status.map(|s| s.conditions).unwrap_or_default();
+                conditions
+                    .iter()
+                    .find(|c| c.reason == "InvalidTarget")
+                    .map(|c| c.message.clone())
+                    .ok_or(format!("{conditions:?}"))
+            }
+        },
+    )
+    .await;
+    assert!(agent_says.contains("NUMA node 1"), "{agent_says}");
+    assert_eq!(
+        fleet.node(&whole).numa_pages_2mi(),
+        [(0, 100), (1, 300)],
+        "{whole}"
+    );
+    assert_eq!(
+        fleet.node(&single).pages_2mi(),
+        (0, 0),
+        "{single} untouched"
+    );
+    fleet.shutdown().await;
+}

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use hugepool_agent::agent::metrics::Metrics as AgentMetrics;
 use hugepool_agent::agent::{AgentConfig, Shared};
-use hugepool_agent::kernel::{Kernel, SimConfig, SimulatedKernel};
+use hugepool_agent::kernel::{Kernel, SimConfig, SimNode as SimNodeConfig, SimulatedKernel};
 use hugepool_crds::{HugePageNode, HugePagePool, PageSize};
 use hugepool_e2e::TestEnv;
 use hugepool_operator::{Config as OperatorConfig, LeaderConfig};
@@ -85,6 +85,16 @@ impl SimNode {
     pub fn pages_2mi(&self) -> (u64, u64) {
         let counts = self.kernel.pool(MI2).expect("simulated 2Mi pool");
         (counts.persistent(), counts.surplus)
+    }
+
+    /// Persistent 2Mi pages on each NUMA node, by id.
+    pub fn numa_pages_2mi(&self) -> Vec<(u32, u64)> {
+        self.kernel
+            .numa_pools(MI2)
+            .expect("simulated NUMA pools")
+            .iter()
+            .map(|n| (n.node, n.persistent()))
+            .collect()
     }
 }
 
@@ -153,6 +163,9 @@ pub struct FleetSpec {
     pub memory_bytes: u64,
     /// Memory of single nodes, by index, instead of `memory_bytes`.
     pub node_memory: BTreeMap<usize, u64>,
+    /// NUMA nodes of single nodes, by index: each one's memory (one NUMA
+    /// node of the node's memory otherwise).
+    pub numa_memory: BTreeMap<usize, Vec<u64>>,
 }
 
 impl FleetSpec {
@@ -163,6 +176,7 @@ impl FleetSpec {
             node_labels: BTreeMap::new(),
             memory_bytes: 16 * GIB,
             node_memory: BTreeMap::new(),
+            numa_memory: BTreeMap::new(),
         }
     }
 
@@ -173,6 +187,15 @@ impl FleetSpec {
                 .entry(index)
                 .or_default()
                 .insert(key.into(), value.into());
+        }
+        self
+    }
+
+    /// Gives nodes `indexes` one NUMA node per entry of `memory`, each with
+    /// that much memory of its own.
+    pub fn numa_nodes(mut self, indexes: std::ops::Range<usize>, memory: &[u64]) -> Self {
+        for index in indexes {
+            self.numa_memory.insert(index, memory.to_vec());
         }
         self
     }
@@ -228,6 +251,12 @@ impl Fleet {
         for (index, name) in names.into_iter().enumerate() {
             let memory = spec.node_memory.get(&index).copied();
             let mut sim = SimConfig::single_node(memory.unwrap_or(spec.memory_bytes));
+            if let Some(numa) = spec.numa_memory.get(&index) {
+                sim.nodes = numa
+                    .iter()
+                    .map(|&bytes| SimNodeConfig::unfragmented(bytes))
+                    .collect();
+            }
             sim.time_scale = TIME_SCALE;
             let kernel = SimulatedKernel::new(sim);
             fleet.nodes.push(start_agent(&client, &name, kernel));
