@@ -95,12 +95,15 @@ async fn a_few_1gi_pages_grow_and_shrink() {
         eprintln!("skipping: the kernel offers no 1Gi pages");
         return;
     }
-    // Whether 1 GiB of contiguous memory exists depends on the machine's
-    // state (the development machines have room for at most two such blocks
-    // and, with builds running, sometimes none). So: either the engine
-    // reaches two pages exactly, or it compacts, retries and reports exactly
-    // what it got as a fragmentation shortfall. Either way the shrink to 0 is
-    // exact.
+    // Whether a free, 1 GiB-aligned range without unmovable pages exists
+    // depends on the machine's history (docs/kernel.md: after hours of
+    // builds this VM had none with 23.9 GiB free, dropped caches and
+    // compaction; fresh it had 8). So: either the engine reaches two pages
+    // exactly, or it compacts, retries, reports exactly what it got as a
+    // shortfall, and the naive way (one write after a compaction) gets no
+    // more. Either way the shrink to 0 is exact.
+    std::fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches");
+    real.kernel.compact(PoolScope::Global).expect("compact memory");
     let (summary, _) = run_engine(
         real.shared(),
         target(gi, 2, PoolScope::Global),
@@ -122,6 +125,15 @@ async fn a_few_1gi_pages_grow_and_shrink() {
             eprintln!("only {achieved} x 1Gi could be allocated now: {summary:?}");
             assert_eq!(pool.persistent(), achieved);
             assert_eq!(summary.compactions, quick().retries);
+            real.kernel.compact(PoolScope::Global).expect("compact memory");
+            real.kernel
+                .write_pool(gi, PoolScope::Global, 2)
+                .expect("write nr_hugepages");
+            let direct = real.kernel.pool(gi).expect("read 1Gi pool").persistent();
+            assert!(
+                direct <= achieved,
+                "one write got {direct} x 1Gi where the engine stopped at {achieved}"
+            );
         }
         other => panic!("unexpected outcome {other:?}"),
     }
@@ -310,6 +322,11 @@ async fn growth_under_a_memory_hog_stops_at_the_guard() {
         return;
     };
     let guard = 6 * GIB;
+    // MemAvailable counts page cache a hugetlb allocation may not reclaim in
+    // time (builds on the same machine refill it); without it the guard is
+    // the limit that binds, which is what this test is about.
+    std::fs::write("/proc/sys/vm/drop_caches", "1").expect("drop the page cache");
+    real.kernel.compact(PoolScope::Global).expect("compact memory");
     let available = real.kernel.meminfo().expect("meminfo").available_bytes;
     // Leave room for about 2 GiB of pages above the guard, then ask for
     // 2 GiB more than what is left once the hog holds its memory.
@@ -361,30 +378,17 @@ async fn growth_under_a_memory_hog_stops_at_the_guard() {
         panic!("expected a shortfall: {summary:?}");
     };
     assert_eq!(requested, wanted);
-    // Which limit binds first depends on the kernel: the guard, or the
-    // kernel returning fewer pages than MemAvailable promised (it counts page
-    // cache it may not reclaim for huge pages), reported as Fragmented.
-    assert!(
-        matches!(
-            reason,
-            ShortfallReason::MemoryGuard
-                | ShortfallReason::Fragmented
-                | ShortfallReason::InsufficientMemory
-        ),
-        "{reason:?}: {summary:?}"
-    );
+    assert_eq!(reason, ShortfallReason::MemoryGuard, "{summary:?}");
     assert!(achieved > 0 && achieved < wanted, "achieved {achieved}");
-    if reason == ShortfallReason::MemoryGuard {
-        // Stopped because the next step would cross the guard: it went as
-        // far as the guard and its headroom allowed.
-        let last = samples.last().copied().unwrap_or(0);
-        let slack = hugepool_agent::resize::planner::guard_headroom(guard) + (256 << 20);
-        assert!(
-            last < guard + slack,
-            "stopped with {} MiB still available above the guard",
-            (last - guard) >> 20
-        );
-    }
+    // Stopped because the next step would cross the guard: it went as far as
+    // the guard and its headroom allowed.
+    let last = samples.last().copied().unwrap_or(0);
+    let slack = hugepool_agent::resize::planner::guard_headroom(guard) + (256 << 20);
+    assert!(
+        last < guard + slack,
+        "stopped with {} MiB still available above the guard",
+        (last - guard) >> 20
+    );
     assert_eq!(real.pool().persistent(), achieved);
 }
 
