@@ -103,7 +103,9 @@ async fn a_few_1gi_pages_grow_and_shrink() {
     // shortfall, and the naive way (one write after a compaction) gets no
     // more. Either way the shrink to 0 is exact.
     std::fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches");
-    real.kernel.compact(PoolScope::Global).expect("compact memory");
+    real.kernel
+        .compact(PoolScope::Global)
+        .expect("compact memory");
     let (summary, _) = run_engine(
         real.shared(),
         target(gi, 2, PoolScope::Global),
@@ -125,7 +127,9 @@ async fn a_few_1gi_pages_grow_and_shrink() {
             eprintln!("only {achieved} x 1Gi could be allocated now: {summary:?}");
             assert_eq!(pool.persistent(), achieved);
             assert_eq!(summary.compactions, quick().retries);
-            real.kernel.compact(PoolScope::Global).expect("compact memory");
+            real.kernel
+                .compact(PoolScope::Global)
+                .expect("compact memory");
             real.kernel
                 .write_pool(gi, PoolScope::Global, 2)
                 .expect("write nr_hugepages");
@@ -326,7 +330,9 @@ async fn growth_under_a_memory_hog_stops_at_the_guard() {
     // time (builds on the same machine refill it); without it the guard is
     // the limit that binds, which is what this test is about.
     std::fs::write("/proc/sys/vm/drop_caches", "1").expect("drop the page cache");
-    real.kernel.compact(PoolScope::Global).expect("compact memory");
+    real.kernel
+        .compact(PoolScope::Global)
+        .expect("compact memory");
     let available = real.kernel.meminfo().expect("meminfo").available_bytes;
     // Leave room for about 2 GiB of pages above the guard, then ask for
     // 2 GiB more than what is left once the hog holds its memory.
