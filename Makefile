@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CONTROLPLANE_DIR := e2e/controlplane
 
-.PHONY: all build test lint fmt crds manifests controlplane images bench demo clean
+.PHONY: all build test lint fmt crds manifests controlplane images bench bench-fleet demo clean
 
 all: build
 
@@ -45,6 +45,10 @@ images:
 ## Side-by-side benchmark of the resize engine against one write and fixed steps (real kernel, root).
 bench:
 	HUGEPOOL_BENCH_REPS=$${HUGEPOOL_BENCH_REPS:-7} $(CARGO) bench -p hugepool-agent --bench resize
+
+## The operator at fleet size: N Nodes on a real control plane, simulated agents (HUGEPOOL_FLEET_NODES).
+bench-fleet: controlplane
+	HUGEPOOL_FLEET_NODES=$${HUGEPOOL_FLEET_NODES:-2000,10000} $(CARGO) bench -p hugepool-operator --bench fleet
 
 ## A local control plane, the operator and an agent on this machine's kernel (root).
 demo:

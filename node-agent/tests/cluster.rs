@@ -1008,8 +1008,13 @@ async fn api_server_down_mid_resize_the_kernel_still_reaches_the_target() {
     let mut own = OwnedControlPlane::start(&dir).expect("a private control plane");
     let client = own.control_plane.client().await.expect("client");
     install_crds(client.clone()).await.expect("CRDs");
-    // Pauses of a second between small steps: the resize lasts several seconds.
-    let slow = slow_entry(1600);
+    // Pauses of 2 s between steps of a 5 ms budget: about ten steps, so the
+    // resize outlasts the outage's start; a 1 ms budget made steps so small
+    // on a loaded machine (a write's fixed cost is 0.3 ms) that 1600 pages
+    // took minutes.
+    let mut slow = slow_entry(1600);
+    slow.resize.max_step_duration = "5ms".into();
+    slow.resize.step_pause = "2s".into();
     let name = unique_name("agent-outage");
     create_node(&client, &name, "0", vec![slow]).await;
     let agent = AgentProcess::start(&own.control_plane.kubeconfig, &name, &[]);
@@ -1026,7 +1031,8 @@ async fn api_server_down_mid_resize_the_kernel_still_reaches_the_target() {
     let down_at = sysfs("nr_hugepages");
     own.kill();
     assert!(down_at < 1600, "the resize had finished before the outage");
-    let deadline = Instant::now() + Duration::from_secs(90);
+    // Waits for the state, with room for a loaded 2-core machine.
+    let deadline = Instant::now() + Duration::from_secs(300);
     while sysfs("nr_hugepages") != 1600 {
         assert!(
             Instant::now() < deadline,

@@ -1,0 +1,548 @@
+//! `make bench-fleet`: the operator at fleet size on the project's own real
+//! control plane (docs/design.md, "Fleet scale").
+//!
+//! For each fleet size N: a control plane of its own, N minimal Node
+//! objects (no status), the operator's release binary as a process of its
+//! own, and simulated agents in this process that report each new target
+//! converged `HUGEPOOL_FLEET_AGENT_DELAY` (1 s) after they see it. Then:
+//!
+//! 1. a pool selecting every node at maxUnavailable 100% is applied: time
+//!    until every HugePageNode carries its target;
+//! 2. its `pages` change: time until every node carries the new target, and
+//!    the operator's API writes per node for the change (counted by the
+//!    apiserver, `apiserver_request_total`, all kinds but the agents'
+//!    `hugepagenodes/status`);
+//! 3. a rollout at maxUnavailable 10%: time until the pool is Available
+//!    against the ideal (waves x agent delay).
+//!
+//! Prints one table with the operator's peak RSS (VmHWM), CPU seconds and
+//! CPU per reconcile pass. Environment: HUGEPOOL_FLEET_NODES (default
+//! "2000,10000"), HUGEPOOL_FLEET_AGENT_DELAY (Go duration, default 1s).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt};
+use hugepool_crds::conditions::find_condition;
+use hugepool_crds::{AGENT_MANAGER, HugePageNode, HugePagePool, PageSize};
+use hugepool_e2e::{OwnedControlPlane, install_crds};
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::Semaphore;
+
+const POOL: &str = "bench";
+/// Simulated agents' writes in flight at once (a real fleet has one agent
+/// per node; this bounds the bench process, not the operator).
+const AGENT_WRITES_IN_FLIGHT: usize = 64;
+
+struct Row {
+    nodes: usize,
+    apply: Duration,
+    change: Duration,
+    rollout: Duration,
+    ideal: Duration,
+    writes_per_node: f64,
+    peak_rss_mib: f64,
+    cpu: Duration,
+    passes: u64,
+}
+
+/// What the bench reads of every HugePageNode: the target it carries.
+#[derive(Default)]
+struct Targets {
+    by_node: HashMap<String, i64>,
+}
+
+impl Targets {
+    fn count(&self, pages: i64) -> usize {
+        self.by_node.values().filter(|p| **p == pages).count()
+    }
+}
+
+fn target_of(state: &HugePageNode) -> Option<i64> {
+    state
+        .spec
+        .page_sizes
+        .iter()
+        .find(|e| e.pool == POOL)
+        .map(|e| e.pages)
+}
+
+/// The status an agent writes once the kernel holds `pages`.
+fn converged_status(state: &HugePageNode, pages: i64) -> serde_json::Value {
+    let generation = state.metadata.generation.unwrap_or(0);
+    let now = jiff::Timestamp::now().to_string();
+    json!({
+        "apiVersion": "hugepool.dev/v1alpha1",
+        "kind": "HugePageNode",
+        "status": {
+            "observedGeneration": generation,
+            "pageSizes": [{
+                "size": PageSize::SIZE_2MI,
+                "target": pages,
+                "total": pages,
+                "free": pages,
+                "reserved": 0,
+                "surplus": 0,
+                "inUse": 0,
+            }],
+            "conditions": [{
+                "type": "Converged",
+                "status": "True",
+                "reason": "AtTarget",
+                "message": format!("2Mi: {pages}/{pages} pages"),
+                "observedGeneration": generation,
+                "lastTransitionTime": now,
+            }],
+        },
+    })
+}
+
+/// Simulated agents: every HugePageNode whose spec generation has not been
+/// reported is reported converged `delay` after it is first seen.
+fn start_agents(client: Client, delay: Duration, targets: Arc<Mutex<Targets>>) {
+    tokio::spawn(async move {
+        let api: Api<HugePageNode> = Api::all(client);
+        let slots = Arc::new(Semaphore::new(AGENT_WRITES_IN_FLIGHT));
+        let mut scheduled: HashMap<String, i64> = HashMap::new();
+        let mut events = watcher(api.clone(), watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        while let Some(event) = events.next().await {
+            let Ok(event) = event else { continue };
+            let objects: Vec<HugePageNode> = match event {
+                watcher::Event::Apply(o) | watcher::Event::InitApply(o) => vec![o],
+                _ => continue,
+            };
+            for state in objects {
+                let name = state.name_any();
+                let generation = state.metadata.generation.unwrap_or(0);
+                if let Some(pages) = target_of(&state) {
+                    targets
+                        .lock()
+                        .expect("targets")
+                        .by_node
+                        .insert(name.clone(), pages);
+                }
+                let reported = state
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.observed_generation)
+                    .unwrap_or(0);
+                if reported >= generation || scheduled.get(&name) == Some(&generation) {
+                    continue;
+                }
+                let Some(pages) = target_of(&state) else {
+                    continue;
+                };
+                scheduled.insert(name.clone(), generation);
+                let (api, slots) = (api.clone(), slots.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let _slot = slots.acquire().await.expect("semaphore");
+                    let params = PatchParams::apply(AGENT_MANAGER).force();
+                    let status = converged_status(&state, pages);
+                    for _ in 0..5 {
+                        if api
+                            .patch_status(&name, &params, &Patch::Apply(&status))
+                            .await
+                            .is_ok()
+                        {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                });
+            }
+        }
+    });
+}
+
+/// The operator's release binary, run against `kubeconfig`.
+struct Operator {
+    child: Child,
+    metrics_port: u16,
+}
+
+impl Operator {
+    fn start(kubeconfig: &Path, log: &Path) -> Operator {
+        let port = free_port();
+        let log = std::fs::File::create(log).expect("operator log");
+        let child = Command::new(env!("CARGO_BIN_EXE_hugepool-operator"))
+            .args(["run", "--listen", &format!("127.0.0.1:{port}")])
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start hugepool-operator");
+        Operator {
+            child,
+            metrics_port: port,
+        }
+    }
+
+    fn proc_file(&self, name: &str) -> String {
+        std::fs::read_to_string(format!("/proc/{}/{name}", self.child.id())).unwrap_or_default()
+    }
+
+    /// Peak resident set (VmHWM) in MiB.
+    fn peak_rss_mib(&self) -> f64 {
+        self.proc_file("status")
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .map_or(0.0, |kb| kb / 1024.0)
+    }
+
+    /// User + system CPU time so far.
+    fn cpu(&self) -> Duration {
+        let stat = self.proc_file("stat");
+        // Fields after the command name (which may hold spaces).
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, rest)| rest)
+            .split_whitespace()
+            .collect();
+        let ticks: u64 = [11, 12]
+            .iter()
+            .filter_map(|i| fields.get(*i).and_then(|f| f.parse::<u64>().ok()))
+            .sum();
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        Duration::from_secs_f64(ticks as f64 / hz)
+    }
+
+    /// `hugepool_reconciles_total` from its /metrics.
+    fn reconciles(&self) -> u64 {
+        let text = http_get(self.metrics_port, "/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix("hugepool_reconciles_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let mut text = String::new();
+    if stream.write_all(request.as_bytes()).is_ok() {
+        let _ = stream.read_to_string(&mut text);
+    }
+    text
+}
+
+/// Mutating requests the apiserver has served, by resource/subresource,
+/// from its own `apiserver_request_total`.
+async fn apiserver_writes(client: &Client) -> BTreeMap<String, f64> {
+    let request = http::Request::get("/metrics")
+        .body(Vec::new())
+        .expect("request");
+    let text = client.request_text(request).await.unwrap_or_default();
+    let mut writes = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let label = |name: &str| {
+            labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(&format!("{name}=\"")))
+                .map(|v| v.trim_end_matches('"').to_string())
+                .unwrap_or_default()
+        };
+        let verb = label("verb");
+        if ![
+            "POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE",
+        ]
+        .contains(&verb.to_uppercase().as_str())
+        {
+            continue;
+        }
+        let key = match label("subresource") {
+            sub if sub.is_empty() => label("resource"),
+            sub => format!("{}/{sub}", label("resource")),
+        };
+        *writes.entry(key).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+    }
+    writes
+}
+
+/// The operator's share of the writes between two readings: everything but
+/// the simulated agents' status writes and the bench's own Node creates
+/// and pool patches.
+fn operator_writes(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>) -> f64 {
+    after
+        .iter()
+        .filter(|(key, _)| {
+            !matches!(
+                key.as_str(),
+                "hugepagenodes/status" | "hugepagepools" | "nodes" | "leases"
+            )
+        })
+        .map(|(key, value)| value - before.get(key).copied().unwrap_or(0.0))
+        .sum()
+}
+
+async fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> Result<(), String>) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match done() {
+            Ok(()) => return,
+            Err(last) if Instant::now() > deadline => {
+                panic!("timed out after {timeout:?} waiting for {what}; last: {last}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+async fn pool_available(api: &Api<HugePagePool>, generation: i64) -> Result<(), String> {
+    let pool = api.get(POOL).await.map_err(|e| e.to_string())?;
+    let status = pool.status.unwrap_or_default();
+    let available = find_condition(
+        &status.conditions,
+        hugepool_crds::PoolConditionType::Available,
+    )
+    .is_some_and(|c| c.status == "True" && c.observed_generation == Some(generation));
+    if available {
+        Ok(())
+    } else {
+        Err(format!("nodes {:?}", status.nodes))
+    }
+}
+
+async fn wait_available(api: &Api<HugePagePool>, generation: i64, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match pool_available(api, generation).await {
+            Ok(()) => return,
+            Err(last) if Instant::now() > deadline => {
+                panic!(
+                    "timed out after {timeout:?} waiting for the pool to be Available; last: {last}"
+                )
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+async fn create_nodes(client: &Client, nodes: usize) {
+    let api: Api<Node> = Api::all(client.clone());
+    futures::stream::iter(0..nodes)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let node: Node = serde_json::from_value(json!({
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {"name": format!("node-{i:05}"), "labels": {"bench": "true"}},
+                }))
+                .expect("Node object");
+                api.create(&PostParams::default(), &node).await.map(|_| ())
+            }
+        })
+        .buffer_unordered(64)
+        .try_collect::<Vec<()>>()
+        .await
+        .expect("create Nodes");
+}
+
+async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
+    let dir = root.join(nodes.to_string());
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("bench dir");
+    let control_plane = OwnedControlPlane::start(&dir).expect("control plane");
+    let client = control_plane.control_plane.client().await.expect("client");
+    install_crds(client.clone()).await.expect("CRDs");
+    let started = Instant::now();
+    create_nodes(&client, nodes).await;
+    eprintln!("{nodes} Nodes created in {:.1?}", started.elapsed());
+
+    let targets = Arc::new(Mutex::new(Targets::default()));
+    start_agents(client.clone(), delay, targets.clone());
+    let operator = Operator::start(
+        &control_plane.control_plane.kubeconfig,
+        &dir.join("operator.log"),
+    );
+    let pools: Api<HugePagePool> = Api::all(client.clone());
+    let all_carry = |pages: i64| {
+        let targets = targets.clone();
+        move || {
+            let count = targets.lock().expect("targets").count(pages);
+            (count == nodes)
+                .then_some(())
+                .ok_or(format!("{count}/{nodes} nodes carry {pages}"))
+        }
+    };
+    // Let the operator sync its watches before the clock starts.
+    wait_until("the operator's /readyz", Duration::from_secs(120), || {
+        http_get(operator.metrics_port, "/readyz")
+            .starts_with("HTTP/1.1 200")
+            .then_some(())
+            .ok_or_default()
+    })
+    .await;
+    let budget = Duration::from_secs(600);
+
+    // 1. Apply at maxUnavailable 100%.
+    let spec = json!({
+        "nodeSelector": {"matchLabels": {"bench": "true"}},
+        "pageSize": "2Mi",
+        "pages": 64,
+        "rollout": {"maxUnavailable": "100%"},
+    });
+    let pool: HugePagePool = serde_json::from_value(json!({
+        "apiVersion": "hugepool.dev/v1alpha1",
+        "kind": "HugePagePool",
+        "metadata": {"name": POOL},
+        "spec": spec,
+    }))
+    .expect("pool");
+    let t = Instant::now();
+    let created = pools
+        .create(&PostParams::default(), &pool)
+        .await
+        .expect("create pool");
+    wait_until("every node to carry 64", budget, all_carry(64)).await;
+    let apply = t.elapsed();
+    wait_available(&pools, created.metadata.generation.unwrap_or(1), budget).await;
+
+    // 2. Change pages.
+    let before = apiserver_writes(&client).await;
+    let t = Instant::now();
+    let changed = pools
+        .patch(
+            POOL,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"pages": 128}})),
+        )
+        .await
+        .expect("patch pages");
+    wait_until("every node to carry 128", budget, all_carry(128)).await;
+    let change = t.elapsed();
+    wait_available(&pools, changed.metadata.generation.unwrap_or(2), budget).await;
+    let writes = operator_writes(&before, &apiserver_writes(&client).await);
+
+    // 3. A rollout at 10%.
+    let passes_before = operator.reconciles();
+    let t = Instant::now();
+    let rolled = pools
+        .patch(
+            POOL,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"pages": 256, "rollout": {"maxUnavailable": "10%"}}})),
+        )
+        .await
+        .expect("patch rollout");
+    wait_available(&pools, rolled.metadata.generation.unwrap_or(3), budget).await;
+    let rollout = t.elapsed();
+    let per_wave = nodes.div_ceil(10);
+    let waves = nodes.div_ceil(per_wave) as u32;
+    let passes = operator.reconciles().saturating_sub(passes_before);
+
+    let row = Row {
+        nodes,
+        apply,
+        change,
+        rollout,
+        ideal: delay * waves,
+        writes_per_node: writes / nodes as f64,
+        peak_rss_mib: operator.peak_rss_mib(),
+        cpu: operator.cpu(),
+        passes: operator.reconciles(),
+    };
+    eprintln!(
+        "{nodes} nodes: rollout took {passes} passes; writes by resource: {:?}",
+        apiserver_writes(&client).await
+    );
+    drop(operator);
+    drop(control_plane);
+    row
+}
+
+trait OkOrDefault {
+    fn ok_or_default(self) -> Result<(), String>;
+}
+
+impl OkOrDefault for Option<()> {
+    fn ok_or_default(self) -> Result<(), String> {
+        self.ok_or_else(|| "not yet".to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let sizes: Vec<usize> = std::env::var("HUGEPOOL_FLEET_NODES")
+        .unwrap_or_else(|_| "2000,10000".into())
+        .split(',')
+        .filter_map(|n| n.trim().parse().ok())
+        .collect();
+    let delay = std::env::var("HUGEPOOL_FLEET_AGENT_DELAY")
+        .ok()
+        .and_then(|d| hugepool_crds::duration::parse(&d).ok())
+        .unwrap_or(Duration::from_secs(1));
+    if !hugepool_e2e::controlplane_bin_dir()
+        .join("controlplane")
+        .exists()
+    {
+        eprintln!("bench-fleet needs the control plane: run `make controlplane`");
+        return ExitCode::FAILURE;
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench-fleet");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut rows = Vec::new();
+    for nodes in sizes {
+        rows.push(runtime.block_on(measure(nodes, delay, &root)));
+    }
+    println!(
+        "| nodes | apply -> all targets | change -> all targets | rollout at 10% (ideal) | writes/node per change | operator peak RSS | operator CPU | CPU per pass |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for row in rows {
+        println!(
+            "| {} | {:.1} s | {:.1} s | {:.1} s ({:.1} s, {:.2}x) | {:.2} | {:.0} MiB | {:.1} s | {:.1} ms |",
+            row.nodes,
+            row.apply.as_secs_f64(),
+            row.change.as_secs_f64(),
+            row.rollout.as_secs_f64(),
+            row.ideal.as_secs_f64(),
+            row.rollout.as_secs_f64() / row.ideal.as_secs_f64(),
+            row.writes_per_node,
+            row.peak_rss_mib,
+            row.cpu.as_secs_f64(),
+            row.cpu.as_secs_f64() * 1e3 / row.passes.max(1) as f64,
+        );
+    }
+    ExitCode::SUCCESS
+}
