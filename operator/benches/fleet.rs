@@ -15,6 +15,8 @@
 //! 3. a rollout at maxUnavailable 10%: time until the pool is Available
 //!    against the ideal (waves x agent delay).
 //!
+//! Before the operator starts, a bare client applies N HugePageNodes the
+//! way the operator does (the apiserver's floor for the first pass).
 //! Prints one table with the operator's peak RSS (VmHWM), CPU seconds and
 //! CPU per reconcile pass. Environment: HUGEPOOL_FLEET_NODES (default
 //! "2000,10000"), HUGEPOOL_FLEET_AGENT_DELAY (Go duration, default 1s).
@@ -43,6 +45,7 @@ const AGENT_WRITES_IN_FLIGHT: usize = 64;
 
 struct Row {
     nodes: usize,
+    floor: Duration,
     apply: Duration,
     change: Duration,
     rollout: Duration,
@@ -375,6 +378,41 @@ async fn create_nodes(client: &Client, nodes: usize) {
         .expect("create Nodes");
 }
 
+/// The apiserver's own floor for the operator's first pass: a bare client
+/// applying N HugePageNodes shaped like the operator's, the same number in
+/// flight (then deleted in one call).
+async fn apiserver_floor(client: &Client, nodes: usize) -> Duration {
+    let api: Api<HugePageNode> = Api::all(client.clone());
+    let params = PatchParams::apply("bench-floor").force();
+    let started = Instant::now();
+    futures::stream::iter(0..nodes)
+        .map(|i| {
+            let (api, params) = (api.clone(), params.clone());
+            async move {
+                let name = format!("floor-{i:05}");
+                let body = json!({
+                    "apiVersion": "hugepool.dev/v1alpha1",
+                    "kind": "HugePageNode",
+                    "metadata": {"name": name, "labels": {"bench-floor": "true"}},
+                    "spec": {"pageSizes": [{"size": "2Mi", "pages": 64, "pool": POOL, "poolGeneration": 1}]},
+                });
+                api.patch(&name, &params, &Patch::Apply(&body)).await.map(|_| ())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await
+        .expect("floor writes");
+    let floor = started.elapsed();
+    api.delete_collection(
+        &kube::api::DeleteParams::default(),
+        &kube::api::ListParams::default().labels("bench-floor=true"),
+    )
+    .await
+    .expect("delete the floor's objects");
+    floor
+}
+
 async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
     let dir = root.join(nodes.to_string());
     let _ = std::fs::remove_dir_all(&dir);
@@ -386,6 +424,7 @@ async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
     create_nodes(&client, nodes).await;
     eprintln!("{nodes} Nodes created in {:.1?}", started.elapsed());
 
+    let floor = apiserver_floor(&client, nodes).await;
     let targets = Arc::new(Mutex::new(Targets::default()));
     start_agents(client.clone(), delay, targets.clone());
     let operator = Operator::start(
@@ -470,6 +509,7 @@ async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
 
     let row = Row {
         nodes,
+        floor,
         apply,
         change,
         rollout,
@@ -526,13 +566,14 @@ fn main() -> ExitCode {
         rows.push(runtime.block_on(measure(nodes, delay, &root)));
     }
     println!(
-        "| nodes | apply -> all targets | change -> all targets | rollout at 10% (ideal) | writes/node per change | operator peak RSS | operator CPU | CPU per pass |"
+        "| nodes | apiserver floor (N applies, 32 in flight) | apply -> all targets | change -> all targets | rollout at 10% (ideal) | writes/node per change | operator peak RSS | operator CPU | CPU per pass |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for row in rows {
         println!(
-            "| {} | {:.1} s | {:.1} s | {:.1} s ({:.1} s, {:.2}x) | {:.2} | {:.0} MiB | {:.1} s | {:.1} ms |",
+            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.1} s ({:.1} s, {:.2}x) | {:.2} | {:.0} MiB | {:.1} s | {:.1} ms |",
             row.nodes,
+            row.floor.as_secs_f64(),
             row.apply.as_secs_f64(),
             row.change.as_secs_f64(),
             row.rollout.as_secs_f64(),

@@ -6,7 +6,7 @@
 //! never admit nodes from different snapshots, and it plans from what this
 //! process last wrote when the watch has not caught up with it yet.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,7 +19,8 @@ use hugepool_crds::{
     HugePageNode, HugePagePool, NodeConditionType, OPERATOR_MANAGER, POOL_FINALIZER, PageSize,
 };
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod, Taint};
+use k8s_openapi::api::core::v1::{Node, NodeStatus, ObjectReference, Pod, Taint};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::core::{Selector, SelectorExt};
@@ -92,7 +93,7 @@ fn fresher<K: Resource + Clone>(
     keep_unseen: bool,
 ) -> Vec<K> {
     let mut objects = Vec::with_capacity(stored.len());
-    let mut seen = Vec::new();
+    let mut seen = std::collections::HashSet::with_capacity(stored.len());
     for object in stored {
         let name = object.meta().name.clone().unwrap_or_default();
         match written.get(&name) {
@@ -105,19 +106,74 @@ fn fresher<K: Resource + Clone>(
             }
             None => objects.push(object.as_ref().clone()),
         }
-        seen.push(name);
+        seen.insert(name);
     }
-    written
-        .retain(|name, (_, at)| seen.contains(name) || (keep_unseen && at.elapsed() < WRITTEN_TTL));
+    written.retain(|name, (_, at)| {
+        seen.contains(name.as_str()) || (keep_unseen && at.elapsed() < WRITTEN_TTL)
+    });
     if keep_unseen {
         objects.extend(
             written
                 .iter()
-                .filter(|(name, _)| !seen.contains(name))
+                .filter(|(name, _)| !seen.contains(name.as_str()))
                 .map(|(_, (object, _))| object.clone()),
         );
     }
     objects
+}
+
+/// Keeps of a Node what the operator reads: name, uid, labels, taints and
+/// the kubelet's `hugepages-*` capacity.
+pub fn slim_node(node: &mut Node) {
+    node.metadata.managed_fields = None;
+    node.metadata.annotations = None;
+    if let Some(status) = node.status.take() {
+        let hugepages = |resources: Option<BTreeMap<String, Quantity>>| {
+            resources.map(|r| {
+                r.into_iter()
+                    .filter(|(name, _)| name.starts_with("hugepages-"))
+                    .collect()
+            })
+        };
+        node.status = Some(NodeStatus {
+            capacity: hugepages(status.capacity),
+            allocatable: hugepages(status.allocatable),
+            ..NodeStatus::default()
+        });
+    }
+}
+
+/// Whether a Node event can change a plan: it is new or deleted, or its
+/// labels, taints or hugepage capacity changed (`seen` keeps a hash of each
+/// Node's). Deletions always pass, which kube's predicate filters do not
+/// promise.
+fn node_trigger(
+    seen: &mut HashMap<String, u64>,
+    event: std::result::Result<watcher::Event<Node>, watcher::Error>,
+) -> Option<std::result::Result<Node, watcher::Error>> {
+    use std::hash::{Hash, Hasher};
+    match event {
+        Err(err) => Some(Err(err)),
+        Ok(watcher::Event::Apply(node) | watcher::Event::InitApply(node)) => {
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            node.metadata.uid.hash(&mut hasher);
+            node.metadata.labels.hash(&mut hasher);
+            for taint in node.spec.iter().flat_map(|s| s.taints.iter().flatten()) {
+                (&taint.key, &taint.value, &taint.effect).hash(&mut hasher);
+            }
+            let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
+            for (name, quantity) in capacity.into_iter().flatten() {
+                (name, &quantity.0).hash(&mut hasher);
+            }
+            let hash = hasher.finish();
+            (seen.insert(node.name_any(), hash) != Some(hash)).then_some(Ok(node))
+        }
+        Ok(watcher::Event::Delete(node)) => {
+            seen.remove(&node.name_any());
+            Some(Ok(node))
+        }
+        Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+    }
 }
 
 /// Shared by every reconcile.
@@ -279,23 +335,65 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         node_states: &node_states,
         now,
     });
+    let nodes_by_name: HashMap<&str, &Node> = nodes
+        .iter()
+        .filter_map(|n| n.metadata.name.as_deref().map(|name| (name, n)))
+        .collect();
+    let states_by_name: HashMap<&str, &HugePageNode> = node_states
+        .iter()
+        .filter_map(|s| s.metadata.name.as_deref().map(|name| (name, s)))
+        .collect();
     let mut evicting = false;
     // One node's failed write must not hold up the others or the status;
     // the first error is returned at the end so the pass is retried.
     let mut node_error = None;
+    // The specs first, `NODE_WRITES_IN_FLIGHT` at a time: a rollout's wave
+    // (or a whole fleet at maxUnavailable 100%) is written in a fraction of
+    // the time one write after another takes.
+    let mut spec_writes = Vec::new();
+    for (node_name, node_plan) in &plan.nodes {
+        let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
+            continue;
+        };
+        let current = states_by_name.get(node_name.as_str()).copied();
+        if node_plan.spec_changed || current.is_none_or(|c| !owned_by(c, node)) {
+            spec_writes.push(write_node_spec(ctx, node, current, node_plan));
+        }
+    }
+    let results: Vec<(String, Result<HugePageNode>)> = futures::stream::iter(spec_writes)
+        .buffer_unordered(NODE_WRITES_IN_FLIGHT)
+        .collect()
+        .await;
+    let mut fresh: HashMap<String, HugePageNode> = HashMap::new();
+    for (node_name, result) in results {
+        match result {
+            Ok(mut updated) => {
+                updated.metadata.managed_fields = None;
+                written
+                    .node_states
+                    .insert(node_name.clone(), (updated.clone(), Instant::now()));
+                fresh.insert(node_name, updated);
+            }
+            Err(Error::NotLeader) => return Ok(Action::await_change()),
+            Err(err) => {
+                warn!(node = %node_name, error = %err, "node spec not written");
+                node_error.get_or_insert(err);
+            }
+        }
+    }
+    // Then the drains, in node order (they are few, and evictions must be
+    // paced).
     for (node_name, node_plan) in &plan.nodes {
         if !*ctx.is_leader.borrow() {
             return Ok(Action::await_change());
         }
-        let Some(node) = nodes.iter().find(|n| &n.name_any() == node_name) else {
+        let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
             continue;
         };
-        let current = node_states.iter().find(|s| &s.name_any() == node_name);
-        let written_node = async {
-            let node_state = write_node_spec(ctx, node, current, node_plan, &mut written).await?;
-            carry_out_drain(ctx, node, node_state.as_ref(), node_plan, now, &mut written).await
-        };
-        match written_node.await {
+        let node_state = fresh
+            .get(node_name)
+            .or_else(|| states_by_name.get(node_name.as_str()).copied());
+        match carry_out_drain(ctx, node, node_state, node_plan, now, &mut written).await {
             Ok(still_evicting) => evicting |= still_evicting,
             Err(err) => {
                 warn!(node = %node_name, error = %err, "node not updated");
@@ -427,20 +525,23 @@ async fn remove_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Resul
     }
 }
 
-/// Creates or updates the node's HugePageNode when its spec or owner is not
-/// what the plan says; returns the HugePageNode as it now is.
+/// How many HugePageNode specs one pass writes at once.
+const NODE_WRITES_IN_FLIGHT: usize = 32;
+
+/// Creates or updates the node's HugePageNode (its spec or owner is not
+/// what the plan says); returns it as it now is.
 async fn write_node_spec(
     ctx: &Context,
     node: &Node,
     current: Option<&HugePageNode>,
     plan: &NodePlan,
-    written: &mut Written,
-) -> Result<Option<HugePageNode>> {
-    let needs_owner = current.is_none_or(|c| !owned_by(c, node));
-    if !plan.spec_changed && !needs_owner {
-        return Ok(current.cloned());
-    }
+) -> (String, Result<HugePageNode>) {
     let name = node.name_any();
+    // A replica that lost the Lease stops writing at once.
+    if !*ctx.is_leader.borrow() {
+        return (name, Err(Error::NotLeader));
+    }
+    let needs_owner = current.is_none_or(|c| !owned_by(c, node));
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
     let (params, patch) = match current {
         // Applying an empty list drops `spec` altogether (nothing in it is
@@ -457,18 +558,17 @@ async fn write_node_spec(
             Patch::Apply(node_spec_apply(node, plan)),
         ),
     };
-    let updated = api
+    let result = api
         .patch(&name, &params, &patch)
         .await
         .map_err(|source| Error::NodeSpec {
             node: name.clone(),
             source,
-        })?;
-    debug!(node = %name, generation = ?updated.metadata.generation, "wrote HugePageNode spec");
-    written
-        .node_states
-        .insert(name, (updated.clone(), Instant::now()));
-    Ok(Some(updated))
+        });
+    if let Ok(updated) = &result {
+        debug!(node = %name, generation = ?updated.metadata.generation, "wrote HugePageNode spec");
+    }
+    (name, result)
 }
 
 /// Sets the Draining condition, the taint and evicts as the plan says;
@@ -649,6 +749,8 @@ async fn set_drain_taint(
         Err(source) => return Err(error(source)),
     };
     info!(node = %name, taint, "draining taint updated");
+    let mut updated = updated;
+    slim_node(&mut updated);
     written.nodes.insert(name, (updated, Instant::now()));
     Ok(())
 }
@@ -763,20 +865,27 @@ pub async fn run(
     };
     let is_leader = leadership.is_leader.clone();
 
+    // The caches hold what the planner reads and no more (a real Node is
+    // 10-20 KB, mostly status and managedFields); Node events that change
+    // none of it (heartbeats, images, conditions) plan nothing.
     let (nodes, node_writer) = reflector::store();
     let node_events = reflector::reflector(
         node_writer,
-        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()),
+        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()).modify(slim_node),
     )
     .default_backoff()
-    .touched_objects();
+    .filter_map({
+        let mut seen = HashMap::new();
+        move |event| futures::future::ready(node_trigger(&mut seen, event))
+    });
     let (node_states, state_writer) = reflector::store();
     let state_events = reflector::reflector(
         state_writer,
         watcher(
             Api::<HugePageNode>::all(client.clone()),
             watcher::Config::default(),
-        ),
+        )
+        .modify(|state: &mut HugePageNode| state.metadata.managed_fields = None),
     )
     .default_backoff()
     .touched_objects();

@@ -15,6 +15,8 @@ pub enum Error {
     PoolStatus { pool: String, source: kube::Error },
     #[error("updating the finalizer of HugePagePool {pool}: {source}")]
     Finalizer { pool: String, source: kube::Error },
+    #[error("this replica lost the leader Lease; writes stopped")]
+    NotLeader,
     #[error("leader election: {0}")]
     Leader(#[from] kube_lease_manager::LeaseManagerError),
     #[error("serving metrics and health on {addr}: {source}")]
@@ -34,6 +36,7 @@ impl Error {
             Error::ListPods { .. } => "list_pods",
             Error::PoolStatus { .. } => "pool_status",
             Error::Finalizer { .. } => "finalizer",
+            Error::NotLeader => "not_leader",
             Error::Leader(_) => "leader",
             Error::Serve { .. } => "serve",
         }

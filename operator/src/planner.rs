@@ -542,16 +542,15 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     }
 
     // Assemble every node's spec from its owners' decisions.
+    let mut owned_sizes: BTreeMap<&str, Vec<PageSize>> = BTreeMap::new();
+    for (node_name, size) in owners.keys() {
+        owned_sizes.entry(node_name).or_default().push(*size);
+    }
     for &node_name in nodes.keys() {
         let state = node_states.get(node_name).copied();
         let current: &[PageSizeTarget] = state.map_or(&[], |s| &s.spec.page_sizes);
         let mut sizes: BTreeSet<PageSize> = current.iter().map(|e| e.size).collect();
-        sizes.extend(
-            owners
-                .keys()
-                .filter(|(n, _)| *n == node_name)
-                .map(|(_, size)| *size),
-        );
+        sizes.extend(owned_sizes.get(node_name).into_iter().flatten().copied());
         let mut entries = Vec::new();
         for size in sizes {
             let existing = current.iter().find(|e| e.size == size);
@@ -583,7 +582,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         };
         if state.is_none()
             && spec.page_sizes.is_empty()
-            && !owners.keys().any(|(n, _)| *n == node_name)
+            && !owned_sizes.contains_key(node_name)
         {
             continue;
         }
