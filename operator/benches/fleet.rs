@@ -17,9 +17,13 @@
 //!
 //! Before the operator starts, a bare client applies N HugePageNodes the
 //! way the operator does (the apiserver's floor for the first pass).
-//! Prints one table with the operator's peak RSS (VmHWM), CPU seconds and
-//! CPU per reconcile pass. Environment: HUGEPOOL_FLEET_NODES (default
-//! "2000,10000"), HUGEPOOL_FLEET_AGENT_DELAY (Go duration, default 1s).
+//! Prints one table with the operator's peak RSS (VmHWM), CPU seconds, its
+//! passes and the mean time a pass spends planning
+//! (`hugepool_plan_duration_seconds`). Environment: HUGEPOOL_FLEET_NODES
+//! (default
+//! "2000,10000"), HUGEPOOL_FLEET_AGENT_DELAY (Go duration, default 1s),
+//! HUGEPOOL_FLEET_OPERATOR (another operator binary, such as the image's
+//! musl build).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -54,6 +58,7 @@ struct Row {
     peak_rss_mib: f64,
     cpu: Duration,
     passes: u64,
+    plan: Duration,
 }
 
 /// What the bench reads of every HugePageNode: the target it carries.
@@ -177,7 +182,10 @@ impl Operator {
     fn start(kubeconfig: &Path, log: &Path) -> Operator {
         let port = free_port();
         let log = std::fs::File::create(log).expect("operator log");
-        let child = Command::new(env!("CARGO_BIN_EXE_hugepool-operator"))
+        // HUGEPOOL_FLEET_OPERATOR runs another build (the image's musl one).
+        let binary = std::env::var("HUGEPOOL_FLEET_OPERATOR")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_hugepool-operator").into());
+        let child = Command::new(binary)
             .args(["run", "--listen", &format!("127.0.0.1:{port}")])
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "warn")
@@ -222,13 +230,25 @@ impl Operator {
         Duration::from_secs_f64(ticks as f64 / hz)
     }
 
-    /// `hugepool_reconciles_total` from its /metrics.
-    fn reconciles(&self) -> u64 {
+    /// One sample of its /metrics.
+    fn metric(&self, name: &str) -> f64 {
         let text = http_get(self.metrics_port, "/metrics");
+        let prefix = format!("{name} ");
         text.lines()
-            .find_map(|l| l.strip_prefix("hugepool_reconciles_total "))
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
+            .unwrap_or(0.0)
+    }
+
+    fn reconciles(&self) -> u64 {
+        self.metric("hugepool_reconciles_total") as u64
+    }
+
+    /// Mean time a pass spends planning (`hugepool_plan_duration_seconds`).
+    fn mean_plan(&self) -> Duration {
+        let count = self.metric("hugepool_plan_duration_seconds_count");
+        let sum = self.metric("hugepool_plan_duration_seconds_sum");
+        Duration::from_secs_f64(if count > 0.0 { sum / count } else { 0.0 })
     }
 }
 
@@ -518,6 +538,7 @@ async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
         peak_rss_mib: operator.peak_rss_mib(),
         cpu: operator.cpu(),
         passes: operator.reconciles(),
+        plan: operator.mean_plan(),
     };
     eprintln!(
         "{nodes} nodes: rollout took {passes} passes; writes by resource: {:?}",
@@ -566,12 +587,12 @@ fn main() -> ExitCode {
         rows.push(runtime.block_on(measure(nodes, delay, &root)));
     }
     println!(
-        "| nodes | apiserver floor (N applies, 32 in flight) | apply -> all targets | change -> all targets | rollout at 10% (ideal) | writes/node per change | operator peak RSS | operator CPU | CPU per pass |"
+        "| nodes | apiserver floor (N applies, 32 in flight) | apply -> all targets | change -> all targets | rollout at 10% (ideal) | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for row in rows {
         println!(
-            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.1} s ({:.1} s, {:.2}x) | {:.2} | {:.0} MiB | {:.1} s | {:.1} ms |",
+            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.1} s ({:.1} s, {:.2}x) | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
             row.nodes,
             row.floor.as_secs_f64(),
             row.apply.as_secs_f64(),
@@ -582,7 +603,8 @@ fn main() -> ExitCode {
             row.writes_per_node,
             row.peak_rss_mib,
             row.cpu.as_secs_f64(),
-            row.cpu.as_secs_f64() * 1e3 / row.passes.max(1) as f64,
+            row.passes,
+            row.plan.as_secs_f64() * 1e3,
         );
     }
     ExitCode::SUCCESS

@@ -310,6 +310,9 @@ pub fn error_policy(pool: Arc<HugePagePool>, error: &Error, ctx: Arc<Context>) -
 
 async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     let mut written = ctx.written.lock().await;
+    // The caches' copy and the planner (the one-time finalizer write of a
+    // new pool aside).
+    let planning = Instant::now();
     let pools = fresher(ctx.pools.state(), &mut written.pools, false);
     let nodes = fresher(ctx.nodes.state(), &mut written.nodes, false);
     let node_states = fresher(ctx.node_states.state(), &mut written.node_states, true);
@@ -335,6 +338,9 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         node_states: &node_states,
         now,
     });
+    ctx.metrics
+        .plan_duration
+        .observe(planning.elapsed().as_secs_f64());
     let nodes_by_name: HashMap<&str, &Node> = nodes
         .iter()
         .filter_map(|n| n.metadata.name.as_deref().map(|name| (name, n)))

@@ -46,6 +46,7 @@ pub struct Metrics {
     pub reconciles: Counter,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub reconcile_duration: Histogram,
+    pub plan_duration: Histogram,
     pub leader: Gauge,
 }
 
@@ -60,6 +61,8 @@ impl Default for Metrics {
         let reconcile_duration = Histogram::new([
             0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ]);
+        let plan_duration =
+            Histogram::new([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]);
         let leader = Gauge::default();
         registry.register(
             "hugepool_pool_nodes",
@@ -92,6 +95,11 @@ impl Default for Metrics {
             reconcile_duration.clone(),
         );
         registry.register(
+            "hugepool_plan_duration_seconds",
+            "Time one pass spends planning the cluster (reading the caches and the pure planner), without API calls",
+            plan_duration.clone(),
+        );
+        registry.register(
             "hugepool_leader",
             "1 while this replica holds the leader Lease",
             leader.clone(),
@@ -104,6 +112,7 @@ impl Default for Metrics {
             reconciles,
             reconcile_errors,
             reconcile_duration,
+            plan_duration,
             leader,
         }
     }

@@ -580,10 +580,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         let spec = HugePageNodeSpec {
             page_sizes: entries,
         };
-        if state.is_none()
-            && spec.page_sizes.is_empty()
-            && !owned_sizes.contains_key(node_name)
-        {
+        if state.is_none() && spec.page_sizes.is_empty() && !owned_sizes.contains_key(node_name) {
             continue;
         }
         let spec_changed = state.is_none_or(|s| s.spec != spec);
