@@ -70,9 +70,9 @@ impl Default for Config {
 /// What this process wrote last, by name, until the watches show it.
 #[derive(Default)]
 struct Written {
-    pools: BTreeMap<String, (HugePagePool, Instant)>,
-    nodes: BTreeMap<String, (Node, Instant)>,
-    node_states: BTreeMap<String, (HugePageNode, Instant)>,
+    pools: BTreeMap<String, (Arc<HugePagePool>, Instant)>,
+    nodes: BTreeMap<String, (Arc<Node>, Instant)>,
+    node_states: BTreeMap<String, (Arc<HugePageNode>, Instant)>,
     /// Pods whose eviction a PodDisruptionBudget refused, by namespace/name.
     evictions: BTreeMap<String, EvictionBackoff>,
 }
@@ -87,24 +87,26 @@ fn resource_version<K: Resource>(object: &K) -> Option<u64> {
 /// The store's objects, each replaced by what this process wrote when that
 /// is newer (resourceVersions of one resource come from one etcd revision
 /// counter, so they order writes).
-fn fresher<K: Resource + Clone>(
+fn fresher<K: Resource>(
     stored: Vec<Arc<K>>,
-    written: &mut BTreeMap<String, (K, Instant)>,
+    written: &mut BTreeMap<String, (Arc<K>, Instant)>,
     keep_unseen: bool,
-) -> Vec<K> {
+) -> Vec<Arc<K>> {
     let mut objects = Vec::with_capacity(stored.len());
     let mut seen = std::collections::HashSet::with_capacity(stored.len());
     for object in stored {
         let name = object.meta().name.clone().unwrap_or_default();
         match written.get(&name) {
-            Some((ours, _)) if resource_version(ours) > resource_version(object.as_ref()) => {
-                objects.push(ours.clone());
+            Some((ours, _))
+                if resource_version(ours.as_ref()) > resource_version(object.as_ref()) =>
+            {
+                objects.push(Arc::clone(ours));
             }
             Some(_) => {
                 written.remove(&name);
-                objects.push(object.as_ref().clone());
+                objects.push(object);
             }
-            None => objects.push(object.as_ref().clone()),
+            None => objects.push(object),
         }
         seen.insert(name);
     }
@@ -116,7 +118,7 @@ fn fresher<K: Resource + Clone>(
             written
                 .iter()
                 .filter(|(name, _)| !seen.contains(name.as_str()))
-                .map(|(_, (object, _))| object.clone()),
+                .map(|(_, (object, _))| Arc::clone(object)),
         );
     }
     objects
@@ -316,7 +318,11 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     let pools = fresher(ctx.pools.state(), &mut written.pools, false);
     let nodes = fresher(ctx.nodes.state(), &mut written.nodes, false);
     let node_states = fresher(ctx.node_states.state(), &mut written.node_states, true);
-    let Some(mut pool) = pools.iter().find(|p| p.name_any() == name).cloned() else {
+    let Some(mut pool) = pools
+        .iter()
+        .find(|p| p.name_any() == name)
+        .map(|p| HugePagePool::clone(p))
+    else {
         ctx.metrics.forget_pool(name);
         return Ok(Action::await_change());
     };
@@ -325,13 +331,17 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         && !pool.finalizers().iter().any(|f| f == POOL_FINALIZER)
     {
         let updated = add_finalizer(&pools_api, &pool).await?;
-        written
-            .pools
-            .insert(name.to_string(), (updated.clone(), Instant::now()));
+        written.pools.insert(
+            name.to_string(),
+            (Arc::new(updated.clone()), Instant::now()),
+        );
         pool = updated;
     }
 
     let now = (ctx.now)();
+    let pools: Vec<HugePagePool> = pools.iter().map(|p| HugePagePool::clone(p)).collect();
+    let nodes: Vec<&Node> = nodes.iter().map(Arc::as_ref).collect();
+    let node_states: Vec<&HugePageNode> = node_states.iter().map(Arc::as_ref).collect();
     let plan = planner::plan(&PlanInput {
         pools: &pools,
         nodes: &nodes,
@@ -343,11 +353,11 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         .observe(planning.elapsed().as_secs_f64());
     let nodes_by_name: HashMap<&str, &Node> = nodes
         .iter()
-        .filter_map(|n| n.metadata.name.as_deref().map(|name| (name, n)))
+        .filter_map(|&n| n.metadata.name.as_deref().map(|name| (name, n)))
         .collect();
     let states_by_name: HashMap<&str, &HugePageNode> = node_states
         .iter()
-        .filter_map(|s| s.metadata.name.as_deref().map(|name| (name, s)))
+        .filter_map(|&s| s.metadata.name.as_deref().map(|name| (name, s)))
         .collect();
     let mut evicting = false;
     // One node's failed write must not hold up the others or the status;
@@ -375,9 +385,10 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         match result {
             Ok(mut updated) => {
                 updated.metadata.managed_fields = None;
-                written
-                    .node_states
-                    .insert(node_name.clone(), (updated.clone(), Instant::now()));
+                written.node_states.insert(
+                    node_name.clone(),
+                    (Arc::new(updated.clone()), Instant::now()),
+                );
                 fresh.insert(node_name, updated);
             }
             Err(Error::NotLeader) => return Ok(Action::await_change()),
@@ -428,9 +439,10 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
                 pool: name.to_string(),
                 source,
             })?;
-        written
-            .pools
-            .insert(name.to_string(), (updated.clone(), Instant::now()));
+        written.pools.insert(
+            name.to_string(),
+            (Arc::new(updated.clone()), Instant::now()),
+        );
         // The finalizer patch below must carry the newest resourceVersion.
         pool = updated;
         if !pool_plan.admitted.is_empty() {
@@ -670,7 +682,7 @@ async fn carry_out_drain(
                 })?;
             written
                 .node_states
-                .insert(name.clone(), (updated, Instant::now()));
+                .insert(name.clone(), (Arc::new(updated), Instant::now()));
             if let Some(event) = events::drain_event(before.as_ref(), update) {
                 ctx.publish(event, &node_reference(node)).await;
             }
@@ -757,7 +769,9 @@ async fn set_drain_taint(
     info!(node = %name, taint, "draining taint updated");
     let mut updated = updated;
     slim_node(&mut updated);
-    written.nodes.insert(name, (updated, Instant::now()));
+    written
+        .nodes
+        .insert(name, (Arc::new(updated), Instant::now()));
     Ok(())
 }
 

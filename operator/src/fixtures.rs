@@ -180,10 +180,12 @@ pub fn run_plan(
     hpns: &[HugePageNode],
     second: i64,
 ) -> Plan {
+    let nodes: Vec<&Node> = nodes.iter().collect();
+    let hpns: Vec<&HugePageNode> = hpns.iter().collect();
     plan(&PlanInput {
         pools,
-        nodes,
-        node_states: hpns,
+        nodes: &nodes,
+        node_states: &hpns,
         now: at(second),
     })
 }

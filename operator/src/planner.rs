@@ -42,8 +42,9 @@ const MAX_NAMED_NODES: usize = 10;
 #[derive(Clone, Copy, Debug)]
 pub struct PlanInput<'a> {
     pub pools: &'a [HugePagePool],
-    pub nodes: &'a [Node],
-    pub node_states: &'a [HugePageNode],
+    /// Borrowed from the caches: a pass copies no Node or HugePageNode.
+    pub nodes: &'a [&'a Node],
+    pub node_states: &'a [&'a HugePageNode],
     pub now: Timestamp,
 }
 
@@ -484,12 +485,12 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     let nodes: BTreeMap<&str, &Node> = input
         .nodes
         .iter()
-        .filter_map(|n| n.metadata.name.as_deref().map(|name| (name, n)))
+        .filter_map(|&n| n.metadata.name.as_deref().map(|name| (name, n)))
         .collect();
     let node_states: NodeStates<'_> = input
         .node_states
         .iter()
-        .filter_map(|n| n.metadata.name.as_deref().map(|name| (name, n)))
+        .filter_map(|&n| n.metadata.name.as_deref().map(|name| (name, n)))
         .collect();
 
     let Ownership {

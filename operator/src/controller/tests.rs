@@ -529,10 +529,12 @@ async fn converged_pool_writes_nothing() {
 }
 
 fn plan_at(pools: &[HugePagePool], nodes: &[Node], states: &[HugePageNode]) -> Plan {
+    let nodes: Vec<&Node> = nodes.iter().collect();
+    let states: Vec<&HugePageNode> = states.iter().collect();
     planner::plan(&PlanInput {
         pools,
-        nodes,
-        node_states: states,
+        nodes: &nodes,
+        node_states: &states,
         now: fixed_now(),
     })
 }
