@@ -396,6 +396,70 @@ mod tests {
         );
     }
 
+    /// Two NUMA nodes of one size: node `id` has `(total, free, surplus)`,
+    /// the other `other`; `reserved` is the size's (it is global).
+    fn numa_observation(
+        id: u32,
+        own: (u64, u64, u64),
+        other: (u64, u64, u64),
+        reserved: u64,
+    ) -> Observation {
+        let (total, free, surplus) = own;
+        let free_all = free + other.1;
+        Observation {
+            pool: PoolCounts {
+                total: total + other.0,
+                free: free_all,
+                reserved: reserved.min(free_all),
+                surplus: surplus + other.2,
+            },
+            node: Some(NumaCounts {
+                node: id,
+                total,
+                free,
+                surplus,
+            }),
+            mem_available: 8 << 30,
+            hvo: false,
+        }
+    }
+
+    fn counts() -> impl Strategy<Value = (u64, u64, u64)> {
+        (0u64..600, 0u64..600, 0u64..100).prop_map(|(total, used, surplus)| {
+            let surplus = surplus.min(total);
+            (total, total - used.min(total), surplus)
+        })
+    }
+
+    proptest! {
+        /// Each NUMA node's file is judged by that node's own counts: the
+        /// other node (its total, its surplus, pages in use there) never
+        /// makes this one idle or blocked, and a blocked wait is only kept
+        /// while this node's shrink floor still holds the pool.
+        #[test]
+        fn a_numa_file_never_takes_its_state_from_the_other_numa_node(
+            id in 0u32..2,
+            own in counts(),
+            other in counts(),
+            reserved in 0u64..200,
+            target in 0u64..600,
+            last in proptest::option::of(outcome()),
+            retry_due in any::<bool>(),
+        ) {
+            let observed = numa_observation(id, own, other, reserved);
+            let last = last.map(|o| (target, o));
+            let action = decide(target, &observed, last.as_ref(), retry_due);
+            let at_target = own.0 - own.2 == target && own.2 == 0;
+            prop_assert_eq!(action == Action::Idle, at_target);
+            if action == Action::WaitBlocked {
+                prop_assert!(observed.shrink_floor() >= own.0 - own.2);
+            }
+            if last.is_none() && !at_target {
+                prop_assert_eq!(action, Action::Resize);
+            }
+        }
+    }
+
     fn restart_view() -> impl Strategy<Value = (KubeletView, u64, u64)> {
         (
             proptest::option::of(0u64..4),
