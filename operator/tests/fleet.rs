@@ -412,6 +412,13 @@ fn play_kubelet(
                         .get(&node)
                         .await
                         .is_ok_and(|n| support::has_drain_taint(&n));
+                    // Recorded before the pages come back: a test that
+                    // waits for the shrink then reads the record.
+                    record
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .evicted
+                        .push((name.clone(), tainted));
                     for (pod_name, node_name, pages) in &held {
                         if *pod_name == name
                             && let Some((_, kernel)) = kernels.iter().find(|(n, _)| n == node_name)
@@ -430,11 +437,6 @@ fn play_kubelet(
                             },
                         )
                         .await;
-                    record
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .evicted
-                        .push((name, tainted));
                 }
             }
         }
