@@ -467,7 +467,7 @@ async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
         http_get(operator.metrics_port, "/readyz")
             .starts_with("HTTP/1.1 200")
             .then_some(())
-            .ok_or_default()
+            .ok_or_else(|| "not ready".to_string())
     })
     .await;
     let budget = Duration::from_secs(600);
@@ -548,16 +548,6 @@ async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
     drop(operator);
     drop(control_plane);
     row
-}
-
-trait OkOrDefault {
-    fn ok_or_default(self) -> Result<(), String>;
-}
-
-impl OkOrDefault for Option<()> {
-    fn ok_or_default(self) -> Result<(), String> {
-        self.ok_or_else(|| "not yet".to_string())
-    }
 }
 
 fn main() -> ExitCode {

@@ -372,8 +372,9 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
             continue;
         };
         let current = states_by_name.get(node_name.as_str()).copied();
-        if node_plan.spec_changed || current.is_none_or(|c| !owned_by(c, node)) {
-            spec_writes.push(write_node_spec(ctx, node, current, node_plan));
+        let needs_owner = current.is_none_or(|c| !owned_by(c, node));
+        if node_plan.spec_changed || needs_owner {
+            spec_writes.push(write_node_spec(ctx, node, current, node_plan, needs_owner));
         }
     }
     let results: Vec<(String, Result<HugePageNode>)> = futures::stream::iter(spec_writes)
@@ -546,20 +547,20 @@ async fn remove_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Resul
 /// How many HugePageNode specs one pass writes at once.
 const NODE_WRITES_IN_FLIGHT: usize = 32;
 
-/// Creates or updates the node's HugePageNode (its spec or owner is not
-/// what the plan says); returns it as it now is.
+/// Creates or updates the node's HugePageNode (its spec, or its owner when
+/// `needs_owner`, is not what the plan says); returns it as it now is.
 async fn write_node_spec(
     ctx: &Context,
     node: &Node,
     current: Option<&HugePageNode>,
     plan: &NodePlan,
+    needs_owner: bool,
 ) -> (String, Result<HugePageNode>) {
     let name = node.name_any();
     // A replica that lost the Lease stops writing at once.
     if !*ctx.is_leader.borrow() {
         return (name, Err(Error::NotLeader));
     }
-    let needs_owner = current.is_none_or(|c| !owned_by(c, node));
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
     let (params, patch) = match current {
         // Applying an empty list drops `spec` altogether (nothing in it is

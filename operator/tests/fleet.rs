@@ -143,6 +143,15 @@ fn status_of(pool: &HugePagePool) -> HugePagePoolStatus {
     pool.status.clone().unwrap_or_default()
 }
 
+/// The pool's failed nodes as (name, reason).
+fn failed_of(pool: &HugePagePool) -> Vec<(String, String)> {
+    status_of(pool)
+        .failed_nodes
+        .iter()
+        .map(|f| (f.name.clone(), f.reason.clone()))
+        .collect()
+}
+
 fn reason_of(pool: &HugePagePool, type_: &str) -> (String, String, String) {
     let status = status_of(pool);
     support::condition(&status.conditions, type_)
@@ -690,12 +699,7 @@ async fn drain_blocked_by_pdb_times_out() {
             (reason == "DrainTimeout").then_some(()).ok_or(reason)
         })
         .await;
-    let status = status_of(&timed_out);
-    let failed: Vec<(String, String)> = status
-        .failed_nodes
-        .iter()
-        .map(|f| (f.name.clone(), f.reason.clone()))
-        .collect();
+    let failed = failed_of(&timed_out);
     assert_eq!(failed, vec![(blocked.clone(), "DrainTimeout".to_string())]);
     let (_, _, message) = reason_of(&timed_out, "Degraded");
     assert!(message.contains(&blocked), "{message}");
@@ -765,11 +769,7 @@ async fn allocation_failures_halt_the_rollout_at_max_unavailable() {
         })
         .await;
     let status = status_of(&halted);
-    let failed: Vec<(String, String)> = status
-        .failed_nodes
-        .iter()
-        .map(|f| (f.name.clone(), f.reason.clone()))
-        .collect();
+    let failed = failed_of(&halted);
     let expected: Vec<(String, String)> = short
         .iter()
         .map(|n| (n.clone(), "AllocationFailed".to_string()))
@@ -1043,11 +1043,7 @@ async fn numa_pools_reach_each_numa_nodes_own_share_and_fail_only_where_one_cann
                 .ok_or(format!("{:?}", status.nodes))
         })
         .await;
-    let failed: Vec<(String, String)> = status_of(&spread_done)
-        .failed_nodes
-        .iter()
-        .map(|f| (f.name.clone(), f.reason.clone()))
-        .collect();
+    let failed = failed_of(&spread_done);
     assert_eq!(failed, [(short.clone(), "AllocationFailed".to_string())]);
     for index in 0..3 {
         let name = fleet.node_name(index);
