@@ -27,7 +27,7 @@ fmt:
 
 ## Regenerate the CRD manifests (crds/ and charts/hugepool/crds/) from the Rust types.
 crds:
-	$(CARGO) run -q -p hugepool-crds --bin crdgen
+	$(CARGO) run -q -p hugepool-crds --features crdgen --bin crdgen
 	bash hack/manifests.sh
 
 ## Render deploy/ from the Helm chart (a test fails with this hint when they drift).

@@ -3,6 +3,7 @@
 //! sides need to read it the same way.
 
 pub mod conditions;
+#[cfg(feature = "crdgen")]
 pub mod crdgen;
 pub mod duration;
 pub mod node;

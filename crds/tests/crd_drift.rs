@@ -21,6 +21,29 @@ fn committed_crds_match_the_types() {
     );
 }
 
+/// What crdgen writes reads back as the very CRD the types define (the YAML
+/// writer quotes what YAML would otherwise retype, such as `"1"` or `null`).
+#[test]
+fn the_generated_yaml_reads_back_as_the_types_crds() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::CustomResourceExt;
+    let crds = [
+        hugepool_crds::HugePagePool::crd(),
+        hugepool_crds::HugePageNode::crd(),
+    ];
+    let manifests = hugepool_crds::crdgen::manifests();
+    assert_eq!(manifests.len(), crds.len());
+    for ((name, yaml), crd) in manifests.iter().zip(crds) {
+        let read: CustomResourceDefinition =
+            serde_saphyr::from_str(yaml).unwrap_or_else(|err| panic!("{name}: {err}"));
+        assert_eq!(
+            serde_json::to_value(&read).unwrap(),
+            serde_json::to_value(&crd).unwrap(),
+            "{name}"
+        );
+    }
+}
+
 /// `kubectl explain` explains every field, and `kubectl get hugepool` lists
 /// both kinds.
 #[test]

@@ -124,10 +124,12 @@ fn is_dynamic(elf: &[u8]) -> bool {
 /// The image reference the chart uses by default for a component.
 fn chart_default(component: &str) -> String {
     let chart = repo().join("charts/hugepool");
-    let values: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
-    let meta: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(chart.join("Chart.yaml")).unwrap()).unwrap();
+    let values: Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap())
+            .unwrap();
+    let meta: Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(chart.join("Chart.yaml")).unwrap())
+            .unwrap();
     let app_version = meta["appVersion"].as_str().expect("appVersion");
     assert_eq!(
         app_version,

@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use hugepool_e2e::{in_ci_mode, kubectl_path, setup, unique_name};
-use serde::Deserialize as _;
 use serde_json::{Value, json};
 
 fn repo() -> PathBuf {
@@ -84,8 +83,9 @@ fn helm_template(helm: &Path, extra: &[&str]) -> String {
 
 /// Every document of a multi-document YAML stream, as JSON values.
 fn documents(yaml: &str) -> Vec<Value> {
-    serde_yaml::Deserializer::from_str(yaml)
-        .map(|doc| Value::deserialize(doc).expect("valid YAML document"))
+    serde_saphyr::from_multiple::<Value>(yaml)
+        .expect("valid YAML documents")
+        .into_iter()
         .filter(|doc| !doc.is_null())
         .collect()
 }
@@ -573,7 +573,7 @@ fn kube_state_metrics_config_names_real_fields() {
         &["--set", "monitoring.kubeStateMetrics.enabled=true"],
     ));
     let config_map = find(&docs, "ConfigMap", "hugepool-kube-state-metrics");
-    let config: Value = serde_yaml::from_str(
+    let config: Value = serde_saphyr::from_str(
         config_map["data"]["config.yaml"]
             .as_str()
             .expect("config.yaml"),
@@ -590,7 +590,7 @@ fn kube_state_metrics_config_names_real_fields() {
             .join("crds")
             .join(format!("hugepool.dev_{plural}.yaml"));
         let crd: Value =
-            serde_yaml::from_str(&std::fs::read_to_string(&crd_path).expect("read CRD"))
+            serde_saphyr::from_str(&std::fs::read_to_string(&crd_path).expect("read CRD"))
                 .expect("CRD YAML");
         assert_eq!(crd["spec"]["group"], gvk["group"]);
         let version = crd["spec"]["versions"]
