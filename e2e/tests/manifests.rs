@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use hugepool_e2e::{in_ci_mode, kubectl_path, setup, unique_name};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use serde_json::{Value, json};
 
 fn repo() -> PathBuf {
@@ -754,6 +755,258 @@ fn the_chart_refuses_two_writers() {
         agent["spec"]["template"]["spec"]["priorityClassName"],
         "system-node-critical"
     );
+}
+
+/// Both pods' securityContexts are values (OpenShift's restricted SCC assigns
+/// the uid itself), but the agent's privileges stay the design's.
+#[test]
+fn security_contexts_are_values_and_the_agents_privileges_are_not() {
+    let Some(helm) = helm() else { return };
+    let pod_of = |docs: &[Value], kind: &str, name: &str| {
+        find(docs, kind, name)["spec"]["template"]["spec"].clone()
+    };
+    // The uninstall Job is a helm hook: rendered by helm, not in deploy/.
+    let defaults = documents(&helm_template(&helm, &[]));
+    for (kind, name) in [
+        ("Deployment", "hugepool-operator"),
+        ("Job", "hugepool-operator-uninstall"),
+    ] {
+        let pod = pod_of(&defaults, kind, name);
+        assert_eq!(
+            pod["securityContext"],
+            json!({"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
+                   "seccompProfile": {"type": "RuntimeDefault"}}),
+            "{kind} {name}"
+        );
+    }
+    let docs = documents(&helm_template(
+        &helm,
+        &[
+            "--set",
+            "operator.podSecurityContext.runAsUser=null,operator.podSecurityContext.runAsGroup=null",
+            "--set",
+            "operator.securityContext.seLinuxOptions.level=s0:c1",
+            "--set",
+            "agent.securityContext.seLinuxOptions.type=spc_t",
+            "--set",
+            "agent.podSecurityContext.fsGroup=7",
+        ],
+    ));
+    for (kind, name) in [
+        ("Deployment", "hugepool-operator"),
+        ("Job", "hugepool-operator-uninstall"),
+    ] {
+        let pod = pod_of(&docs, kind, name);
+        assert_eq!(
+            pod["securityContext"],
+            json!({"runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}}),
+            "{kind} {name}: no fixed uid"
+        );
+        let container = &pod["containers"][0]["securityContext"];
+        assert_eq!(
+            container["seLinuxOptions"]["level"], "s0:c1",
+            "{kind} {name}"
+        );
+        assert_eq!(container["readOnlyRootFilesystem"], true, "{kind} {name}");
+    }
+    let mut agent_docs = docs.clone();
+    let agent = agent_docs
+        .iter_mut()
+        .find(|d| d["kind"] == "DaemonSet")
+        .expect("the agent DaemonSet");
+    let pod = &mut agent["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["fsGroup"], 7);
+    let security = pod["containers"][0]["securityContext"]
+        .as_object_mut()
+        .expect("agent securityContext");
+    assert_eq!(
+        security.remove("seLinuxOptions"),
+        Some(json!({"type": "spc_t"}))
+    );
+    assert_agent_privileges(&agent_docs, false);
+    for field in [
+        "runAsUser=1000",
+        "privileged=true",
+        "allowPrivilegeEscalation=true",
+        "readOnlyRootFilesystem=false",
+        "capabilities.add[0]=SYS_ADMIN",
+        "appArmorProfile.type=Unconfined",
+    ] {
+        let output = Command::new(&helm)
+            .current_dir(repo())
+            .args(["template", "hugepool", "charts/hugepool", "--set"])
+            .arg(format!("agent.securityContext.{field}"))
+            .output()
+            .expect("run helm template");
+        let text = output_text(&output);
+        let key = field.split(['=', '.']).next().expect("a key");
+        assert!(
+            !output.status.success(),
+            "agent.securityContext.{field} rendered"
+        );
+        assert!(
+            text.contains(&format!("agent.securityContext.{key} is set")),
+            "{field}: {text}"
+        );
+    }
+}
+
+/// The chart README's CRD upgrade command, run over CRDs created the way
+/// Helm creates them, with a schema that lacks a field the new one has. The
+/// CRDs are renamed into a group of their own so the shared control plane's
+/// real ones stay as they are.
+#[tokio::test]
+async fn the_documented_crd_upgrade_replaces_helms_crds_and_keeps_the_pools() {
+    let Some(env) = setup().await else { return };
+    let kubeconfig = &env.control_plane.kubeconfig;
+    let readme = std::fs::read_to_string(chart().join("README.md")).expect("chart README");
+    let command: Vec<&str> = readme
+        .lines()
+        .find(|line| line.starts_with("kubectl apply --server-side"))
+        .expect("the README documents the CRD upgrade")
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        command.last(),
+        Some(&"charts/hugepool/crds/"),
+        "{command:?}"
+    );
+
+    let group = format!("{}.hugepool.dev", unique_name("upgrade"));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut old_pool_crd = Value::Null;
+    for entry in std::fs::read_dir(chart().join("crds")).expect("chart crds") {
+        let path = entry.expect("entry").path();
+        let mut crd: Value =
+            serde_saphyr::from_str(&std::fs::read_to_string(&path).expect("read CRD"))
+                .expect("CRD YAML");
+        let plural = crd["spec"]["names"]["plural"]
+            .as_str()
+            .expect("plural")
+            .to_string();
+        crd["metadata"]["name"] = json!(format!("{plural}.{group}"));
+        crd["spec"]["group"] = json!(group);
+        let names = crd["spec"]["names"].as_object_mut().expect("names");
+        names.remove("shortNames");
+        names.remove("categories");
+        let file = dir.path().join(format!("{plural}.json"));
+        std::fs::write(&file, crd.to_string()).expect("write CRD");
+        if plural == "hugepagepools" {
+            old_pool_crd = crd;
+        }
+    }
+    // The previous release: no spec.rollout.paused.
+    let rollout = &mut old_pool_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+        ["spec"]["properties"]["rollout"];
+    rollout["properties"]
+        .as_object_mut()
+        .expect("rollout")
+        .remove("paused");
+    rollout["default"]
+        .as_object_mut()
+        .expect("default")
+        .remove("paused");
+    let created = kubectl(
+        kubeconfig,
+        &["create", "-f", "-"],
+        &old_pool_crd.to_string(),
+    );
+    assert!(created.status.success(), "{}", output_text(&created));
+    let crd_name = old_pool_crd["metadata"]["name"]
+        .as_str()
+        .expect("name")
+        .to_string();
+    let established = kubectl(
+        kubeconfig,
+        &[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd",
+            &crd_name,
+        ],
+        "",
+    );
+    assert!(
+        established.status.success(),
+        "{}",
+        output_text(&established)
+    );
+
+    let resource = format!("hugepagepools.{group}");
+    let pool = |name: &str| {
+        json!({
+            "apiVersion": format!("{group}/v1alpha1"), "kind": "HugePagePool",
+            "metadata": {"name": name},
+            "spec": {"pageSize": "2Mi", "pages": 8, "rollout": {"paused": true}},
+        })
+        .to_string()
+    };
+    let paused_of = |name: &str| {
+        let output = kubectl(
+            kubeconfig,
+            &[
+                "get",
+                &resource,
+                name,
+                "-o",
+                "jsonpath={.spec.rollout.paused}",
+            ],
+            "",
+        );
+        assert!(output.status.success(), "{}", output_text(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let refused = kubectl(kubeconfig, &["apply", "-f", "-"], &pool("before"));
+    assert!(
+        !refused.status.success()
+            && output_text(&refused).contains("unknown field \"spec.rollout.paused\""),
+        "the old schema has no rollout.paused: {}",
+        output_text(&refused)
+    );
+    let mut unpaused: Value = serde_json::from_str(&pool("before")).expect("pool JSON");
+    unpaused["spec"]
+        .as_object_mut()
+        .expect("spec")
+        .remove("rollout");
+    let applied = kubectl(kubeconfig, &["apply", "-f", "-"], &unpaused.to_string());
+    assert!(applied.status.success(), "{}", output_text(&applied));
+
+    let mut args: Vec<String> = command[1..command.len() - 1]
+        .iter()
+        .map(|arg| arg.to_string())
+        .collect();
+    args.push(dir.path().to_string_lossy().into_owned());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let upgraded = kubectl(kubeconfig, &args, "");
+    assert!(upgraded.status.success(), "{}", output_text(&upgraded));
+
+    // The CRD's schema is the chart's: the field is kept now, and nothing was lost.
+    let applied = kubectl(kubeconfig, &["apply", "-f", "-"], &pool("after"));
+    assert!(applied.status.success(), "{}", output_text(&applied));
+    assert_eq!(paused_of("after"), "true");
+    assert_eq!(
+        paused_of("before"),
+        "false",
+        "the old pool survives, defaulted"
+    );
+    // Compared as typed CRDs: JSON reads `maximum: 1023.0` as a float, the server returns 1023.
+    let served = kubectl(kubeconfig, &["get", "crd", &crd_name, "-o", "json"], "");
+    let served: CustomResourceDefinition =
+        serde_json::from_slice(&served.stdout).expect("CRD JSON");
+    let chart_pool: CustomResourceDefinition = serde_saphyr::from_str(
+        &std::fs::read_to_string(chart().join("crds/hugepool.dev_hugepagepools.yaml"))
+            .expect("read CRD"),
+    )
+    .expect("CRD YAML");
+    assert_eq!(
+        serde_json::to_value(&served.spec.versions[0].schema).expect("schema"),
+        serde_json::to_value(&chart_pool.spec.versions[0].schema).expect("schema"),
+        "the served schema is the chart's"
+    );
+    for name in [crd_name, format!("hugepagenodes.{group}")] {
+        let _ = kubectl(kubeconfig, &["delete", "crd", &name, "--wait=false"], "");
+    }
 }
 
 /// A client that authenticates with `token` only (no client certificate).

@@ -1,5 +1,5 @@
-//! The dependency tree the project promises: no archived crates, and one
-//! version of each Kubernetes crate for the whole workspace.
+//! What the project promises about itself: its license, and a dependency
+//! tree without archived crates and with one version of each Kubernetes crate.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -54,4 +54,34 @@ fn no_archived_yaml_crate_and_one_kube_and_k8s_openapi() {
             packages.get(one)
         );
     }
+}
+
+/// The LICENSE file is the license every crate and the chart declare.
+#[test]
+fn the_license_file_is_the_license_cargo_and_the_chart_declare() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let cargo = std::fs::read_to_string(root.join("Cargo.toml")).expect("read Cargo.toml");
+    assert!(
+        cargo
+            .lines()
+            .any(|line| line == r#"license = "Apache-2.0""#),
+        "the workspace license is Apache-2.0"
+    );
+    let license = std::fs::read_to_string(root.join("LICENSE")).expect("a LICENSE file");
+    let heading: Vec<&str> = license
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .take(2)
+        .collect();
+    assert_eq!(heading, ["Apache License", "Version 2.0, January 2004"]);
+    assert!(
+        license.contains("END OF TERMS AND CONDITIONS"),
+        "the whole text"
+    );
+    let chart: serde_json::Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(root.join("charts/hugepool/Chart.yaml")).expect("Chart.yaml"),
+    )
+    .expect("Chart.yaml is YAML");
+    assert_eq!(chart["annotations"]["artifacthub.io/license"], "Apache-2.0");
 }
