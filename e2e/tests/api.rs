@@ -710,3 +710,69 @@ async fn kubectl_explain_describes_fields_and_the_category_lists_both_kinds() {
     );
     delete_pool(&env.client, &name).await;
 }
+
+/// Every pool in examples/ is one the real API server accepts as written
+/// (strict validation, server-side dry run), and between them they show each
+/// kind of pool a user asks about.
+#[tokio::test]
+async fn every_example_pool_is_accepted_and_the_examples_cover_each_kind() {
+    let Some(env) = setup().await else { return };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut shown = std::collections::BTreeSet::new();
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("examples/")
+        .map(|entry| entry.expect("entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5, "{files:?}");
+    for path in &files {
+        let file = path
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        let body: Value = serde_saphyr::from_str(&std::fs::read_to_string(path).expect("read"))
+            .unwrap_or_else(|err| panic!("{file}: {err}"));
+        assert_eq!(body["kind"], "HugePagePool", "{file}");
+        let name = body["metadata"]["name"].as_str().expect("name");
+        let params = PatchParams::apply("hugepool-e2e")
+            .validation_strict()
+            .dry_run();
+        let stored = pools_dynamic(&env.client)
+            .patch(name, &params, &Patch::Apply(&body))
+            .await
+            .unwrap_or_else(|err| panic!("{file} refused: {err}"));
+        let pool: HugePagePool = serde_json::from_value(serde_json::to_value(stored).unwrap())
+            .unwrap_or_else(|err| panic!("{file} as a HugePagePool: {err}"));
+        let spec = &pool.spec;
+        if spec.page_size == PageSize::from_bytes(1 << 30).unwrap() {
+            shown.insert("1Gi");
+        }
+        if spec.memory.is_some() {
+            shown.insert("memory");
+        }
+        if spec
+            .numa
+            .as_ref()
+            .is_some_and(|numa| numa.policy == NumaPolicy::Explicit)
+        {
+            shown.insert("Explicit NUMA");
+        }
+        if spec.deletion_policy == DeletionPolicy::Release {
+            shown.insert("Release");
+        }
+    }
+    assert_eq!(
+        shown.into_iter().collect::<Vec<_>>(),
+        ["1Gi", "Explicit NUMA", "Release", "memory"]
+    );
+    // A dry run stores nothing.
+    let pools = Api::<HugePagePool>::all(env.client.clone());
+    for name in ["dpdk-1gi", "memory-8gi", "numa-explicit", "batch-2mi"] {
+        assert!(
+            pools.get_opt(name).await.unwrap().is_none(),
+            "{name} was stored"
+        );
+    }
+}
