@@ -327,3 +327,38 @@ pub fn unique_name(prefix: &str) -> String {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     format!("{prefix}-{}-{n}", std::process::id())
 }
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (for a server a test
+/// starts and then scrapes).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A plain HTTP/1.0 GET of `path` from `addr` (`host:port`): the body of a
+/// 200 response, or what went wrong (connection error, or the status line).
+pub fn http_get(addr: &str, path: &str) -> Result<String, String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(|e| e.to_string())?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .map_err(|e| format!("{addr}{path}: {e}"))?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("{addr}{path}: not an HTTP response: {response}"))?;
+    if head.starts_with("HTTP/1.") && head.contains(" 200 ") {
+        Ok(body.to_string())
+    } else {
+        Err(format!(
+            "{addr}{path}: {}",
+            head.lines().next().unwrap_or(head)
+        ))
+    }
+}

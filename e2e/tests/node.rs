@@ -196,25 +196,6 @@ fn read_sys(file: &str) -> u64 {
         .expect("a number")
 }
 
-/// A plain HTTP/1.0 GET of `path` from `addr` (a pod address on the node's
-/// own bridge); the body.
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("request");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
-    assert!(
-        head.starts_with("HTTP/1.") && head.contains(" 200 "),
-        "{head}"
-    );
-    body.to_string()
-}
-
 /// Polls `check` until it returns Some, or panics after `timeout` with the
 /// last state it saw.
 async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
@@ -373,7 +354,8 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
         .status
         .and_then(|s| s.pod_ip)
         .expect("agent pod IP");
-    let metrics = http_get(&format!("{pod_ip}:9478"), "/metrics");
+    let metrics = hugepool_e2e::http_get(&format!("{pod_ip}:9478"), "/metrics")
+        .unwrap_or_else(|err| panic!("{err}"));
     assert!(
         metrics.contains("hugepool_kernel_log_watching 1"),
         "{metrics}"

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use futures::{StreamExt, TryStreamExt};
 use hugepool_crds::conditions::find_condition;
 use hugepool_crds::{AGENT_MANAGER, HugePageNode, HugePagePool, PageSize};
-use hugepool_e2e::{OwnedControlPlane, install_crds};
+use hugepool_e2e::{OwnedControlPlane, free_port, http_get, install_crds};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -233,7 +233,8 @@ impl Operator {
 
     /// One sample of its /metrics.
     fn metric(&self, name: &str) -> f64 {
-        let text = http_get(self.metrics_port, "/metrics");
+        let text =
+            http_get(&format!("127.0.0.1:{}", self.metrics_port), "/metrics").unwrap_or_default();
         let prefix = format!("{name} ");
         text.lines()
             .find_map(|l| l.strip_prefix(prefix.as_str()))
@@ -258,26 +259,6 @@ impl Drop for Operator {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn http_get(port: u16, path: &str) -> String {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return String::new();
-    };
-    let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    let mut text = String::new();
-    if stream.write_all(request.as_bytes()).is_ok() {
-        let _ = stream.read_to_string(&mut text);
-    }
-    text
 }
 
 /// Mutating requests the apiserver has served, by resource/subresource,
@@ -464,10 +445,7 @@ async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
     };
     // Let the operator sync its watches before the clock starts.
     wait_until("the operator's /readyz", Duration::from_secs(120), || {
-        http_get(operator.metrics_port, "/readyz")
-            .starts_with("HTTP/1.1 200")
-            .then_some(())
-            .ok_or_else(|| "not ready".to_string())
+        http_get(&format!("127.0.0.1:{}", operator.metrics_port), "/readyz").map(drop)
     })
     .await;
     let budget = Duration::from_secs(600);

@@ -955,7 +955,7 @@ pub async fn run(
                 loop {
                     is_leader.changed().await.ok()?;
                     let leading = *is_leader.borrow_and_update();
-                    metrics.leader.set(i64::from(leading));
+                    metrics.set_leading(leading);
                     info!(leading, "leadership changed");
                     if leading {
                         return Some(((), is_leader));
@@ -964,7 +964,7 @@ pub async fn run(
             }
         })
     };
-    metrics.leader.set(i64::from(*is_leader.borrow()));
+    metrics.set_leading(*is_leader.borrow());
 
     let node_map = {
         let (pools, node_states) = (pools.clone(), node_states.clone());

@@ -1,8 +1,8 @@
 //! Operator metrics (docs/design.md, "Dashboards and tooling") and the one
 //! HTTP port that serves them with `/healthz` and `/readyz`.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -48,6 +48,8 @@ pub struct Metrics {
     pub reconcile_duration: Histogram,
     pub plan_duration: Histogram,
     pub leader: Gauge,
+    /// Whether this replica leads; held while pool series change.
+    leading: Mutex<bool>,
 }
 
 impl Default for Metrics {
@@ -114,13 +116,19 @@ impl Default for Metrics {
             reconcile_duration,
             plan_duration,
             leader,
+            leading: Mutex::new(false),
         }
     }
 }
 
 impl Metrics {
-    /// Publishes one pool's counts and pages.
+    /// Publishes one pool's counts and pages, while this replica leads (a
+    /// pass that ends after the Lease went publishes nothing).
     pub fn observe_pool(&self, pool: &str, plan: &PoolPlan) {
+        let leading = self.leading.lock().unwrap_or_else(|e| e.into_inner());
+        if !*leading {
+            return;
+        }
         let nodes = &plan.status.nodes;
         for (state, value) in [
             ("selected", nodes.selected),
@@ -162,6 +170,20 @@ impl Metrics {
                 pool: pool.into(),
                 kind: kind.into(),
             });
+        }
+    }
+
+    /// Records whether this replica leads. Only the leader plans, so only it
+    /// publishes pools: a replica that stops leading drops every pool's
+    /// series at once (stale ones would keep alerts such as
+    /// HugepoolPoolNodesFailed firing from a former leader).
+    pub fn set_leading(&self, leading: bool) {
+        let mut current = self.leading.lock().unwrap_or_else(|e| e.into_inner());
+        *current = leading;
+        self.leader.set(i64::from(leading));
+        if !leading {
+            self.pool_nodes.clear();
+            self.pool_pages.clear();
         }
     }
 
@@ -221,5 +243,67 @@ impl hugepool_runtime::Probes for Health {
         } else {
             Err("caches not synced".into())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::PoolPlan;
+    use hugepool_crds::pool::{HugePagePoolStatus, PoolNodeCounts};
+
+    fn plan_with_failed(failed: i64) -> PoolPlan {
+        PoolPlan {
+            status: HugePagePoolStatus {
+                nodes: PoolNodeCounts {
+                    selected: 3,
+                    failed,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            remove_finalizer: false,
+            max_unavailable: 1,
+            admitted: vec![],
+            conflicts: vec![],
+            blocked: vec![],
+            stalled: vec![],
+            capacity_stale: vec![],
+            draining: vec![],
+            drain_timeouts: vec![],
+        }
+    }
+
+    #[test]
+    fn only_a_leader_publishes_pools_and_a_lost_lease_drops_them() {
+        let metrics = Metrics::default();
+        metrics.observe_pool("a", &plan_with_failed(1));
+        assert!(
+            !metrics.encode().contains("hugepool_pool_nodes{"),
+            "a follower publishes no pool"
+        );
+
+        metrics.set_leading(true);
+        metrics.observe_pool("a", &plan_with_failed(1));
+        metrics.observe_pool("b", &plan_with_failed(0));
+        let text = metrics.encode();
+        assert!(
+            text.contains(r#"hugepool_pool_nodes{pool="a",state="failed"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"hugepool_pool_pages{pool="b",kind="target"} 0"#),
+            "{text}"
+        );
+        assert!(text.contains("hugepool_leader 1"), "{text}");
+
+        metrics.set_leading(false);
+        let text = metrics.encode();
+        assert!(!text.contains("hugepool_pool_nodes{"), "{text}");
+        assert!(!text.contains("hugepool_pool_pages{"), "{text}");
+        assert!(text.contains("hugepool_leader 0"), "{text}");
+        // A pass that finishes after the Lease went publishes nothing.
+        metrics.observe_pool("a", &plan_with_failed(1));
+        assert!(!metrics.encode().contains("hugepool_pool_nodes{"));
     }
 }

@@ -920,6 +920,95 @@ async fn leader_killed_mid_rollout_the_other_replica_finishes_within_bound() {
     support::delete_namespace(&client, &scope).await;
 }
 
+/// A replica that loses the Lease stops publishing its pools: a former
+/// leader's stale `hugepool_pool_nodes{state="failed"}` would keep
+/// HugepoolPoolNodesFailed firing after the new leader saw the node recover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_loses_the_lease_drops_its_pool_metrics() {
+    let Some(env) = setup().await else { return };
+    // 1024 x 2Mi is 2 GiB: no room on node 0, so the pool has a failed node.
+    let spec = FleetSpec::new(3)
+        .label(ROLE_LABEL, "dpdk")
+        .node_memory(0, 2 * support::GIB);
+    let mut fleet = Fleet::start(&env, "lease-metrics", spec).await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&fleet.client, &scope).await;
+    let lease = "hugepool-operator".to_string();
+    let identity = format!("{scope}-replica");
+    let addr = format!("127.0.0.1:{}", hugepool_e2e::free_port());
+    fleet
+        .start_operator_serving(
+            Some(LeaderConfig {
+                namespace: scope.clone(),
+                lease_name: lease.clone(),
+                identity: identity.clone(),
+                duration: Duration::from_secs(3),
+                grace: Duration::from_secs(1),
+            }),
+            Some(addr.parse().expect("address")),
+        )
+        .await;
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 1024, json!(3)))
+        .await;
+    let failed_series = format!(r#"hugepool_pool_nodes{{pool="{pool}",state="failed"}}"#);
+    let scrape = || hugepool_e2e::http_get(&addr, "/metrics");
+    wait_for(
+        "the leader publishes one failed node",
+        Duration::from_secs(120),
+        || async {
+            let text = scrape()?;
+            text.contains(&format!("{failed_series} 1"))
+                .then_some(())
+                .ok_or(text)
+        },
+    )
+    .await;
+    assert_eq!(
+        lease_holder(&fleet.client, &scope, &lease).await,
+        Some(identity)
+    );
+
+    // Another holder takes the Lease for an hour, as a new leader would.
+    let leases = Api::<Lease>::namespaced(fleet.client.clone(), &scope);
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(jiff::Timestamp::now());
+    leases
+        .patch(
+            &lease,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {
+                "holderIdentity": "another-replica",
+                "leaseDurationSeconds": 3600,
+                "acquireTime": now,
+                "renewTime": now,
+            }})),
+        )
+        .await
+        .expect("take the Lease");
+    let text = wait_for(
+        "the former leader drops its pool series",
+        Duration::from_secs(120),
+        || async {
+            let text = scrape()?;
+            (text.contains("hugepool_leader 0") && !text.contains("hugepool_pool_nodes{"))
+                .then_some(text.clone())
+                .ok_or(text)
+        },
+    )
+    .await;
+    assert!(!text.contains("hugepool_pool_pages{"), "{text}");
+    assert!(!text.contains(&failed_series), "{text}");
+    assert_eq!(
+        lease_holder(&fleet.client, &scope, &lease).await.as_deref(),
+        Some("another-replica"),
+        "the replica did not take the Lease back"
+    );
+    let client = fleet.client.clone();
+    fleet.shutdown().await;
+    support::delete_namespace(&client, &scope).await;
+}
+
 /// Deleting a Release pool shrinks every node to 0 through the rollout
 /// before the pool object goes: whenever the pool is seen gone, every
 /// kernel is already at 0.

@@ -287,9 +287,18 @@ impl Fleet {
 
     /// Starts an operator replica; `leader` turns on leader election.
     pub async fn start_operator(&mut self, leader: Option<LeaderConfig>) -> usize {
+        self.start_operator_serving(leader, None).await
+    }
+
+    /// Starts an operator replica that serves /metrics on `listen`.
+    pub async fn start_operator_serving(
+        &mut self,
+        leader: Option<LeaderConfig>,
+        listen: Option<std::net::SocketAddr>,
+    ) -> usize {
         let index = self.operators.len();
         let config = OperatorConfig {
-            listen: None,
+            listen,
             leader,
             instance: format!("{}-operator-{index}", self.scope),
             resync: Duration::from_secs(60),
