@@ -14,7 +14,7 @@ use hugepool_crds::conditions::{NodeConditionType, find_condition};
 use hugepool_crds::node::PageSizeTarget;
 use hugepool_crds::settings::{AllocationSettings, KubeletRestart, ResizeSettings};
 use hugepool_crds::{HugePageNode, OPERATOR_MANAGER, PageSize};
-use hugepool_e2e::{OwnedControlPlane, install_crds, setup, unique_name};
+use hugepool_e2e::{OwnedControlPlane, free_port, install_crds, setup, unique_name};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -26,13 +26,6 @@ struct AgentProcess {
     child: Child,
     metrics_port: u16,
     log: PathBuf,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 impl AgentProcess {
@@ -344,18 +337,20 @@ fn assert_status_matches_sysfs(object: &HugePageNode, agent: &AgentProcess) {
     .unwrap();
     assert_eq!(numa0.total.to_string(), node0.trim());
     // Metrics are refreshed with the status; both come from one kernel read.
+    let state = |state: &str| {
+        agent
+            .metric(&format!(r#"hugepool_pages{{size="2Mi",state="{state}"}}"#))
+            .unwrap_or_else(|| panic!("no {state} pages in {}", agent.metrics()))
+    };
     assert_eq!(
-        agent.metric(r#"hugepool_pages{size="2Mi",numa="all",state="total"}"#),
-        Some(two_mi.total as f64),
-        "{}",
+        state("in_use") + state("reserved") + state("free"),
+        two_mi.total as f64,
+        "the states add up to the total: {}",
         agent.metrics()
     );
+    assert_eq!(state("reserved") + state("free"), two_mi.free as f64);
     assert_eq!(
-        agent.metric(r#"hugepool_pages{size="2Mi",numa="all",state="free"}"#),
-        Some(two_mi.free as f64)
-    );
-    assert_eq!(
-        agent.metric(r#"hugepool_pages{size="2Mi",numa="all",state="target"}"#),
+        agent.metric(r#"hugepool_target_pages{size="2Mi"}"#),
         two_mi.target.map(|t| t as f64)
     );
 }

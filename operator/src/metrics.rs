@@ -33,6 +33,11 @@ pub struct EvictionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub error: String,
 }
@@ -100,6 +105,13 @@ impl Default for Metrics {
             "hugepool_plan_duration_seconds",
             "Time one pass spends planning the cluster (reading the caches and the pure planner), without API calls",
             plan_duration.clone(),
+        );
+        registry.register(
+            "hugepool_operator_build",
+            "The operator's version",
+            prometheus_client::metrics::info::Info::new(BuildLabels {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+            }),
         );
         registry.register(
             "hugepool_leader",
@@ -296,6 +308,11 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("hugepool_leader 1"), "{text}");
+        let build = format!(
+            r#"hugepool_operator_build_info{{version="{}"}} 1"#,
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(text.contains(&build), "{text}");
 
         metrics.set_leading(false);
         let text = metrics.encode();

@@ -8,23 +8,46 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// Which count of a pool a `hugepool_pages` sample is.
+use hugepool_crds::PageSize;
+use hugepool_crds::node::PageSizeTarget;
+
+use crate::kernel::{NumaCounts, PoolCounts};
+
+/// Where a huge page is. The states partition a pool, so a `sum` over
+/// `state` is the pool's total (HugePages_Total, surplus pages included).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
 pub enum PageState {
-    total,
-    free,
+    /// Faulted into some process.
+    in_use,
+    /// Free, but promised to a mapping that has not touched it yet.
     reserved,
-    surplus,
-    target,
+    /// Free and promised to no one.
+    free,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PagesLabels {
     pub size: String,
-    /// A NUMA node id, or `all` for the size's system-wide pool.
+    pub state: PageState,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NumaPagesLabels {
+    pub size: String,
     pub numa: String,
     pub state: PageState,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NumaLabels {
+    pub size: String,
+    pub numa: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -54,7 +77,17 @@ fn step_histogram() -> Histogram {
 /// Every metric the agent exports, registered once.
 #[derive(Clone)]
 pub struct Metrics {
+    /// Node-wide pages of a size by state; sums over state to the total.
     pub pages: Family<PagesLabels, Gauge>,
+    /// The same in bytes, so sums across sizes mean something.
+    pub pages_bytes: Family<PagesLabels, Gauge>,
+    /// Per NUMA node (sysfs has no per-node reserved count: in_use and free).
+    pub numa_pages: Family<NumaPagesLabels, Gauge>,
+    /// Surplus pages (overcommit), a part of the total, by size.
+    pub surplus_pages: Family<SizeLabels, Gauge>,
+    /// The agent's target by size, and per NUMA node where the target is split.
+    pub target_pages: Family<SizeLabels, Gauge>,
+    pub numa_target_pages: Family<NumaLabels, Gauge>,
     pub step_seconds: Family<StepLabels, Histogram, fn() -> Histogram>,
     pub pages_moved: Family<StepLabels, Counter>,
     pub stalls: Family<StallLabels, Counter>,
@@ -73,6 +106,11 @@ impl Metrics {
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = Self {
             pages: Family::default(),
+            pages_bytes: Family::default(),
+            numa_pages: Family::default(),
+            surplus_pages: Family::default(),
+            target_pages: Family::default(),
+            numa_target_pages: Family::default(),
             step_seconds: Family::new_with_constructor(step_histogram),
             pages_moved: Family::default(),
             stalls: Family::default(),
@@ -84,9 +122,41 @@ impl Metrics {
         };
         let prefix = registry.sub_registry_with_prefix("hugepool");
         prefix.register(
+            "agent_build",
+            "The agent's version",
+            prometheus_client::metrics::info::Info::new(BuildLabels {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+            }),
+        );
+        prefix.register(
             "pages",
-            "Huge pages of a size as the kernel reports them, and the target",
+            "Huge pages of a size on the node by state (in_use, reserved, free); the states add up to the pool's total",
             metrics.pages.clone(),
+        );
+        prefix.register(
+            "pages_bytes",
+            "Memory in huge pages by size and state; sum without(size) for all sizes",
+            metrics.pages_bytes.clone(),
+        );
+        prefix.register(
+            "numa_pages",
+            "Huge pages of a size on one NUMA node by state (in_use, free); they add up to that node's total",
+            metrics.numa_pages.clone(),
+        );
+        prefix.register(
+            "surplus_pages",
+            "Surplus (overcommitted) huge pages of a size, counted in hugepool_pages too",
+            metrics.surplus_pages.clone(),
+        );
+        prefix.register(
+            "target_pages",
+            "The pool size the agent is moving the node to, by page size",
+            metrics.target_pages.clone(),
+        );
+        prefix.register(
+            "numa_target_pages",
+            "The target of one NUMA node, where the target is split by NUMA node",
+            metrics.numa_target_pages.clone(),
         );
         prefix.register(
             "resize_step_seconds",
@@ -131,14 +201,67 @@ impl Metrics {
         metrics
     }
 
-    pub fn set_pages(&self, size: &str, numa: &str, state: PageState, value: u64) {
-        let labels = PagesLabels {
-            size: size.to_string(),
-            numa: numa.to_string(),
-            state,
-        };
-        self.pages.get_or_create(&labels).set(value as i64);
+    /// Publishes one page size's kernel counts, node-wide and per NUMA node.
+    pub fn set_kernel_pages(&self, size: PageSize, pool: &PoolCounts, numa: &[NumaCounts]) {
+        let name = size.to_string();
+        let free = pool.free.saturating_sub(pool.reserved);
+        let in_use = pool.total.saturating_sub(pool.free);
+        for (state, pages) in [
+            (PageState::in_use, in_use),
+            (PageState::reserved, pool.reserved.min(pool.free)),
+            (PageState::free, free),
+        ] {
+            let labels = PagesLabels {
+                size: name.clone(),
+                state,
+            };
+            self.pages.get_or_create(&labels).set(gauge(pages));
+            self.pages_bytes
+                .get_or_create(&labels)
+                .set(gauge(pages.saturating_mul(size.bytes())));
+        }
+        self.surplus_pages
+            .get_or_create(&SizeLabels { size: name.clone() })
+            .set(gauge(pool.surplus));
+        for counts in numa {
+            for (state, pages) in [
+                (PageState::in_use, counts.total.saturating_sub(counts.free)),
+                (PageState::free, counts.free),
+            ] {
+                self.numa_pages
+                    .get_or_create(&NumaPagesLabels {
+                        size: name.clone(),
+                        numa: counts.node.to_string(),
+                        state,
+                    })
+                    .set(gauge(pages));
+            }
+        }
     }
+
+    /// Publishes the targets, dropping those of sizes no longer targeted.
+    pub fn set_targets(&self, targets: &[PageSizeTarget]) {
+        self.target_pages.clear();
+        self.numa_target_pages.clear();
+        for target in targets {
+            let size = target.size.to_string();
+            self.target_pages
+                .get_or_create(&SizeLabels { size: size.clone() })
+                .set(target.pages.max(0));
+            for numa in target.numa.iter().flatten() {
+                self.numa_target_pages
+                    .get_or_create(&NumaLabels {
+                        size: size.clone(),
+                        numa: numa.id.to_string(),
+                    })
+                    .set(numa.pages.max(0));
+            }
+        }
+    }
+}
+
+fn gauge(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 /// Encodes a registry as OpenMetrics text.
@@ -152,13 +275,16 @@ pub fn encode(registry: &Registry) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hugepool_crds::settings::NumaTarget;
+
+    fn mi2() -> PageSize {
+        PageSize::from_bytes(2 << 20).unwrap()
+    }
 
     #[test]
     fn exports_the_design_names_with_labels() {
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
-        metrics.set_pages("2Mi", "all", PageState::total, 4096);
-        metrics.set_pages("2Mi", "0", PageState::free, 100);
         metrics
             .step_seconds
             .get_or_create(&StepLabels {
@@ -182,8 +308,10 @@ mod tests {
         metrics.mem_available_bytes.set(1 << 30);
         let text = encode(&registry);
         for line in [
-            r#"hugepool_pages{size="2Mi",numa="all",state="total"} 4096"#,
-            r#"hugepool_pages{size="2Mi",numa="0",state="free"} 100"#,
+            &format!(
+                r#"hugepool_agent_build_info{{version="{}"}} 1"#,
+                env!("CARGO_PKG_VERSION")
+            ),
             r#"hugepool_resize_step_seconds_count{size="2Mi",direction="grow"} 1"#,
             r#"hugepool_resize_pages_total{size="2Mi",direction="grow"} 4096"#,
             r#"hugepool_stalls_total{reason="SlowKernelWrite"} 1"#,
@@ -192,5 +320,126 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line:?} in:\n{text}");
         }
+    }
+
+    /// The sample of `series` in `text`.
+    fn sample(text: &str, series: &str) -> Option<i64> {
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn page_states_add_up_to_the_total_node_wide_and_per_numa_node() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        // 1000 pages, 10 of them surplus, 400 free of which 150 reserved;
+        // NUMA 0 holds 600 (100 free), NUMA 1 holds 400 (300 free).
+        let pool = PoolCounts {
+            total: 1000,
+            free: 400,
+            reserved: 150,
+            surplus: 10,
+        };
+        let numa = [
+            NumaCounts {
+                node: 0,
+                total: 600,
+                free: 100,
+                surplus: 10,
+            },
+            NumaCounts {
+                node: 1,
+                total: 400,
+                free: 300,
+                surplus: 0,
+            },
+        ];
+        metrics.set_kernel_pages(mi2(), &pool, &numa);
+        let text = encode(&registry);
+        let pages = |state: &str| {
+            sample(
+                &text,
+                &format!(r#"hugepool_pages{{size="2Mi",state="{state}"}}"#),
+            )
+            .unwrap_or_else(|| panic!("no {state} in\n{text}"))
+        };
+        assert_eq!(
+            (pages("in_use"), pages("reserved"), pages("free")),
+            (600, 150, 250)
+        );
+        assert_eq!(pages("in_use") + pages("reserved") + pages("free"), 1000);
+        assert_eq!(
+            sample(&text, r#"hugepool_pages_bytes{size="2Mi",state="in_use"}"#),
+            Some(600 << 21)
+        );
+        assert_eq!(
+            sample(&text, r#"hugepool_surplus_pages{size="2Mi"}"#),
+            Some(10)
+        );
+        let mut numa_sum = 0;
+        for (id, in_use, free) in [(0, 500, 100), (1, 100, 300)] {
+            let of = |state: &str| {
+                sample(
+                    &text,
+                    &format!(r#"hugepool_numa_pages{{size="2Mi",numa="{id}",state="{state}"}}"#),
+                )
+            };
+            assert_eq!((of("in_use"), of("free")), (Some(in_use), Some(free)));
+            numa_sum += in_use + free;
+        }
+        assert_eq!(numa_sum, 1000, "NUMA nodes add up to the node");
+        // No series mixes the target or a node-wide `all` with the counts.
+        assert!(!text.contains("numa=\"all\""), "{text}");
+        assert!(!text.contains("state=\"target\""), "{text}");
+        assert!(!text.contains("state=\"total\""), "{text}");
+    }
+
+    fn target(size: PageSize, pages: i64, numa: Option<Vec<NumaTarget>>) -> PageSizeTarget {
+        PageSizeTarget {
+            size,
+            pages,
+            numa,
+            pool: "pool".into(),
+            pool_generation: 1,
+            resize: Default::default(),
+            allocation: Default::default(),
+            kubelet_restart: Default::default(),
+        }
+    }
+
+    #[test]
+    fn targets_replace_the_previous_ones() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let gi1 = PageSize::from_bytes(1 << 30).unwrap();
+        let split = vec![
+            NumaTarget { id: 0, pages: 100 },
+            NumaTarget { id: 1, pages: 200 },
+        ];
+        metrics.set_targets(&[target(mi2(), 300, Some(split)), target(gi1, 4, None)]);
+        let text = encode(&registry);
+        assert_eq!(
+            sample(&text, r#"hugepool_target_pages{size="2Mi"}"#),
+            Some(300)
+        );
+        assert_eq!(
+            sample(&text, r#"hugepool_target_pages{size="1Gi"}"#),
+            Some(4)
+        );
+        assert_eq!(
+            sample(&text, r#"hugepool_numa_target_pages{size="2Mi",numa="1"}"#),
+            Some(200)
+        );
+        metrics.set_targets(&[target(gi1, 2, None)]);
+        let text = encode(&registry);
+        assert_eq!(sample(&text, r#"hugepool_target_pages{size="2Mi"}"#), None);
+        assert_eq!(
+            sample(&text, r#"hugepool_numa_target_pages{size="2Mi",numa="1"}"#),
+            None
+        );
+        assert_eq!(
+            sample(&text, r#"hugepool_target_pages{size="1Gi"}"#),
+            Some(2)
+        );
     }
 }

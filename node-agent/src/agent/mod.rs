@@ -47,7 +47,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use self::events::{EVENT_QUEUE, EventSender, PendingEvent, publish_events, queue_event};
-use self::metrics::{Metrics, PageState, SizeLabels, StallLabels, StepLabels};
+use self::metrics::{Metrics, SizeLabels, StallLabels, StepLabels};
 use self::resize_loop::ResizeLoop;
 pub use self::resize_loop::{other_writer_backoff, settings_for, targets_for};
 use self::snapshot::KernelSnapshot;

@@ -118,28 +118,7 @@ pub(super) fn update_gauges(metrics: &Metrics, snapshot: &KernelSnapshot, memory
         .mem_available_bytes
         .set(snapshot.memory.available_bytes as i64);
     for sizes in &snapshot.sizes {
-        let size = sizes.size.to_string();
-        let pool = sizes.pool;
-        metrics.set_pages(&size, "all", PageState::total, pool.total);
-        metrics.set_pages(&size, "all", PageState::free, pool.free);
-        metrics.set_pages(&size, "all", PageState::reserved, pool.reserved);
-        metrics.set_pages(&size, "all", PageState::surplus, pool.surplus);
-        for numa in &sizes.numa {
-            let id = numa.node.to_string();
-            metrics.set_pages(&size, &id, PageState::total, numa.total);
-            metrics.set_pages(&size, &id, PageState::free, numa.free);
-            metrics.set_pages(&size, &id, PageState::surplus, numa.surplus);
-        }
-        if let Some(entry) = memory.targets.iter().find(|e| e.size == sizes.size) {
-            metrics.set_pages(&size, "all", PageState::target, entry.pages.max(0) as u64);
-            for numa in entry.numa.iter().flatten() {
-                metrics.set_pages(
-                    &size,
-                    &numa.id.to_string(),
-                    PageState::target,
-                    numa.pages.max(0) as u64,
-                );
-            }
-        }
+        metrics.set_kernel_pages(sizes.size, &sizes.pool, &sizes.numa);
     }
+    metrics.set_targets(&memory.targets);
 }
