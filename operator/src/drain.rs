@@ -78,7 +78,7 @@ impl Unevictable {
 
 /// Pods that hold one of `sizes` now: they request it, are not already going
 /// and not finished (a finished pod's pages are already free).
-fn holding<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> impl Iterator<Item = &'a Pod> {
+pub fn holders<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> impl Iterator<Item = &'a Pod> {
     pods.iter()
         .filter(|pod| pod.metadata.deletion_timestamp.is_none())
         .filter(|pod| {
@@ -90,7 +90,7 @@ fn holding<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> impl Iterator<Item = &'a 
 
 /// Pods to evict: the holders of `sizes` that eviction can move.
 pub fn hugepage_consumers<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> Vec<&'a Pod> {
-    let mut consumers: Vec<&Pod> = holding(pods, sizes)
+    let mut consumers: Vec<&Pod> = holders(pods, sizes)
         .filter(|pod| Unevictable::of(pod).is_none())
         .collect();
     consumers.sort_by_key(|pod| (pod.namespace(), pod.name_any()));
@@ -150,7 +150,7 @@ pub fn choose(pods: &[Pod], size: PageSize, must_free: u64) -> Selection<'_> {
         .filter(|p| requests_hugepages(p, &[size]))
         .map(|p| pages_held(p, size))
         .sum();
-    let held: u64 = holding(pods, &[size]).map(|p| pages_held(p, size)).sum();
+    let held: u64 = holders(pods, &[size]).map(|p| pages_held(p, size)).sum();
     if held + going < must_free {
         return Selection {
             evict: Vec::new(),
@@ -189,7 +189,7 @@ pub fn choose(pods: &[Pod], size: PageSize, must_free: u64) -> Selection<'_> {
 /// The holders of `sizes` that are never evicted, as `namespace/name (why)`,
 /// for the node's Draining condition.
 pub fn unevictable_consumers(pods: &[Pod], sizes: &[PageSize]) -> Vec<String> {
-    let mut found: Vec<String> = holding(pods, sizes)
+    let mut found: Vec<String> = holders(pods, sizes)
         .filter_map(|pod| {
             let why = Unevictable::of(pod)?;
             Some(format!(

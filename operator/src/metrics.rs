@@ -274,15 +274,8 @@ mod tests {
                 },
                 ..Default::default()
             },
-            remove_finalizer: false,
             max_unavailable: 1,
-            admitted: vec![],
-            conflicts: vec![],
-            blocked: vec![],
-            stalled: vec![],
-            capacity_stale: vec![],
-            draining: vec![],
-            drain_timeouts: vec![],
+            ..Default::default()
         }
     }
 

@@ -91,7 +91,7 @@ pub struct DrainPlan {
     pub deadline: Option<Timestamp>,
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct PoolPlan {
     /// The complete status to write (conditions keep their transition times).
     pub status: HugePagePoolStatus,
@@ -114,6 +114,21 @@ pub struct PoolPlan {
     pub draining: Vec<String>,
     /// Failed nodes whose drain timed out.
     pub drain_timeouts: Vec<String>,
+    /// Every node the pool manages, by name, with where it stands.
+    pub members: Vec<PoolMember>,
+}
+
+/// One node of a pool as the planner sees it (`kubectl hugepool status`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolMember {
+    pub node: String,
+    pub state: NodeState,
+    /// Pages of the pool's size the node reports now.
+    pub current: i64,
+    /// The target the pool wants there, once it can be computed.
+    pub target: Option<i64>,
+    pub stalled: bool,
+    pub shrink_blocked: bool,
 }
 
 /// Where one node stands for one pool.
@@ -885,6 +900,17 @@ fn settle_pool(
         capacity_stale,
         draining: Vec::new(),
         drain_timeouts,
+        members: active
+            .iter()
+            .map(|m| PoolMember {
+                node: m.node.clone(),
+                state: m.state.clone(),
+                current: m.current,
+                target: m.desired.as_ref().map(|d| d.pages),
+                stalled: m.stalled,
+                shrink_blocked: m.shrink_blocked,
+            })
+            .collect(),
     };
     (pool_plan, decisions)
 }

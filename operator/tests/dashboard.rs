@@ -104,15 +104,8 @@ fn every_metric_the_dashboard_and_the_alerts_query_is_exported() {
         "pool",
         &hugepool_operator::planner::PoolPlan {
             status: Default::default(),
-            remove_finalizer: false,
             max_unavailable: 1,
-            admitted: vec![],
-            conflicts: vec![],
-            blocked: vec![],
-            stalled: vec![],
-            capacity_stale: vec![],
-            draining: vec![],
-            drain_timeouts: vec![],
+            ..Default::default()
         },
     );
     operator.count_eviction("pool", "evicted");

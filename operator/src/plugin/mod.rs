@@ -1,0 +1,500 @@
+//! `kubectl hugepool`: what users ask of a running hugepool, answered from
+//! the operator's own planner over the live cluster. `plan`, `status` and
+//! `why` decide in pure functions; this module reads the cluster and
+//! prints.
+
+pub mod plan;
+pub mod status;
+pub mod why;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use hugepool_crds::{HugePageNode, HugePagePool};
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+
+/// Field manager of the dry runs `plan` sends (nothing is stored).
+pub const PLUGIN_MANAGER: &str = "kubectl-hugepool";
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("listing {what}: {source}")]
+    List {
+        what: &'static str,
+        source: kube::Error,
+    },
+    #[error("the API server refused the pool: {0}")]
+    Refused(String),
+    #[error("{0} is not a HugePagePool: {1}")]
+    NotAPool(String, String),
+    #[error("no pool named {0}")]
+    NoSuchPool(String),
+    #[error("no Node or HugePageNode named {0}")]
+    NoSuchNode(String),
+}
+
+/// Pools, Nodes and HugePageNodes, listed once.
+pub struct Cluster {
+    pub pools: Vec<HugePagePool>,
+    pub nodes: Vec<Node>,
+    pub node_states: Vec<HugePageNode>,
+}
+
+impl Cluster {
+    pub async fn read(client: &Client) -> Result<Self, PluginError> {
+        let params = ListParams::default();
+        let pools = Api::<HugePagePool>::all(client.clone())
+            .list(&params)
+            .await
+            .map_err(|source| PluginError::List {
+                what: "HugePagePools",
+                source,
+            })?
+            .items;
+        let nodes = Api::<Node>::all(client.clone())
+            .list(&params)
+            .await
+            .map_err(|source| PluginError::List {
+                what: "Nodes",
+                source,
+            })?
+            .items;
+        let node_states = Api::<HugePageNode>::all(client.clone())
+            .list(&params)
+            .await
+            .map_err(|source| PluginError::List {
+                what: "HugePageNodes",
+                source,
+            })?
+            .items;
+        Ok(Self {
+            pools,
+            nodes,
+            node_states,
+        })
+    }
+
+    pub fn view(&self) -> plan::ClusterView<'_> {
+        plan::ClusterView {
+            pools: &self.pools,
+            nodes: &self.nodes,
+            node_states: &self.node_states,
+        }
+    }
+}
+
+/// The pool in `text` (YAML or JSON) as the API server would store it: a
+/// server-side dry run fills in the defaults and runs the schema's checks,
+/// so a pool the server would refuse is refused here with its message.
+pub async fn dry_run_pool(
+    client: &Client,
+    source: &str,
+    text: &str,
+) -> Result<HugePagePool, PluginError> {
+    let pool: serde_json::Value = serde_saphyr::from_str(text)
+        .map_err(|err| PluginError::NotAPool(source.to_string(), err.to_string()))?;
+    if pool["kind"] != "HugePagePool" {
+        return Err(PluginError::NotAPool(
+            source.to_string(),
+            format!("kind is {}", pool["kind"]),
+        ));
+    }
+    let name = pool["metadata"]["name"]
+        .as_str()
+        .ok_or_else(|| PluginError::NotAPool(source.to_string(), "no metadata.name".into()))?
+        .to_string();
+    let params = PatchParams::apply(PLUGIN_MANAGER)
+        .dry_run()
+        .validation_strict();
+    Api::<HugePagePool>::all(client.clone())
+        .patch(&name, &params, &Patch::Apply(&pool))
+        .await
+        .map_err(|err| match err {
+            kube::Error::Api(status) => PluginError::Refused(status.message),
+            other => PluginError::Refused(other.to_string()),
+        })
+}
+
+/// Pods on `node` (all namespaces).
+pub async fn pods_on(client: &Client, node: &str) -> Result<Vec<Pod>, PluginError> {
+    let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
+    Ok(Api::<Pod>::all(client.clone())
+        .list(&params)
+        .await
+        .map_err(|source| PluginError::List {
+            what: "Pods",
+            source,
+        })?
+        .items)
+}
+
+/// The plan for `pool` over the live cluster, with the pods of every node
+/// that would need a drain.
+pub async fn plan_pool(
+    client: &Client,
+    pool: &HugePagePool,
+) -> Result<plan::PlanReport, PluginError> {
+    let cluster = Cluster::read(client).await?;
+    let now = jiff::Timestamp::now();
+    let first = plan::simulate(&cluster.view(), pool, &BTreeMap::new(), now);
+    let mut pods = BTreeMap::new();
+    for node in plan::nodes_to_drain(&first) {
+        let on_node = pods_on(client, &node).await?;
+        pods.insert(node, on_node);
+    }
+    if pods.is_empty() {
+        return Ok(first);
+    }
+    Ok(plan::simulate(&cluster.view(), pool, &pods, now))
+}
+
+pub async fn status(
+    client: &Client,
+    only: Option<&str>,
+) -> Result<Vec<status::PoolRow>, PluginError> {
+    let cluster = Cluster::read(client).await?;
+    let rows = status::report(&cluster.view(), only, jiff::Timestamp::now());
+    match only {
+        Some(name) if rows.is_empty() => Err(PluginError::NoSuchPool(name.to_string())),
+        _ => Ok(rows),
+    }
+}
+
+pub async fn why(client: &Client, name: &str) -> Result<why::WhyReport, PluginError> {
+    let node = Api::<Node>::all(client.clone())
+        .get_opt(name)
+        .await
+        .map_err(|source| PluginError::List {
+            what: "Nodes",
+            source,
+        })?;
+    let state = Api::<HugePageNode>::all(client.clone())
+        .get_opt(name)
+        .await
+        .map_err(|source| PluginError::List {
+            what: "HugePageNodes",
+            source,
+        })?;
+    if node.is_none() && state.is_none() {
+        return Err(PluginError::NoSuchNode(name.to_string()));
+    }
+    // Events about the Node, its HugePageNode (same name) and nothing else.
+    let events: Vec<Event> = Api::<Event>::all(client.clone())
+        .list(&ListParams::default().fields(&format!("involvedObject.name={name}")))
+        .await
+        .map_err(|source| PluginError::List {
+            what: "Events",
+            source,
+        })?
+        .items
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.involved_object.kind.as_deref(),
+                Some("Node" | "HugePageNode")
+            )
+        })
+        .collect();
+    let pods = pods_on(client, name).await?;
+    Ok(why::report(
+        name,
+        node.as_ref(),
+        state.as_ref(),
+        &events,
+        &pods,
+        jiff::Timestamp::now(),
+    ))
+}
+
+/// Columns padded to their widest cell, two spaces apart.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut text = String::new();
+    let mut line = |cells: Vec<&str>| {
+        let mut out = String::new();
+        for (i, (cell, width)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == cells.len() {
+                out.push_str(cell);
+            } else {
+                let _ = write!(out, "{cell:<width$}  ");
+            }
+        }
+        text.push_str(out.trim_end());
+        text.push('\n');
+    };
+    line(headers.to_vec());
+    for row in rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+    text
+}
+
+fn or_dash(value: Option<i64>) -> String {
+    value.map_or_else(|| "-".to_string(), |v| v.to_string())
+}
+
+fn age(seconds: Option<i64>) -> String {
+    match seconds {
+        None => "-".into(),
+        Some(s) if s < 120 => format!("{s}s"),
+        Some(s) if s < 7200 => format!("{}m", s / 60),
+        Some(s) if s < 172_800 => format!("{}h", s / 3600),
+        Some(s) => format!("{}d", s / 86_400),
+    }
+}
+
+/// `status` as text: one row per pool, then (for one pool) its nodes.
+pub fn render_status(rows: &[status::PoolRow], with_nodes: bool) -> String {
+    let mut text = table(
+        &[
+            "POOL", "SIZE", "PAGES", "SELECTED", "REACHED", "CHANGING", "PENDING", "FAILED",
+            "STALLED", "BLOCKED", "REASON",
+        ],
+        &rows
+            .iter()
+            .map(|r| {
+                vec![
+                    r.name.clone(),
+                    r.page_size.to_string(),
+                    or_dash(r.pages),
+                    r.selected.to_string(),
+                    r.converged.to_string(),
+                    r.changing.to_string(),
+                    r.pending.to_string(),
+                    r.failed.to_string(),
+                    r.stalled.to_string(),
+                    r.blocked.to_string(),
+                    if r.paused {
+                        format!("{} (paused)", r.reason)
+                    } else {
+                        r.reason.clone()
+                    },
+                ]
+            })
+            .collect::<Vec<_>>(),
+    );
+    if with_nodes {
+        for row in rows {
+            let _ = writeln!(text, "\n{}: {}", row.name, row.message);
+            text.push_str(&table(
+                &[
+                    "NODE", "STATE", "CURRENT", "TARGET", "STALLED", "BLOCKED", "REASON",
+                ],
+                &row.nodes
+                    .iter()
+                    .map(|n| {
+                        vec![
+                            n.node.clone(),
+                            n.state.clone(),
+                            n.current.to_string(),
+                            or_dash(n.target),
+                            yes(n.stalled),
+                            yes(n.blocked),
+                            n.reason.clone(),
+                        ]
+                    })
+                    .collect::<Vec<_>>(),
+            ));
+        }
+    }
+    text
+}
+
+fn yes(flag: bool) -> String {
+    if flag { "yes".into() } else { "-".into() }
+}
+
+/// `plan` as text.
+pub fn render_plan(report: &plan::PlanReport) -> String {
+    let changes: usize = report.waves.iter().map(Vec::len).sum();
+    let mut text = format!(
+        "HugePagePool {} ({}): {} node(s) change in {} wave(s) of at most {} ({}), {} unchanged, {} in conflict.\n",
+        report.pool,
+        if report.exists { "a change" } else { "new" },
+        changes,
+        report.waves.len(),
+        report.max_unavailable,
+        report.page_size,
+        report.unchanged.len(),
+        report.conflicts.len(),
+    );
+    let mut rows = Vec::new();
+    for (wave, changes) in report.waves.iter().enumerate() {
+        for change in changes {
+            let drain = match &change.drain {
+                None => "-".to_string(),
+                Some(need) if need.policy == hugepool_crds::settings::DrainPolicy::Never => {
+                    format!("blocked: {} pages held, drain.policy Never", need.held)
+                }
+                Some(need) if need.evict.is_empty() => need
+                    .unexplained
+                    .clone()
+                    .unwrap_or_else(|| "nothing to evict".into()),
+                Some(need) => format!("evicts {}", need.evict.join(", ")),
+            };
+            rows.push(vec![
+                (wave + 1).to_string(),
+                change.node.clone(),
+                change.from.to_string(),
+                change.to.to_string(),
+                change
+                    .estimated_seconds
+                    .map_or_else(|| "-".into(), |s| format!("{s:.1}s")),
+                drain,
+            ]);
+        }
+    }
+    if !rows.is_empty() {
+        text.push_str(&table(
+            &["WAVE", "NODE", "FROM", "TO", "ESTIMATE", "DRAIN"],
+            &rows,
+        ));
+    }
+    for conflict in &report.conflicts {
+        let _ = writeln!(
+            text,
+            "conflict: {} is owned by the older pool {}; this pool waits there",
+            conflict.node, conflict.owner
+        );
+    }
+    for stuck in &report.stuck {
+        let _ = writeln!(text, "stuck: {}: {}", stuck.node, stuck.reason);
+    }
+    if let Some(seconds) = report.estimated_seconds {
+        let _ = writeln!(
+            text,
+            "estimated time of the kernel writes: {seconds:.1}s (from each node's last measured rate)"
+        );
+    }
+    text.push_str("Nothing was written.\n");
+    text
+}
+
+/// `why` as text.
+pub fn render_why(report: &why::WhyReport) -> String {
+    let mut text = format!("Node {}", report.node);
+    if !report.node_exists {
+        text.push_str(" (no Node object)");
+    }
+    if report.draining_taint {
+        let _ = write!(
+            text,
+            " (tainted {}:NoSchedule)",
+            hugepool_crds::DRAINING_TAINT
+        );
+    }
+    text.push('\n');
+    text.push_str(&table(
+        &[
+            "SIZE", "POOL", "TARGET", "TOTAL", "FREE", "RESERVED", "IN USE", "SURPLUS", "KUBELET",
+        ],
+        &report
+            .sizes
+            .iter()
+            .map(|s| {
+                vec![
+                    s.size.to_string(),
+                    s.pool.clone().unwrap_or_else(|| "-".into()),
+                    or_dash(s.target),
+                    s.total.to_string(),
+                    s.free.to_string(),
+                    s.reserved.to_string(),
+                    s.in_use.to_string(),
+                    s.surplus.to_string(),
+                    or_dash(s.kubelet_capacity),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    ));
+    for size in &report.sizes {
+        if let Some(resize) = &size.last_resize {
+            let _ = writeln!(
+                text,
+                "last resize of {}: {} -> {} ({}), reached {} in {} writes, {:.2}s, longest write {:.1}ms",
+                size.size,
+                resize.from,
+                resize.to,
+                resize.outcome,
+                resize.achieved,
+                resize.steps,
+                resize.duration_seconds,
+                resize.max_step_seconds * 1000.0
+            );
+        }
+    }
+    text.push_str("\nConditions:\n");
+    text.push_str(&table(
+        &["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"],
+        &report
+            .conditions
+            .iter()
+            .map(|c| {
+                vec![
+                    c.type_.clone(),
+                    c.status.clone(),
+                    c.reason.clone(),
+                    age(c.age_seconds),
+                    c.message.clone(),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    ));
+    text.push_str("\nPods holding pages:\n");
+    if report.pods.is_empty() {
+        text.push_str("none\n");
+    } else {
+        text.push_str(&table(
+            &["POD", "SIZE", "PAGES", "EVICTABLE"],
+            &report
+                .pods
+                .iter()
+                .map(|p| {
+                    vec![
+                        p.pod.clone(),
+                        p.size.to_string(),
+                        p.pages.to_string(),
+                        if p.unevictable.is_empty() {
+                            "yes".into()
+                        } else {
+                            format!("no ({})", p.unevictable)
+                        },
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ));
+    }
+    text.push_str("\nRecent events:\n");
+    if report.events.is_empty() {
+        text.push_str("none\n");
+    } else {
+        text.push_str(&table(
+            &["AGE", "OBJECT", "TYPE", "REASON", "MESSAGE"],
+            &report
+                .events
+                .iter()
+                .map(|e| {
+                    let count = if e.count > 1 {
+                        format!(" (x{})", e.count)
+                    } else {
+                        String::new()
+                    };
+                    vec![
+                        age(e.age_seconds),
+                        e.object.clone(),
+                        e.type_.clone(),
+                        e.reason.clone(),
+                        format!("{}{count}", e.message),
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ));
+    }
+    text
+}

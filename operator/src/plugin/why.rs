@@ -1,0 +1,196 @@
+//! `kubectl hugepool why NODE`: one node's conditions, last resizes, recent
+//! Events and the pods holding its pages.
+
+use hugepool_crds::node::ResizeSummary;
+use hugepool_crds::{DRAINING_TAINT, HugePageNode, PageSize};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use serde::Serialize;
+
+use crate::drain::{self, Unevictable};
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WhyReport {
+    pub node: String,
+    /// Whether the Node object exists (a HugePageNode outlives it briefly).
+    pub node_exists: bool,
+    /// Whether the operator's draining taint is on the Node.
+    pub draining_taint: bool,
+    pub sizes: Vec<SizeRow>,
+    pub conditions: Vec<ConditionRow>,
+    /// Newest first, at most `MAX_EVENTS`.
+    pub events: Vec<EventRow>,
+    pub pods: Vec<PodRow>,
+}
+
+/// Events shown, newest first.
+pub const MAX_EVENTS: usize = 20;
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SizeRow {
+    pub size: PageSize,
+    /// The pool whose target the node's spec carries for the size.
+    pub pool: Option<String>,
+    pub target: Option<i64>,
+    pub total: i64,
+    pub free: i64,
+    pub reserved: i64,
+    pub in_use: i64,
+    pub surplus: i64,
+    /// What the kubelet reports as `hugepages-<size>` capacity, in pages.
+    pub kubelet_capacity: Option<i64>,
+    pub last_resize: Option<ResizeSummary>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConditionRow {
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+    /// Seconds since it last changed.
+    pub age_seconds: Option<i64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EventRow {
+    /// The kind of object it is about (Node, HugePageNode, Pod).
+    pub object: String,
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub reason: String,
+    pub message: String,
+    pub count: i32,
+    pub age_seconds: Option<i64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRow {
+    /// `namespace/name`.
+    pub pod: String,
+    pub size: PageSize,
+    /// Pages it requests of the size.
+    pub pages: u64,
+    /// Empty when a drain may evict it; else why it never is.
+    pub unevictable: String,
+}
+
+pub fn report(
+    name: &str,
+    node: Option<&Node>,
+    state: Option<&HugePageNode>,
+    events: &[Event],
+    pods: &[Pod],
+    now: Timestamp,
+) -> WhyReport {
+    let age = |time: Option<Timestamp>| time.map(|t| now.duration_since(t).as_secs());
+    let status = state.and_then(|s| s.status.as_ref());
+    let capacity = node
+        .and_then(|n| n.status.as_ref())
+        .and_then(|s| s.capacity.as_ref());
+    let sizes: Vec<SizeRow> = status
+        .map(|s| s.page_sizes.as_slice())
+        .unwrap_or_default()
+        .iter()
+        .map(|reported| {
+            let entry =
+                state.and_then(|s| s.spec.page_sizes.iter().find(|e| e.size == reported.size));
+            SizeRow {
+                size: reported.size,
+                pool: entry.map(|e| e.pool.clone()),
+                target: entry.map(|e| e.pages),
+                total: reported.total,
+                free: reported.free,
+                reserved: reported.reserved,
+                in_use: reported.in_use,
+                surplus: reported.surplus,
+                kubelet_capacity: capacity
+                    .and_then(|c| c.get(&reported.size.resource_name()))
+                    .and_then(|q| hugepool_crds::quantity::parse_bytes(&q.0).ok())
+                    .and_then(|bytes| i64::try_from(bytes / reported.size.bytes()).ok()),
+                last_resize: reported.last_resize.clone(),
+            }
+        })
+        .collect();
+    let conditions = status
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default()
+        .iter()
+        .map(|c| ConditionRow {
+            type_: c.type_.clone(),
+            status: c.status.clone(),
+            reason: c.reason.clone(),
+            message: c.message.clone(),
+            age_seconds: age(Some(c.last_transition_time.0)),
+        })
+        .collect();
+    let mut events: Vec<(Option<Timestamp>, EventRow)> = events
+        .iter()
+        .map(|e| {
+            let last = e
+                .last_timestamp
+                .as_ref()
+                .map(|t| t.0)
+                .or_else(|| e.event_time.as_ref().map(|t| t.0))
+                .or_else(|| e.first_timestamp.as_ref().map(|t| t.0));
+            let row = EventRow {
+                object: e.involved_object.kind.clone().unwrap_or_default(),
+                type_: e.type_.clone().unwrap_or_default(),
+                reason: e.reason.clone().unwrap_or_default(),
+                message: e.message.clone().unwrap_or_default(),
+                count: e
+                    .count
+                    .or_else(|| e.series.as_ref().and_then(|s| s.count))
+                    .unwrap_or(1),
+                age_seconds: age(last),
+            };
+            (last, row)
+        })
+        .collect();
+    events.sort_by_key(|e| std::cmp::Reverse(e.0));
+    let sizes_held: Vec<PageSize> = sizes.iter().map(|s| s.size).collect();
+    let mut pods: Vec<PodRow> = drain::holders(pods, &sizes_held)
+        .flat_map(|pod| {
+            let name = format!(
+                "{}/{}",
+                pod.metadata.namespace.as_deref().unwrap_or_default(),
+                pod.metadata.name.as_deref().unwrap_or_default()
+            );
+            let unevictable = Unevictable::of(pod)
+                .map(|u| u.as_str().to_string())
+                .unwrap_or_default();
+            sizes_held.iter().filter_map(move |&size| {
+                let pages = drain::pages_held(pod, size);
+                (pages > 0).then(|| PodRow {
+                    pod: name.clone(),
+                    size,
+                    pages,
+                    unevictable: unevictable.clone(),
+                })
+            })
+        })
+        .collect();
+    pods.sort_by(|a, b| (a.size, &a.pod).cmp(&(b.size, &b.pod)));
+    WhyReport {
+        node: name.to_string(),
+        node_exists: node.is_some(),
+        draining_taint: node
+            .and_then(|n| n.spec.as_ref())
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|taints| taints.iter().any(|t| t.key == DRAINING_TAINT)),
+        sizes,
+        conditions,
+        events: events
+            .into_iter()
+            .take(MAX_EVENTS)
+            .map(|(_, row)| row)
+            .collect(),
+        pods,
+    }
+}
