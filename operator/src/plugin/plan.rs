@@ -109,9 +109,10 @@ pub fn simulate(
         .cloned()
         .collect();
     let mut candidate = candidate.clone();
-    if candidate.metadata.creation_timestamp.is_none() {
-        // Not created yet: the newest pool.
-        candidate.metadata.creation_timestamp = Some(Time(now));
+    if !exists {
+        // Not created yet (a dry run stamps it now): the planner ranks a
+        // pool without a creationTimestamp newest, as it will be.
+        candidate.metadata.creation_timestamp = None;
     }
     pools.push(candidate.clone());
     let mut states: Vec<HugePageNode> = view.node_states.to_vec();

@@ -628,6 +628,8 @@ pub struct RolloutRecord {
     pub max_changing: BTreeMap<(String, PageSize), usize>,
     /// Views with more than the limit changing, as (pool, size, nodes).
     pub violations: Vec<(String, PageSize, Vec<String>)>,
+    /// (pool, node) in the order the nodes' specs first carried the pool.
+    pub first_targeted: Vec<(String, String)>,
 }
 
 /// Watches the fleet's HugePageNodes and, after every event, counts the
@@ -685,6 +687,14 @@ impl RolloutWatch {
                     let limit = *limit_rx.borrow();
                     let mut record = record.lock().unwrap_or_else(|p| p.into_inner());
                     record.views += 1;
+                    for (name, state) in &states {
+                        for entry in &state.spec.page_sizes {
+                            let key = (entry.pool.clone(), name.clone());
+                            if !record.first_targeted.contains(&key) {
+                                record.first_targeted.push(key);
+                            }
+                        }
+                    }
                     for ((pool, size), nodes) in changing(&states) {
                         let max = record.max_changing.entry((pool.clone(), size)).or_default();
                         *max = (*max).max(nodes.len());

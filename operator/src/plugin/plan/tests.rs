@@ -95,6 +95,11 @@ fn nodes_an_older_pool_owns_are_conflicts_and_never_change() {
         .collect();
     assert_eq!(changed, ["w-00", "w-01", "w-02", "w-03"]);
     assert_eq!(report.waves.len(), 1);
+    // A dry run stamps a new pool with the current second: even a stamp as
+    // old as the owner's (and a name that sorts first) leaves it the newest.
+    let stamped = with_max_unavailable(pool("a-new", 0, "dpdk", "2Mi", 64), IntOrString::Int(4));
+    let report = plan_of(&pools, &nodes, &states, &stamped);
+    assert_eq!(report.conflicts.len(), 1, "{report:?}");
 }
 
 #[test]
