@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CONTROLPLANE_DIR := e2e/controlplane
 
-.PHONY: all build test lint fmt crds manifests controlplane images bench bench-fleet demo clean
+.PHONY: all build test lint fmt crds manifests controlplane images krew bench bench-fleet demo clean
 
 all: build
 
@@ -41,6 +41,10 @@ controlplane:
 ## Build the operator, agent and test images as OCI archives in target/images/ (nothing pulled).
 images:
 	bash hack/images.sh
+
+## kubectl-hugepool as krew installs it: target/krew/ (archive + manifest from .krew.yaml).
+krew:
+	bash hack/krew.sh
 
 ## Side-by-side benchmark of the resize engine against one write and fixed steps (real kernel, root).
 bench:

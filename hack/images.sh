@@ -52,7 +52,7 @@ fi
 
 say "cargo build --release --target $target"
 CC="musl-gcc" cargo build -q --release --locked --target "$target" \
-  -p hugepool-operator --bin hugepool-operator \
+  -p hugepool-operator --bin hugepool-operator --bin kubectl-hugepool \
   -p hugepool-agent --bin hugepool-agent \
   -p hugepool-e2e --bin pause --bin hugepage-holder
 bin="$root/target/$target/release"

@@ -9,13 +9,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use hugepool_operator::plugin;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
+/// See and plan hugepool's hugepage pools: status of pools and nodes, what
+/// applying a pool would do, and why a node is where it is.
 #[derive(Parser, Debug)]
-#[command(
-    name = "kubectl-hugepool",
-    bin_name = "kubectl hugepool",
-    version,
-    about
-)]
+#[command(name = "kubectl-hugepool", bin_name = "kubectl hugepool", version)]
 struct Cli {
     /// Path of the kubeconfig file (default: KUBECONFIG, then ~/.kube/config).
     #[arg(long, global = true)]

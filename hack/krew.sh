@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# make krew: the kubectl-hugepool release archive for this machine's
+# architecture, as krew installs it, and the krew manifest for it:
+#
+#   target/krew/kubectl-hugepool-linux-ARCH.tar.gz   kubectl-hugepool + LICENSE
+#   target/krew/hugepool.yaml                         .krew.yaml for vVERSION,
+#                                                     this archive's uri and sha256
+#
+# Try it: kubectl krew install --manifest=target/krew/hugepool.yaml \
+#           --archive=target/krew/kubectl-hugepool-linux-ARCH.tar.gz
+# The binary is the static (musl) one `make images` builds.
+#
+# `hack/krew.sh tool` instead prints the path of krew itself, built once
+# from its Go module into target/tools (KREW_VERSION), for the tests.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+if [[ "${1:-}" == tool ]]; then
+  krew_version="${KREW_VERSION:-v0.4.3}"
+  tools="$root/target/tools"
+  bin="$tools/krew"
+  built() { [[ -x "$bin" ]] && go version -m "$bin" | awk '$1 == "mod" { print $3 }' | grep -qx "$krew_version"; }
+  if ! built; then
+    mkdir -p "$tools"
+    exec 9>"$tools/.krew.lock"
+    flock 9
+    if ! built; then
+      echo "krew.sh: building krew $krew_version (go install sigs.k8s.io/krew/cmd/krew)" >&2
+      tmp="$(mktemp -d "$tools/.krew.XXXXXX")"
+      trap 'rm -rf "$tmp"' EXIT
+      CGO_ENABLED=0 GOBIN="$tmp" GOFLAGS=-buildvcs=false \
+        go install "sigs.k8s.io/krew/cmd/krew@$krew_version" >&2
+      mv -f "$tmp/krew" "$bin"
+    fi
+  fi
+  echo "$bin"
+  exit 0
+fi
+version="v$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)"
+arch="$(uname -m)"
+case "$arch" in
+  x86_64) krew_arch=amd64 ;;
+  aarch64) krew_arch=arm64 ;;
+  *) echo "krew.sh: unsupported architecture $arch" >&2; exit 1 ;;
+esac
+target="$arch-unknown-linux-musl"
+command -v musl-gcc >/dev/null || { echo "krew.sh: musl-gcc missing: run make images first" >&2; exit 1; }
+CC="musl-gcc" cargo build -q --release --locked --target "$target" -p hugepool-operator --bin kubectl-hugepool
+
+out="$root/target/krew"
+archive="kubectl-hugepool-linux-$krew_arch.tar.gz"
+mkdir -p "$out"
+work="$(mktemp -d "${TMPDIR:-/tmp}/hugepool-krew.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+cp "target/$target/release/kubectl-hugepool" LICENSE "$work/"
+# Reproducible: fixed owner and time, sorted names, no gzip timestamp.
+tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
+  -C "$work" -cf - kubectl-hugepool LICENSE | gzip -9n > "$out/$archive"
+sha="$(sha256sum "$out/$archive" | cut -d' ' -f1)"
+# What krew-release-bot does with the template, for this one archive: the
+# tag filled in, this platform's uri and sha256; other platforms (no
+# archive here) and the template's comments left out.
+python3 - "$version" "$archive" "$sha" "$out/$archive" <<'PY' > "$out/hugepool.yaml"
+import re, sys
+version, name, sha, path = sys.argv[1:]
+text = open(".krew.yaml").read()
+head, *platforms = re.split(r"(?m)^  - selector:\n", text)
+head = "".join(l for l in head.splitlines(True) if not l.startswith("#"))
+call = re.compile(r'(?m)^( *)\{\{addURIAndSha "([^"]+)" \.TagName \}\}$')
+kept = [p for p in platforms if call.search(p).group(2).endswith("/" + name)]
+assert len(kept) == 1, f"no platform in .krew.yaml names {name}"
+platform = call.sub(lambda m: f'{m.group(1)}uri: file://{path}\n{m.group(1)}sha256: "{sha}"', kept[0])
+print((head + "  - selector:\n" + platform).replace("{{ .TagName }}", version), end="")
+PY
+echo "krew.sh: $out/$archive ($sha) and $out/hugepool.yaml"
