@@ -268,12 +268,13 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         .map(|a| a.as_str().expect("string arg"))
         .collect();
     assert_eq!(
-        args[..4],
+        args[..5],
         [
             "run",
             "--sys-root=/host/sys",
             "--proc-root=/host/proc",
-            "--writer-lock=/host/run/hugepool/agent.lock"
+            "--writer-lock=/host/run/hugepool/agent.lock",
+            "--model-file=/host/run/hugepool/cost-models.json"
         ]
     );
     assert_eq!(

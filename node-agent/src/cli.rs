@@ -3,7 +3,7 @@
 //! agent of the DaemonSet.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,10 +14,8 @@ use tokio::sync::watch;
 
 use crate::kernel::kmsg::{self, KernelLogEvent};
 use crate::kernel::{Kernel, PoolScope, SysfsKernel};
-use crate::resize::model::SavedModel;
-use crate::resize::{
-    self, CostModels, Event, Options, Outcome, Settings, ShortfallReason, Summary, Target,
-};
+use crate::resize::model_file;
+use crate::resize::{self, Event, Options, Outcome, Settings, ShortfallReason, Summary, Target};
 use crate::{Error, Result};
 
 #[derive(Debug, Parser)]
@@ -128,6 +126,10 @@ pub struct RunArgs {
     pub refresh_interval: Duration,
     #[arg(long, value_enum, default_value = "text", env = "HUGEPOOL_LOG_FORMAT")]
     pub log_format: LogFormat,
+    /// Keep the fitted write-cost models in this file (the chart: a hostPath
+    /// under /run/hugepool): read at start, written after every resize.
+    #[arg(long, value_name = "PATH")]
+    pub model_file: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -140,6 +142,7 @@ impl RunArgs {
         config.kubelet_restart_command = self.kubelet_restart_command.0.clone();
         config.kubelet_restart_timeout = self.kubelet_restart_timeout;
         config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
+        config.model_file = self.model_file.clone();
         config
     }
 }
@@ -306,10 +309,11 @@ pub async fn resize(
         blocked_poll: Duration::from_millis(200),
     };
     let text = args.output == Output::Text;
+    let release = crate::kernel::release();
     let mut models = args
         .model_file
         .as_deref()
-        .map(load_models)
+        .map(|path| model_file::load(path, &release))
         .unwrap_or_default();
     let summary = resize::run(
         kernel,
@@ -325,8 +329,10 @@ pub async fn resize(
         },
     )
     .await?;
-    if let Some(path) = &args.model_file {
-        save_models(path, &models);
+    if let Some(path) = &args.model_file
+        && let Err(err) = model_file::save(path, &models, &release)
+    {
+        tracing::warn!(path = %path.display(), %err, "cannot save the cost models");
     }
     let mut seen = Vec::new();
     if let Some(receiver) = &mut kernel_log {
@@ -359,33 +365,6 @@ pub async fn resize(
         source,
     })?;
     Ok(exit)
-}
-
-/// A missing or unreadable model file means a cold start, never a failure.
-fn load_models(path: &Path) -> CostModels {
-    let saved = std::fs::read_to_string(path)
-        .map_err(|err| err.to_string())
-        .and_then(|text| {
-            serde_json::from_str::<Vec<SavedModel>>(&text).map_err(|err| err.to_string())
-        });
-    match saved {
-        Ok(saved) => CostModels::from_saved(&saved),
-        Err(err) => {
-            tracing::info!(path = %path.display(), %err, "starting without saved cost models");
-            CostModels::default()
-        }
-    }
-}
-
-fn save_models(path: &Path, models: &CostModels) {
-    let staging = path.with_extension("tmp");
-    let result = serde_json::to_string(&models.to_saved())
-        .map_err(std::io::Error::other)
-        .and_then(|json| std::fs::write(&staging, json))
-        .and_then(|()| std::fs::rename(&staging, path));
-    if let Err(err) = result {
-        tracing::warn!(path = %path.display(), %err, "cannot save the cost models");
-    }
 }
 
 fn millis(duration: Duration) -> String {

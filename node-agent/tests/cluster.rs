@@ -460,6 +460,127 @@ async fn agent_grows_then_shrinks_the_real_pool_and_reports_it() {
     drop(real);
 }
 
+/// The steps of the last resize `name`'s agent reported.
+fn last_steps(object: &HugePageNode) -> i64 {
+    object.status.as_ref().unwrap().page_sizes[0]
+        .last_resize
+        .as_ref()
+        .expect("lastResize")
+        .steps
+}
+
+/// `--model-file` (the chart's hostPath): an agent saves what its resizes
+/// measured, a restarted agent's first grow is sized from it (fewer writes
+/// than the cold probe-and-double start), and a corrupt file only means a
+/// cold start, with a warning, after which the file is whole again.
+#[tokio::test]
+async fn a_restarted_agent_sizes_its_first_resize_from_the_saved_models() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model_file = dir.path().join("cost-models.json");
+    let args = ["--model-file", model_file.to_str().expect("path")];
+    let name = unique_name("agent-models");
+    create_node(&env.client, &name, "0", vec![entry(768)]).await;
+    let cold = AgentProcess::start(&env.control_plane.kubeconfig, &name, &args);
+    let grown = wait_for(
+        &env.client,
+        &name,
+        &cold,
+        Duration::from_secs(120),
+        "a cold grow to 768",
+        |o| converged_at(o, 768),
+    )
+    .await;
+    let cold_steps = last_steps(&grown);
+    apply_spec(&env.client, &name, vec![entry(0)]).await;
+    wait_for(
+        &env.client,
+        &name,
+        &cold,
+        Duration::from_secs(120),
+        "a shrink to 0",
+        |o| converged_at(o, 0),
+    )
+    .await;
+    drop(cold);
+
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&model_file).expect("the model file"))
+            .expect("JSON");
+    assert_eq!(saved["format"], 1);
+    assert_eq!(
+        saved["kernelRelease"],
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap()
+            .trim()
+    );
+    let directions: Vec<&str> = saved["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .map(|m| m["direction"].as_str().expect("direction"))
+        .collect();
+    assert!(
+        directions.contains(&"grow") && directions.contains(&"shrink"),
+        "{saved}"
+    );
+
+    let warm = AgentProcess::start(&env.control_plane.kubeconfig, &name, &args);
+    apply_spec(&env.client, &name, vec![entry(768)]).await;
+    let grown = wait_for(
+        &env.client,
+        &name,
+        &warm,
+        Duration::from_secs(120),
+        "a warm grow to 768",
+        |o| converged_at(o, 768),
+    )
+    .await;
+    let warm_steps = last_steps(&grown);
+    assert!(
+        warm_steps < cold_steps,
+        "warm {warm_steps} writes, cold {cold_steps}: {}",
+        warm.log_tail()
+    );
+    assert!(
+        warm.log_tail().contains("cost models loaded"),
+        "{}",
+        warm.log_tail()
+    );
+    drop(warm);
+
+    std::fs::write(&model_file, "{\"format\":").expect("corrupt the file");
+    let restarted = AgentProcess::start(&env.control_plane.kubeconfig, &name, &args);
+    apply_spec(&env.client, &name, vec![entry(0)]).await;
+    wait_for(
+        &env.client,
+        &name,
+        &restarted,
+        Duration::from_secs(120),
+        "a shrink after a corrupt file",
+        |o| converged_at(o, 0),
+    )
+    .await;
+    assert!(
+        restarted
+            .log_tail()
+            .contains("ignoring the saved cost models"),
+        "{}",
+        restarted.log_tail()
+    );
+    let rewritten: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&model_file).expect("the model file"))
+            .expect("the file is whole again");
+    assert_eq!(rewritten["format"], 1);
+    drop(restarted);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
 #[tokio::test]
 async fn pages_in_use_block_the_shrink_until_the_holder_exits() {
     let Some(env) = setup().await else { return };

@@ -79,6 +79,8 @@ pub struct AgentConfig {
     pub kubelet_restart_timeout: Duration,
     /// `/dev/kmsg`, or `None` to not watch the kernel log.
     pub kmsg_path: Option<PathBuf>,
+    /// Where the fitted write-cost models are kept across restarts.
+    pub model_file: Option<PathBuf>,
 }
 
 impl AgentConfig {
@@ -93,6 +95,7 @@ impl AgentConfig {
             kubelet_restart_command: Vec::new(),
             kubelet_restart_timeout: Duration::from_secs(120),
             kmsg_path: None,
+            model_file: None,
         }
     }
 }
@@ -206,7 +209,11 @@ pub async fn run(
         }
     }
 
-    let mut models = CostModels::default();
+    let mut models = config
+        .model_file
+        .as_deref()
+        .map(|path| crate::resize::model_file::load(path, &config.kernel_release))
+        .unwrap_or_default();
     let mut looper = ResizeLoop {
         kernel,
         config,

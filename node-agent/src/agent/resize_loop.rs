@@ -147,6 +147,7 @@ impl ResizeLoop {
                     Action::Resize => {}
                 }
                 let outcome = self.resize(entry, target, spec_rx, shutdown, models).await;
+                self.save_models(models);
                 match outcome {
                     Some(Outcome::Blocked { .. }) | None => waiting.push(Wake::Blocked),
                     Some(Outcome::Shortfall { .. }) => waiting.push(Wake::Retry),
@@ -374,6 +375,18 @@ impl ResizeLoop {
         };
         self.shared.touch(true);
         outcome
+    }
+
+    /// Keeps what this resize measured for the next agent (a small file on
+    /// the host's tmpfs: written in place of the loop's next step).
+    fn save_models(&self, models: &CostModels) {
+        let Some(path) = &self.config.model_file else {
+            return;
+        };
+        if let Err(err) = crate::resize::model_file::save(path, models, &self.config.kernel_release)
+        {
+            warn!(path = %path.display(), error = %err, "cannot save the cost models");
+        }
     }
 
     fn record_summary(&self, summary: &Summary, scope: PoolScope, span: &tracing::Span) {

@@ -1,9 +1,11 @@
 //! The resize engine: a pure [`planner`] (the algorithm), the online cost
-//! [`model`] it sizes steps with, and a thin [`executor`] that runs the
+//! [`model`] it sizes steps with (kept across restarts by [`model_file`]),
+//! and a thin [`executor`] that runs the
 //! planner's writes against a [`Kernel`](crate::kernel::Kernel).
 
 pub mod executor;
 pub mod model;
+pub mod model_file;
 pub mod planner;
 
 pub use executor::{Event, Options, StepEvent, Summary, run};
