@@ -37,6 +37,20 @@ pub struct BuildLabels {
     pub version: String,
 }
 
+/// Every `error` label `Error::metric_label` names (a test holds the two
+/// together), exported at 0 so that a first error is an increase.
+pub const RECONCILE_ERROR_LABELS: &[&str] = &[
+    "node_spec",
+    "drain_condition",
+    "taint",
+    "list_pods",
+    "pool_status",
+    "finalizer",
+    "not_leader",
+    "leader",
+    "serve",
+];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub error: String,
@@ -71,6 +85,11 @@ impl Default for Metrics {
         let plan_duration =
             Histogram::new([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]);
         let leader = Gauge::default();
+        for label in RECONCILE_ERROR_LABELS {
+            let _ = reconcile_errors.get_or_create(&ErrorLabels {
+                error: (*label).into(),
+            });
+        }
         registry.register(
             "hugepool_pool_nodes",
             "Nodes of a pool by state (selected, converged, updating, pending, failed)",
@@ -261,6 +280,7 @@ impl hugepool_runtime::Probes for Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::planner::PoolPlan;
     use hugepool_crds::pool::{HugePagePoolStatus, PoolNodeCounts};
 
@@ -277,6 +297,92 @@ mod tests {
             max_unavailable: 1,
             ..Default::default()
         }
+    }
+
+    /// One error of each variant; the match fails to compile when a variant
+    /// is added, so its label cannot be left out of RECONCILE_ERROR_LABELS.
+    fn one_error_of_each_kind() -> Vec<Error> {
+        let kube = || kube::Error::TlsRequired;
+        let errors = vec![
+            Error::NodeSpec {
+                node: "w-1".into(),
+                source: kube(),
+            },
+            Error::DrainCondition {
+                node: "w-1".into(),
+                source: kube(),
+            },
+            Error::Taint {
+                node: "w-1".into(),
+                source: kube(),
+            },
+            Error::ListPods {
+                node: "w-1".into(),
+                source: kube(),
+            },
+            Error::PoolStatus {
+                pool: "db".into(),
+                source: kube(),
+            },
+            Error::Finalizer {
+                pool: "db".into(),
+                source: kube(),
+            },
+            Error::NotLeader,
+            Error::Leader(kube_lease_manager::LeaseManagerError::InconsistentState(
+                "test".into(),
+            )),
+            Error::Serve {
+                addr: ([127, 0, 0, 1], 8080).into(),
+                source: std::io::Error::other("test"),
+            },
+        ];
+        for error in &errors {
+            match error {
+                Error::NodeSpec { .. }
+                | Error::DrainCondition { .. }
+                | Error::Taint { .. }
+                | Error::ListPods { .. }
+                | Error::PoolStatus { .. }
+                | Error::Finalizer { .. }
+                | Error::NotLeader
+                | Error::Leader(_)
+                | Error::Serve { .. } => {}
+            }
+        }
+        errors
+    }
+
+    #[test]
+    fn every_error_label_is_exported_at_zero_before_the_first_error() {
+        let mut labels: Vec<&str> = one_error_of_each_kind()
+            .iter()
+            .map(Error::metric_label)
+            .collect();
+        labels.sort_unstable();
+        let mut listed = RECONCILE_ERROR_LABELS.to_vec();
+        listed.sort_unstable();
+        assert_eq!(
+            labels, listed,
+            "RECONCILE_ERROR_LABELS is metric_label's list"
+        );
+
+        let metrics = Metrics::default();
+        let text = metrics.encode();
+        for label in RECONCILE_ERROR_LABELS {
+            let series = format!(r#"hugepool_reconcile_errors_total{{error="{label}"}} 0"#);
+            assert!(
+                text.lines().any(|l| l == series),
+                "no {series:?} in:\n{text}"
+            );
+        }
+        metrics.count_error("taint");
+        assert!(
+            metrics
+                .encode()
+                .contains(r#"hugepool_reconcile_errors_total{error="taint"} 1"#),
+            "the first error moves its series from 0 to 1"
+        );
     }
 
     #[test]

@@ -8,8 +8,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use hugepool_crds::PageSize;
 use hugepool_crds::node::PageSizeTarget;
+use hugepool_crds::{PageSize, Reason};
 
 use crate::kernel::{NumaCounts, PoolCounts};
 
@@ -56,6 +56,16 @@ pub struct StepLabels {
     /// `grow` or `shrink`.
     pub direction: String,
 }
+
+/// The reasons `hugepool_stalls_total` counts: a kernel write over the
+/// stall threshold and the stalls the kernel log reports. NoProgress is a
+/// Stalled condition only, never counted.
+pub const STALL_REASONS: &[Reason] = &[
+    Reason::SlowKernelWrite,
+    Reason::SoftLockup,
+    Reason::RcuStall,
+    Reason::HungTask,
+];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StallLabels {
@@ -120,6 +130,13 @@ impl Metrics {
             events_dropped: Counter::default(),
             foreign_writes: Family::default(),
         };
+        // At 0 from the start: increase() over a series born at 1 is 0, so
+        // a node's first stall would never fire HugepoolResizeStalled.
+        for reason in STALL_REASONS {
+            let _ = metrics.stalls.get_or_create(&StallLabels {
+                reason: reason.as_str().into(),
+            });
+        }
         let prefix = registry.sub_registry_with_prefix("hugepool");
         prefix.register(
             "agent_build",
@@ -326,6 +343,51 @@ mod tests {
     fn sample(text: &str, series: &str) -> Option<i64> {
         text.lines()
             .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn every_stall_reason_is_exported_at_zero_before_the_first_stall() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let text = encode(&registry);
+        for reason in ["SlowKernelWrite", "SoftLockup", "RcuStall", "HungTask"] {
+            let series = format!(r#"hugepool_stalls_total{{reason="{reason}"}}"#);
+            assert_eq!(sample(&text, &series), Some(0), "{series} in:\n{text}");
+        }
+        metrics
+            .stalls
+            .get_or_create(&StallLabels {
+                reason: "HungTask".into(),
+            })
+            .inc();
+        let text = encode(&registry);
+        assert_eq!(
+            sample(&text, r#"hugepool_stalls_total{reason="HungTask"}"#),
+            Some(1),
+            "the first stall moves the series from 0 to 1:\n{text}"
+        );
+    }
+
+    #[test]
+    fn every_kernel_log_report_is_a_listed_stall_reason() {
+        use crate::kernel::kmsg::KernelLogKind;
+        for kind in [
+            KernelLogKind::SoftLockup,
+            KernelLogKind::RcuStall,
+            KernelLogKind::HungTask,
+        ] {
+            // Exhaustive, so a new kind does not compile until it is listed above.
+            match kind {
+                KernelLogKind::SoftLockup | KernelLogKind::RcuStall | KernelLogKind::HungTask => {}
+            }
+            let reason =
+                Reason::parse(kind.as_str()).unwrap_or_else(|| panic!("{kind:?} is no Reason"));
+            assert!(
+                STALL_REASONS.contains(&reason),
+                "{reason} not in STALL_REASONS"
+            );
+        }
+        assert!(STALL_REASONS.contains(&Reason::SlowKernelWrite));
     }
 
     #[test]
