@@ -1,13 +1,18 @@
-//! Freeing 8192 x 2Mi pages on the real kernel, with HVO off and on, five
-//! ways, interleaved: one write (`echo 0`), fixed steps of 64 and of 1024,
-//! and the engine (`hugepool-agent resize`, 50 ms budget) starting cold and
-//! starting from a saved cost model. Prints medians over the repetitions and
-//! the agent's peak RSS. Saves and restores every pool and HVO.
+//! Freeing and growing 8192 x 2Mi pages on the real kernel, with HVO off and
+//! on, five ways, interleaved: one write, fixed steps of 64 and of 1024, and
+//! the engine (`hugepool-agent resize`, 50 ms budget) starting cold and
+//! starting from a saved cost model. Per (HVO, direction) it fits the write
+//! cost `a + b*n` to this run's one-write and fixed-step writes and prints
+//! the best any budget-keeping strategy can do, T* = k*a + b*N + (k-1)*pause
+//! with k = ceil(b*N / (B - a)) writes, beside each strategy's medians. Raw
+//! results go to node-agent/bench-results/ as JSON. Saves and restores every
+//! pool and HVO.
 //!
 //! Environment: HUGEPOOL_BENCH_REPS (default 5), HUGEPOOL_BENCH_PAGES
 //! (default 8192).
 
-use std::path::PathBuf;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
@@ -16,6 +21,24 @@ use hugepool_crds::PageSize;
 
 const MI2: PageSize = PageSize::SIZE_2MI;
 const KEEP_FREE: u64 = 4 << 30;
+/// The engine's defaults, which T* is computed for.
+const BUDGET: Duration = Duration::from_millis(50);
+const PAUSE: Duration = Duration::from_millis(5);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direction {
+    Shrink,
+    Grow,
+}
+
+impl Direction {
+    fn name(self) -> &'static str {
+        match self {
+            Direction::Shrink => "shrink",
+            Direction::Grow => "grow",
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Strategy {
@@ -28,7 +51,7 @@ enum Strategy {
 impl Strategy {
     fn name(self) -> String {
         match self {
-            Strategy::OneWrite => "one write (echo 0)".into(),
+            Strategy::OneWrite => "one write".into(),
             Strategy::Fixed(step) => format!("fixed steps of {step}"),
             Strategy::EngineCold => "engine, cold start".into(),
             Strategy::EngineWarm => "engine, saved model".into(),
@@ -44,12 +67,17 @@ const STRATEGIES: [Strategy; 5] = [
     Strategy::EngineWarm,
 ];
 
-/// One measured shrink.
+/// One measured resize.
 struct Run {
     total: Duration,
-    writes: Vec<Duration>,
+    /// Each write's latency, with the pages it moved when known.
+    writes: Vec<(Option<u64>, Duration)>,
+    /// Persistent pages at the end.
+    reached: u64,
     peak_rss: Option<u64>,
 }
+
+type Key = (bool, Direction, Strategy);
 
 /// Restores the machine's hugetlb settings when dropped, also on panic.
 struct Restore {
@@ -130,15 +158,18 @@ fn bench() -> Result<(), String> {
     let model_file =
         |hvo: bool| dir.join(format!("hugepool-bench-model-hvo{}.json", u8::from(hvo)));
 
-    let mut results: Vec<((bool, Strategy), Vec<Run>)> = Vec::new();
+    let mut results: Vec<(Key, Vec<Run>)> = Vec::new();
     for hvo in [false, true] {
         kernel.set_hvo(hvo).map_err(|e| e.to_string())?;
-        // Seed the saved model with one untimed resize.
+        // Seed the saved models (both directions) with untimed resizes.
         let _ = std::fs::remove_file(model_file(hvo));
         fill(&kernel, pages)?;
-        engine(Some(model_file(hvo)))?;
-        for strategy in STRATEGIES {
-            results.push(((hvo, strategy), Vec::new()));
+        engine(Some(model_file(hvo)), 0)?;
+        engine(Some(model_file(hvo)), pages)?;
+        for direction in [Direction::Shrink, Direction::Grow] {
+            for strategy in STRATEGIES {
+                results.push(((hvo, direction, strategy), Vec::new()));
+            }
         }
     }
     for rep in 0..reps {
@@ -148,39 +179,57 @@ fn bench() -> Result<(), String> {
             [true, false]
         } {
             kernel.set_hvo(hvo).map_err(|e| e.to_string())?;
-            // Rotate the order so no strategy always runs first.
-            for i in 0..STRATEGIES.len() {
-                let strategy = STRATEGIES[(i + rep) % STRATEGIES.len()];
-                fill(&kernel, pages)?;
-                std::thread::sleep(Duration::from_millis(200));
-                let run = match strategy {
-                    Strategy::OneWrite => fixed(&kernel, pages, pages)?,
-                    Strategy::Fixed(step) => fixed(&kernel, pages, step)?,
-                    Strategy::EngineCold => engine(None)?,
-                    Strategy::EngineWarm => engine(Some(model_file(hvo)))?,
-                };
-                let left = kernel.pool(MI2).map_err(|e| e.to_string())?;
-                if left.total != 0 {
-                    return Err(format!("{} left {} pages", strategy.name(), left.total));
-                }
-                eprintln!(
-                    "rep {} hvo {} {:<22} total {:>8.1} ms, {:>4} writes, max {:>6.1} ms",
-                    rep + 1,
-                    u8::from(hvo),
-                    strategy.name(),
-                    ms(run.total),
-                    run.writes.len(),
-                    ms(run.writes.iter().max().copied().unwrap_or_default())
-                );
-                if let Some((_, runs)) = results.iter_mut().find(|(key, _)| *key == (hvo, strategy))
-                {
-                    runs.push(run);
+            for direction in [Direction::Shrink, Direction::Grow] {
+                // Rotate the order so no strategy always runs first.
+                for i in 0..STRATEGIES.len() {
+                    let strategy = STRATEGIES[(i + rep) % STRATEGIES.len()];
+                    let (start, goal) = match direction {
+                        Direction::Shrink => (pages, 0),
+                        Direction::Grow => (0, pages),
+                    };
+                    if start > 0 {
+                        fill(&kernel, start)?;
+                    } else {
+                        kernel
+                            .write_pool(MI2, PoolScope::Global, 0)
+                            .map_err(|e| e.to_string())?;
+                        // A grow gets the memory a shrink would have left.
+                        kernel
+                            .compact(PoolScope::Global)
+                            .map_err(|e| e.to_string())?;
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                    let run = match strategy {
+                        Strategy::OneWrite => fixed(&kernel, start, goal, pages)?,
+                        Strategy::Fixed(step) => fixed(&kernel, start, goal, step)?,
+                        Strategy::EngineCold => engine(None, goal)?,
+                        Strategy::EngineWarm => engine(Some(model_file(hvo)), goal)?,
+                    };
+                    eprintln!(
+                        "rep {} hvo {} {:<6} {:<20} total {:>8.1} ms, {:>4} writes, max {:>6.1} ms, reached {}",
+                        rep + 1,
+                        u8::from(hvo),
+                        direction.name(),
+                        strategy.name(),
+                        ms(run.total),
+                        run.writes.len(),
+                        ms(run.writes.iter().map(|w| w.1).max().unwrap_or_default()),
+                        run.reached,
+                    );
+                    if let Some((_, runs)) = results
+                        .iter_mut()
+                        .find(|(key, _)| *key == (hvo, direction, strategy))
+                    {
+                        runs.push(run);
+                    }
                 }
             }
         }
     }
     drop(restore);
-    print_table(&results, pages, reps);
+    let table = print_table(&results, pages, reps);
+    let saved = save_raw(&results, pages, reps, &table)?;
+    println!("\nRaw results: {}", saved.display());
     Ok(())
 }
 
@@ -211,36 +260,50 @@ fn fill(kernel: &SysfsKernel, pages: u64) -> Result<(), String> {
     Err(format!("could not allocate {pages} x 2Mi to start from"))
 }
 
-/// Frees the pool in fixed steps (one step of everything is `echo 0`).
-fn fixed(kernel: &SysfsKernel, pages: u64, step: u64) -> Result<Run, String> {
+/// Moves the pool from `start` to `goal` in fixed steps (one step of
+/// everything is `echo N`).
+fn fixed(kernel: &SysfsKernel, start: u64, goal: u64, step: u64) -> Result<Run, String> {
     let mut writes = Vec::new();
     let started = Instant::now();
-    let mut current = pages;
-    while current > 0 {
-        current = current.saturating_sub(step);
+    let mut current = start;
+    while current != goal {
+        let next = if goal < current {
+            current.saturating_sub(step).max(goal)
+        } else {
+            (current + step).min(goal)
+        };
         let write = Instant::now();
         kernel
-            .write_pool(MI2, PoolScope::Global, current)
+            .write_pool(MI2, PoolScope::Global, next)
             .map_err(|e| e.to_string())?;
-        writes.push(write.elapsed());
+        writes.push((Some(current.abs_diff(next)), write.elapsed()));
+        let now = kernel.pool(MI2).map_err(|e| e.to_string())?.persistent();
+        if now != next {
+            // A grow the kernel could not satisfy: stop where it is.
+            current = now;
+            break;
+        }
+        current = next;
     }
     Ok(Run {
         total: started.elapsed(),
         writes,
+        reached: current,
         peak_rss: None,
     })
 }
 
-/// `hugepool-agent resize --pages 0` with the default 50 ms budget; times
+/// `hugepool-agent resize --pages GOAL` with the default 50 ms budget; times
 /// and peak RSS come from its JSON summary.
-fn engine(model_file: Option<PathBuf>) -> Result<Run, String> {
+fn engine(model_file: Option<PathBuf>, goal: u64) -> Result<Run, String> {
+    let goal = goal.to_string();
     let mut command = Command::new(env!("CARGO_BIN_EXE_hugepool-agent"));
     command.args([
         "resize",
         "--page-size",
         "2Mi",
         "--pages",
-        "0",
+        &goal,
         "--output",
         "json",
     ]);
@@ -261,11 +324,14 @@ fn engine(model_file: Option<PathBuf>) -> Result<Run, String> {
     let seconds = |value: &serde_json::Value| value.as_f64().map(Duration::from_secs_f64);
     let writes = report["writeSeconds"]
         .as_array()
-        .map(|all| all.iter().filter_map(seconds).collect())
+        .map(|all| all.iter().filter_map(seconds).map(|w| (None, w)).collect())
         .unwrap_or_default();
     Ok(Run {
         total: seconds(&report["durationSeconds"]).ok_or("summary has no durationSeconds")?,
         writes,
+        reached: report["achieved"]
+            .as_u64()
+            .ok_or("summary has no achieved")?,
         peak_rss: report["peakRssBytes"].as_u64(),
     })
 }
@@ -288,42 +354,128 @@ fn percentile(mut values: Vec<f64>, share: f64) -> f64 {
     values[rank - 1]
 }
 
-fn print_table(results: &[((bool, Strategy), Vec<Run>)], pages: u64, reps: usize) {
-    println!(
-        "\nFreeing {pages} x 2Mi, medians of {reps} interleaved repetitions (p99 over all writes)\n"
-    );
-    println!("| HVO | strategy | total ms | vs one write | writes | max write ms | p99 write ms |");
-    println!("|---|---|---|---|---|---|---|");
-    for hvo in [false, true] {
-        let one_write = results
-            .iter()
-            .find(|(key, _)| *key == (hvo, Strategy::OneWrite))
-            .map(|(_, runs)| median(runs.iter().map(|r| ms(r.total)).collect()))
-            .unwrap_or(f64::NAN);
-        for ((run_hvo, strategy), runs) in results {
-            if *run_hvo != hvo {
-                continue;
-            }
-            let total = median(runs.iter().map(|r| ms(r.total)).collect());
-            let all_writes: Vec<f64> = runs
-                .iter()
-                .flat_map(|r| r.writes.iter().map(|w| ms(*w)))
-                .collect();
-            println!(
-                "| {} | {} | {:.1} | {:.2}x | {:.0} | {:.1} | {:.1} |",
-                if hvo { "on" } else { "off" },
-                strategy.name(),
-                total,
-                total / one_write,
-                median(runs.iter().map(|r| r.writes.len() as f64).collect()),
-                median(
-                    runs.iter()
-                        .map(|r| r.writes.iter().map(|w| ms(*w)).fold(0.0, f64::max))
-                        .collect()
-                ),
-                percentile(all_writes, 0.99),
-            );
+/// The write cost `a + b*n` (seconds, seconds per page): least squares over
+/// one point per step size, the median latency of that size's writes (one
+/// write of N, steps of 64 and of 1024). Medians, because single writes
+/// here have outliers (a build on the other core) that would tilt a fit
+/// over all writes.
+fn fit(runs: &[&Run]) -> Option<(f64, f64)> {
+    let mut by_size: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    for (pages, latency) in runs.iter().flat_map(|r| r.writes.iter()) {
+        if let Some(pages) = pages {
+            by_size
+                .entry(*pages)
+                .or_default()
+                .push(latency.as_secs_f64());
         }
+    }
+    let points: Vec<(f64, f64)> = by_size
+        .into_iter()
+        .map(|(pages, latencies)| (pages as f64, median(latencies)))
+        .collect();
+    let n = points.len() as f64;
+    let (sx, sy) = points
+        .iter()
+        .fold((0.0, 0.0), |(x, y), p| (x + p.0, y + p.1));
+    let (mx, my) = (sx / n, sy / n);
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    if points.len() < 2 || sxx == 0.0 {
+        return None;
+    }
+    let b = (sxy / sxx).max(0.0);
+    Some(((my - b * mx).max(0.0), b))
+}
+
+/// The fewest writes that keep each within the budget, and the best total
+/// any such strategy can reach (the engine's pauses between its writes
+/// included): T* = k*a + b*N + (k-1)*pause.
+fn best_budgeted(a: f64, b: f64, pages: u64) -> Option<(u64, f64)> {
+    let room = BUDGET.as_secs_f64() - a;
+    if room <= 0.0 {
+        return None;
+    }
+    let k = ((b * pages as f64) / room).ceil().max(1.0) as u64;
+    Some((
+        k,
+        k as f64 * a + b * pages as f64 + (k - 1) as f64 * PAUSE.as_secs_f64(),
+    ))
+}
+
+fn print_table(results: &[(Key, Vec<Run>)], pages: u64, reps: usize) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\n{pages} x 2Mi, medians of {reps} interleaved repetitions (p99 over all writes); \
+         T* from a + b*n fitted to this run's one-write and fixed-step writes, \
+         budget {} ms, pause {} ms\n",
+        ms(BUDGET),
+        ms(PAUSE)
+    );
+    let _ = writeln!(
+        out,
+        "| HVO | direction | strategy | total ms | vs one write | vs T* | writes | max write ms | p99 write ms | reached |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
+    let mut fits = Vec::new();
+    for hvo in [false, true] {
+        for direction in [Direction::Shrink, Direction::Grow] {
+            let group: Vec<&(Key, Vec<Run>)> = results
+                .iter()
+                .filter(|((h, d, _), _)| *h == hvo && *d == direction)
+                .collect();
+            let measured: Vec<&Run> = group
+                .iter()
+                .filter(|((_, _, s), _)| matches!(s, Strategy::OneWrite | Strategy::Fixed(_)))
+                .flat_map(|(_, runs)| runs.iter())
+                .collect();
+            let best = fit(&measured).and_then(|(a, b)| Some((a, b, best_budgeted(a, b, pages)?)));
+            let t_star = best.map(|(_, _, (_, t))| t * 1000.0).unwrap_or(f64::NAN);
+            if let Some((a, b, (k, t))) = best {
+                fits.push(format!(
+                    "HVO {} {}: a = {:.2} ms, b = {:.2} us/page, k = {k}, T* = {:.1} ms",
+                    if hvo { "on" } else { "off" },
+                    direction.name(),
+                    a * 1000.0,
+                    b * 1e6,
+                    t * 1000.0
+                ));
+            }
+            let one_write = group
+                .iter()
+                .find(|((_, _, s), _)| *s == Strategy::OneWrite)
+                .map(|(_, runs)| median(runs.iter().map(|r| ms(r.total)).collect()))
+                .unwrap_or(f64::NAN);
+            for ((_, _, strategy), runs) in &group {
+                let total = median(runs.iter().map(|r| ms(r.total)).collect());
+                let all_writes: Vec<f64> = runs
+                    .iter()
+                    .flat_map(|r| r.writes.iter().map(|w| ms(w.1)))
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {:.1} | {:.2}x | {:.2}x | {:.0} | {:.1} | {:.1} | {:.0} |",
+                    if hvo { "on" } else { "off" },
+                    direction.name(),
+                    strategy.name(),
+                    total,
+                    total / one_write,
+                    total / t_star,
+                    median(runs.iter().map(|r| r.writes.len() as f64).collect()),
+                    median(
+                        runs.iter()
+                            .map(|r| r.writes.iter().map(|w| ms(w.1)).fold(0.0, f64::max))
+                            .collect()
+                    ),
+                    percentile(all_writes, 0.99),
+                    median(runs.iter().map(|r| r.reached as f64).collect()),
+                );
+            }
+        }
+    }
+    out.push('\n');
+    for line in fits {
+        let _ = writeln!(out, "{line}");
     }
     let peak = results
         .iter()
@@ -336,7 +488,8 @@ fn print_table(results: &[((bool, Strategy), Vec<Run>)], pages: u64, reps: usize
     } else {
         None
     };
-    println!(
+    let _ = writeln!(
+        out,
         "\nAgent peak RSS during a resize: {} MiB (VmHWM in its summary); largest child maxrss {} MiB",
         peak.map_or("?".into(), |b| format!(
             "{:.1}",
@@ -344,4 +497,56 @@ fn print_table(results: &[((bool, Strategy), Vec<Run>)], pages: u64, reps: usize
         )),
         children_max_kb.map_or("?".into(), |kb| format!("{:.1}", kb as f64 / 1024.0)),
     );
+    print!("{out}");
+    out
+}
+
+/// Every run of this bench as JSON, next to BENCH.md (one file per run of
+/// the bench, named by its start time), with the table it printed.
+fn save_raw(
+    results: &[(Key, Vec<Run>)],
+    pages: u64,
+    reps: usize,
+    table: &str,
+) -> Result<PathBuf, String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let runs: Vec<serde_json::Value> = results
+        .iter()
+        .flat_map(|((hvo, direction, strategy), runs)| {
+            runs.iter().map(move |run| {
+                serde_json::json!({
+                    "hvo": hvo,
+                    "direction": direction.name(),
+                    "strategy": strategy.name(),
+                    "totalMs": ms(run.total),
+                    "reached": run.reached,
+                    "writes": run.writes.iter().map(|(pages, latency)| {
+                        serde_json::json!({"pages": pages, "ms": ms(*latency)})
+                    }).collect::<Vec<_>>(),
+                    "peakRssBytes": run.peak_rss,
+                })
+            })
+        })
+        .collect();
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let now = jiff::Timestamp::now();
+    let document = serde_json::json!({
+        "bench": "resize",
+        "at": now.to_string(),
+        "kernel": release.trim(),
+        "pages": pages,
+        "repetitions": reps,
+        "budgetMs": ms(BUDGET),
+        "pauseMs": ms(PAUSE),
+        "table": table,
+        "runs": runs,
+    });
+    let path = dir.join(format!("resize-{}.json", now.strftime("%Y%m%dT%H%M%SZ")));
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&document).expect("JSON"),
+    )
+    .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(path)
 }
