@@ -362,3 +362,42 @@ pub fn http_get(addr: &str, path: &str) -> Result<String, String> {
         ))
     }
 }
+
+/// The tool a `hack/` build script builds and prints the path of (helm,
+/// promtool, prometheus, krew), or what went wrong.
+pub fn hack_tool(script: &str, args: &[&str]) -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let output = Command::new("bash")
+        .arg(root.join("hack").join(script))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("running hack/{script}: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "hack/{script} {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "hack/{script} printed {path:?}, which is not a file"
+        ))
+    }
+}
+
+/// [`hack_tool`], or `None` after saying why outside CI; under `CI=true` a
+/// missing tool fails the test.
+pub fn hack_tool_or_skip(script: &str, args: &[&str]) -> Option<PathBuf> {
+    match hack_tool(script, args) {
+        Ok(path) => Some(path),
+        Err(why) if in_ci() => panic!("CI=true and no hack/{script} {args:?}: {why}"),
+        Err(why) => {
+            eprintln!("skipping: {why}");
+            None
+        }
+    }
+}

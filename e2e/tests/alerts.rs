@@ -12,7 +12,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use hugepool_e2e::in_ci_mode;
 use serde_json::Value;
 
 /// The rules file alerts.test.yaml names in `rule_files`, beside it.
@@ -41,37 +40,12 @@ fn output_text(output: &Output) -> String {
     )
 }
 
-/// The binary a hack/ build script prints, or `None` (after saying why) outside CI.
-fn built_tool(script: &str, args: &[&str]) -> Option<PathBuf> {
-    let why = match Command::new("bash")
-        .arg(repo().join("hack").join(script))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-    {
-        Ok(output) if output.status.success() => {
-            let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-            if path.is_file() {
-                return Some(path);
-            }
-            format!("hack/{script} printed {path:?}, which is not a file")
-        }
-        Ok(output) => format!("hack/{script} failed: {}", output_text(&output)),
-        Err(e) => format!("running hack/{script}: {e}"),
-    };
-    if in_ci_mode() {
-        panic!("CI=true and no hack/{script} {args:?}: {why}");
-    }
-    eprintln!("skipping: no hack/{script} {args:?} ({why})");
-    None
-}
-
 fn helm() -> Option<PathBuf> {
-    built_tool("helm.sh", &[])
+    hugepool_e2e::hack_tool_or_skip("helm.sh", &[])
 }
 
 fn promtool() -> Option<PathBuf> {
-    built_tool("prometheus.sh", &["promtool"])
+    hugepool_e2e::hack_tool_or_skip("prometheus.sh", &["promtool"])
 }
 
 /// The `spec` (rule groups) of the chart's PrometheusRule, default values.

@@ -13,7 +13,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use hugepool_e2e::{in_ci_mode, kubectl_path, setup, unique_name};
+use hugepool_e2e::{kubectl_path, setup, unique_name};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use serde_json::{Value, json};
 
@@ -38,26 +38,7 @@ fn output_text(output: &Output) -> String {
 
 /// The helm binary from hack/helm.sh, or `None` (after saying why) outside CI.
 fn helm() -> Option<PathBuf> {
-    let why = match Command::new("bash")
-        .arg(repo().join("hack").join("helm.sh"))
-        .stdin(Stdio::null())
-        .output()
-    {
-        Ok(output) if output.status.success() => {
-            let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-            if path.is_file() {
-                return Some(path);
-            }
-            format!("hack/helm.sh printed {path:?}, which is not a file")
-        }
-        Ok(output) => format!("hack/helm.sh failed: {}", output_text(&output)),
-        Err(e) => format!("running hack/helm.sh: {e}"),
-    };
-    if in_ci_mode() {
-        panic!("CI=true and no helm: {why}");
-    }
-    eprintln!("skipping: no helm ({why})");
-    None
+    hugepool_e2e::hack_tool_or_skip("helm.sh", &[])
 }
 
 /// `helm template hugepool charts/hugepool -n hugepool-system` with extra args.

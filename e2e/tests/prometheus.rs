@@ -57,30 +57,6 @@ fn missing(why: &str) {
     eprintln!("skipping: {why}");
 }
 
-/// The binary a hack/ build script prints, or what went wrong.
-fn built_tool(script: &str, args: &[&str]) -> Result<PathBuf, String> {
-    let output = Command::new("bash")
-        .arg(repo().join("hack").join(script))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("running hack/{script}: {e}"))?;
-    if !output.status.success() {
-        return Err(format!(
-            "hack/{script} {args:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
-    let path = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(format!(
-            "hack/{script} printed {path:?}, which is not a file"
-        ))
-    }
-}
-
 /// Where hack/images.sh (`make images`) builds the static binaries.
 fn release_binary(name: &str) -> Result<PathBuf, String> {
     let target = format!("{}-unknown-linux-musl", std::env::consts::ARCH);
@@ -106,8 +82,8 @@ struct Tools {
 impl Tools {
     fn find() -> Result<Tools, String> {
         Ok(Tools {
-            helm: built_tool("helm.sh", &[])?,
-            prometheus: built_tool("prometheus.sh", &["prometheus"])?,
+            helm: hugepool_e2e::hack_tool("helm.sh", &[])?,
+            prometheus: hugepool_e2e::hack_tool("prometheus.sh", &["prometheus"])?,
             operator: release_binary("hugepool-operator")?,
             agent: release_binary("hugepool-agent")?,
         })

@@ -1,6 +1,6 @@
 //! Every metric the dashboard and the alerts query is one that the agent or
 //! the operator exports (a renamed metric would leave a panel empty and an
-//! alert that never fires). The real Prometheus test (e2e/tests/alerts.rs)
+//! alert that never fires). The real Prometheus test (e2e/tests/prometheus.rs)
 //! checks the same with series; this one needs nothing running.
 
 use std::collections::BTreeSet;
