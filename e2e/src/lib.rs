@@ -401,3 +401,38 @@ pub fn hack_tool_or_skip(script: &str, args: &[&str]) -> Option<PathBuf> {
         }
     }
 }
+
+/// A command's stdout then stderr, for assertion messages.
+pub fn output_text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// `helm template hugepool charts/hugepool -n hugepool-system EXTRA...`.
+pub fn helm_template(helm: &Path, extra: &[&str]) -> String {
+    let output = Command::new(helm)
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .args(["template", "hugepool", "charts/hugepool"])
+        .args(["--namespace", "hugepool-system"])
+        .args(extra)
+        .output()
+        .expect("run helm template");
+    assert!(
+        output.status.success(),
+        "helm template {extra:?} failed: {}",
+        output_text(&output)
+    );
+    String::from_utf8(output.stdout).expect("helm output is UTF-8")
+}
+
+/// Every document of a multi-document YAML stream, as JSON values.
+pub fn yaml_documents(yaml: &str) -> Vec<serde_json::Value> {
+    serde_saphyr::from_multiple::<serde_json::Value>(yaml)
+        .expect("valid YAML documents")
+        .into_iter()
+        .filter(|doc| !doc.is_null())
+        .collect()
+}

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use hugepool_e2e::{helm_template, output_text, yaml_documents};
 use serde_json::Value;
 
 /// The rules file alerts.test.yaml names in `rule_files`, beside it.
@@ -32,14 +33,6 @@ fn unit_tests_path() -> PathBuf {
         .join("alerts.test.yaml")
 }
 
-fn output_text(output: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
 fn helm() -> Option<PathBuf> {
     hugepool_e2e::hack_tool_or_skip("helm.sh", &[])
 }
@@ -50,21 +43,16 @@ fn promtool() -> Option<PathBuf> {
 
 /// The `spec` (rule groups) of the chart's PrometheusRule, default values.
 fn rendered_rules(helm: &Path) -> Value {
-    let output = Command::new(helm)
-        .current_dir(repo())
-        .args(["template", "hugepool", "charts/hugepool"])
-        .args(["--set", "monitoring.prometheusRule.enabled=true"])
-        .args(["--show-only", "templates/prometheusrule.yaml"])
-        .output()
-        .expect("run helm template");
-    assert!(
-        output.status.success(),
-        "helm template failed: {}",
-        output_text(&output)
+    let yaml = helm_template(
+        helm,
+        &[
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--show-only",
+            "templates/prometheusrule.yaml",
+        ],
     );
-    let yaml = String::from_utf8(output.stdout).expect("helm output is UTF-8");
-    let docs: Vec<Value> = serde_saphyr::from_multiple(&yaml).expect("helm renders YAML");
-    let rule = docs
+    let rule = yaml_documents(&yaml)
         .into_iter()
         .find(|doc| doc["kind"] == "PrometheusRule")
         .expect("a PrometheusRule in the rendered chart");

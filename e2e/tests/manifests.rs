@@ -13,7 +13,8 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use hugepool_e2e::{kubectl_path, setup, unique_name};
+use hugepool_e2e::yaml_documents as documents;
+use hugepool_e2e::{helm_template, kubectl_path, output_text, setup, unique_name};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use serde_json::{Value, json};
 
@@ -28,48 +29,9 @@ fn chart() -> PathBuf {
     repo().join("charts").join("hugepool")
 }
 
-fn output_text(output: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
 /// The helm binary from hack/helm.sh, or `None` (after saying why) outside CI.
 fn helm() -> Option<PathBuf> {
     hugepool_e2e::hack_tool_or_skip("helm.sh", &[])
-}
-
-/// `helm template hugepool charts/hugepool -n hugepool-system` with extra args.
-fn helm_template(helm: &Path, extra: &[&str]) -> String {
-    let output = Command::new(helm)
-        .current_dir(repo())
-        .args([
-            "template",
-            "hugepool",
-            "charts/hugepool",
-            "--namespace",
-            "hugepool-system",
-        ])
-        .args(extra)
-        .output()
-        .expect("run helm template");
-    assert!(
-        output.status.success(),
-        "helm template {extra:?} failed: {}",
-        output_text(&output)
-    );
-    String::from_utf8(output.stdout).expect("helm output is UTF-8")
-}
-
-/// Every document of a multi-document YAML stream, as JSON values.
-fn documents(yaml: &str) -> Vec<Value> {
-    serde_saphyr::from_multiple::<Value>(yaml)
-        .expect("valid YAML documents")
-        .into_iter()
-        .filter(|doc| !doc.is_null())
-        .collect()
 }
 
 fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {

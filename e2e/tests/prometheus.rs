@@ -361,22 +361,20 @@ impl Stack {
 
 /// `helm template` of the chart's PrometheusRule and agent PodMonitor, by kind.
 fn rendered_monitoring(helm: &Path) -> (Value, Value) {
-    let output = Command::new(helm)
-        .current_dir(repo())
-        .args(["template", "hugepool", "charts/hugepool", "-n", NAMESPACE])
-        .args(["--set", "monitoring.prometheusRule.enabled=true"])
-        .args(["--set", "monitoring.podMonitor.enabled=true"])
-        .args(["--show-only", "templates/prometheusrule.yaml"])
-        .args(["--show-only", "templates/podmonitor.yaml"])
-        .output()
-        .expect("run helm template");
-    assert!(
-        output.status.success(),
-        "helm template failed: {}",
-        String::from_utf8_lossy(&output.stderr)
+    let yaml = hugepool_e2e::helm_template(
+        helm,
+        &[
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--set",
+            "monitoring.podMonitor.enabled=true",
+            "--show-only",
+            "templates/prometheusrule.yaml",
+            "--show-only",
+            "templates/podmonitor.yaml",
+        ],
     );
-    let yaml = String::from_utf8(output.stdout).expect("helm output is UTF-8");
-    let docs: Vec<Value> = serde_saphyr::from_multiple(&yaml).expect("helm renders YAML");
+    let docs = hugepool_e2e::yaml_documents(&yaml);
     let find = |kind: &str| {
         docs.iter()
             .find(|doc| doc["kind"] == kind)

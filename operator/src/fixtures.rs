@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use hugepool_crds::conditions::{ConditionUpdate, set_condition};
-use hugepool_crds::node::{NumaStatus, PageSizeStatus, PageSizeTarget};
+use hugepool_crds::node::PageSizeTarget;
 use hugepool_crds::pool::RolloutSpec;
 use hugepool_crds::{
     HugePageNode, HugePageNodeSpec, HugePageNodeStatus, HugePagePool, HugePagePoolSpec,
@@ -98,23 +98,7 @@ pub fn converge(hpn: &mut HugePageNode) {
         .spec
         .page_sizes
         .iter()
-        .map(|entry| PageSizeStatus {
-            target: Some(entry.pages),
-            total: entry.pages,
-            free: entry.pages,
-            numa: entry
-                .numa
-                .iter()
-                .flatten()
-                .map(|t| NumaStatus {
-                    id: t.id,
-                    total: t.pages,
-                    free: t.pages,
-                    surplus: 0,
-                })
-                .collect(),
-            ..PageSizeStatus::empty(entry.size)
-        })
+        .map(|entry| crate::plugin::plan::reached_status(entry, 0))
         .collect();
     let now = Time(at(0));
     set_condition(

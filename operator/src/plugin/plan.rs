@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use hugepool_crds::conditions::{ConditionUpdate, set_condition};
-use hugepool_crds::node::{NumaStatus, PageSizeStatus};
+use hugepool_crds::node::{NumaStatus, PageSizeStatus, PageSizeTarget};
 use hugepool_crds::settings::DrainPolicy;
 use hugepool_crds::{HugePageNode, HugePagePool, NodeConditionType, PageSize, Reason};
 use jiff::Timestamp;
@@ -302,6 +302,29 @@ fn drain_need(
     })
 }
 
+/// What an agent reports once the kernel holds `entry`'s target, `in_use`
+/// pages of it mapped by processes.
+pub fn reached_status(entry: &PageSizeTarget, in_use: i64) -> PageSizeStatus {
+    PageSizeStatus {
+        target: Some(entry.pages),
+        total: entry.pages,
+        free: entry.pages - in_use,
+        in_use,
+        numa: entry
+            .numa
+            .iter()
+            .flatten()
+            .map(|t| NumaStatus {
+                id: t.id,
+                total: t.pages,
+                free: t.pages,
+                surplus: 0,
+            })
+            .collect(),
+        ..PageSizeStatus::empty(entry.size)
+    }
+}
+
 /// Writes `spec` as the API server would (a new generation) and reports it
 /// reached, as an agent would: the pages in use stay in use.
 fn write_and_converge(
@@ -333,24 +356,7 @@ fn write_and_converge(
             .find(|r| r.size == entry.size)
             .map_or(0, |r| r.in_use)
             .min(entry.pages);
-        let reached = PageSizeStatus {
-            target: Some(entry.pages),
-            total: entry.pages,
-            free: entry.pages - in_use,
-            in_use,
-            numa: entry
-                .numa
-                .iter()
-                .flatten()
-                .map(|t| NumaStatus {
-                    id: t.id,
-                    total: t.pages,
-                    free: t.pages,
-                    surplus: 0,
-                })
-                .collect(),
-            ..PageSizeStatus::empty(entry.size)
-        };
+        let reached = reached_status(entry, in_use);
         match status.page_sizes.iter_mut().find(|r| r.size == entry.size) {
             Some(reported) => *reported = reached,
             None => status.page_sizes.push(reached),
