@@ -6,7 +6,8 @@
 //! the best any budget-keeping strategy can do, T* = k*a + b*N + (k-1)*pause
 //! with k = ceil(b*N / (B - a)) writes, beside each strategy's medians. Raw
 //! results go to node-agent/bench-results/ as JSON. Saves and restores every
-//! pool and HVO.
+//! pool and HVO. It also says how many 1Gi pages the kernel can allocate
+//! (HUGEPOOL_BENCH_1GI_PAGES, default 4).
 //!
 //! Environment: HUGEPOOL_BENCH_REPS (default 5), HUGEPOOL_BENCH_PAGES
 //! (default 8192).
@@ -20,6 +21,7 @@ use hugepool_agent::kernel::{Kernel, PoolScope, SysfsKernel};
 use hugepool_crds::PageSize;
 
 const MI2: PageSize = PageSize::SIZE_2MI;
+const GI1: PageSize = PageSize::SIZE_1GI;
 const KEEP_FREE: u64 = 4 << 30;
 /// The engine's defaults, which T* is computed for.
 const BUDGET: Duration = Duration::from_millis(50);
@@ -226,8 +228,18 @@ fn bench() -> Result<(), String> {
             }
         }
     }
+    let gi1 = probe_1gi(&kernel, env_number("HUGEPOOL_BENCH_1GI_PAGES", 4)?)?;
     drop(restore);
-    let table = print_table(&results, pages, reps);
+    let mut table = print_table(&results, pages, reps);
+    let line = match gi1 {
+        Some((requested, allocated)) => format!(
+            "1Gi: the kernel allocated {allocated} of {requested} pages (after dropping the page \
+             cache and three compactions); 1Gi rows need all of them (docs/kernel.md)\n"
+        ),
+        None => "1Gi: this kernel offers no 1Gi pages\n".to_string(),
+    };
+    print!("{line}");
+    table.push_str(&line);
     let saved = save_raw(&results, pages, reps, &table)?;
     println!("\nRaw results: {}", saved.display());
     Ok(())
@@ -235,6 +247,42 @@ fn bench() -> Result<(), String> {
 
 fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
+}
+
+/// How many of `requested` 1Gi pages the kernel can allocate now, with the
+/// help a grow gets (page cache dropped, memory compacted), then freed
+/// again; None when the kernel has no 1Gi pool.
+fn probe_1gi(kernel: &SysfsKernel, requested: u64) -> Result<Option<(u64, u64)>, String> {
+    if !kernel
+        .page_sizes()
+        .map_err(|e| e.to_string())?
+        .contains(&GI1)
+    {
+        return Ok(None);
+    }
+    // The 2Mi pool the matrix left is given back first.
+    kernel
+        .write_pool(MI2, PoolScope::Global, 0)
+        .map_err(|e| e.to_string())?;
+    let mut allocated = 0;
+    for _ in 0..3 {
+        std::fs::write("/proc/sys/vm/drop_caches", "3")
+            .map_err(|e| format!("/proc/sys/vm/drop_caches: {e}"))?;
+        kernel
+            .compact(PoolScope::Global)
+            .map_err(|e| e.to_string())?;
+        kernel
+            .write_pool(GI1, PoolScope::Global, requested)
+            .map_err(|e| e.to_string())?;
+        allocated = kernel.pool(GI1).map_err(|e| e.to_string())?.persistent();
+        if allocated == requested {
+            break;
+        }
+    }
+    kernel
+        .write_pool(GI1, PoolScope::Global, 0)
+        .map_err(|e| e.to_string())?;
+    Ok(Some((requested, allocated)))
 }
 
 /// Grows the pool to `pages` in one write (untimed). If the kernel comes up
