@@ -51,8 +51,8 @@ fn nodes_of(wave: &Value) -> Vec<String> {
 }
 
 /// `plan` of a new pool over 6 nodes, one of them owned by an older pool:
-/// the waves it prints are the order the operator then targets the nodes
-/// in, the conflict is the node the operator leaves alone, and nothing is
+/// the operator then targets the plan's nodes, its first wave first and
+/// the rest in the plan's order up to one rolling window, the conflict is the node the operator leaves alone, and nothing is
 /// written by the plan. Then `status` and `why` describe the result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plan_predicts_the_rollout_and_status_and_why_describe_it() {
@@ -164,16 +164,26 @@ async fn plan_predicts_the_rollout_and_status_and_why_describe_it() {
         .filter(|(pool, _)| *pool == new)
         .map(|(_, node)| node)
         .collect();
-    // The operator targets the nodes wave by wave, in the plan's sets.
-    let mut seen = targeted.clone();
-    let mut chunks = Vec::new();
-    for wave in &waves {
-        let mut chunk: Vec<String> = seen.drain(..wave.len().min(seen.len())).collect();
-        chunk.sort();
-        chunks.push(chunk);
+    // The operator admits the plan's nodes and no others, the first wave
+    // first. Later admissions are rolling (a slot frees as one node
+    // converges, and the nodes admitted in one pass are written
+    // concurrently), so past the first wave the order may differ from
+    // the names' only within one maxUnavailable window.
+    let planned: Vec<String> = waves.concat();
+    let mut sorted = targeted.clone();
+    sorted.sort();
+    assert_eq!(sorted, planned, "targeted: {targeted:?}");
+    let mut first: Vec<String> = targeted[..waves[0].len()].to_vec();
+    first.sort();
+    assert_eq!(first, waves[0], "targeted in this order: {targeted:?}");
+    let window = 2;
+    for (at, node) in targeted.iter().enumerate() {
+        let rank = planned.iter().position(|n| n == node).expect("planned");
+        assert!(
+            rank.abs_diff(at) < window,
+            "{node} targeted {at}th, planned {rank}th: {targeted:?}"
+        );
     }
-    assert_eq!(chunks, waves, "targeted in this order: {targeted:?}");
-    assert!(seen.is_empty(), "targeted beyond the plan: {seen:?}");
     watch.assert_bounded();
 
     // status: the pool's counts, and the conflict by name.
