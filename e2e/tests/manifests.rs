@@ -1159,3 +1159,280 @@ async fn an_agent_writes_only_its_own_nodes_status() {
         "",
     );
 }
+
+/// The chart's operator policies on a real apiserver with a real token of
+/// the operator's ServiceAccount: on a Node it may add and remove its own
+/// `hugepool.dev/draining:NoSchedule` taint and nothing else; it writes
+/// Events only as hugepool-operator about pools and Nodes.
+#[tokio::test]
+async fn the_operator_may_only_set_its_taint_and_report_its_own_events() {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+    use k8s_openapi::api::events::v1::Event;
+    use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+
+    let Some(env) = setup().await else { return };
+    let Some(helm) = helm() else { return };
+    let client = env.control_plane.client().await.expect("client");
+    let kubeconfig = &env.control_plane.kubeconfig;
+    let namespace = unique_name("opvap");
+    let release = unique_name("op");
+    let rendered = Command::new(&helm)
+        .current_dir(repo())
+        .args([
+            "template",
+            &release,
+            "charts/hugepool",
+            "--namespace",
+            &namespace,
+        ])
+        .args(["--show-only", "templates/operator-policy.yaml"])
+        .args(["--show-only", "templates/rbac-operator.yaml"])
+        .args(["--show-only", "templates/serviceaccounts.yaml"])
+        .output()
+        .expect("helm template");
+    assert!(rendered.status.success(), "{}", output_text(&rendered));
+    let yaml = String::from_utf8(rendered.stdout).expect("utf-8");
+    let created = kubectl(kubeconfig, &["create", "namespace", &namespace], "");
+    assert!(created.status.success(), "{}", output_text(&created));
+    let applied = kubectl(kubeconfig, &["apply", "-f", "-"], &yaml);
+    assert!(applied.status.success(), "{}", output_text(&applied));
+
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), &namespace);
+    let issued: TokenRequest = accounts
+        .create_subresource(
+            "token",
+            &format!("{release}-hugepool-operator"),
+            &PostParams::default(),
+            &TokenRequest {
+                spec: TokenRequestSpec {
+                    audiences: vec![],
+                    expiration_seconds: Some(600),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("TokenRequest");
+    let operator = token_client(kubeconfig, &issued.status.expect("token").token).await;
+
+    let nodes: Api<Node> = Api::all(client.clone());
+    let name = unique_name("tainted");
+    let node: Node = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {"zone": "a"}},
+        "spec": {"taints": [{"key": "example.com/gpu", "effect": "NoSchedule"}]},
+    }))
+    .unwrap();
+    nodes
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("Node");
+    let as_operator: Api<Node> = Api::all(operator.clone());
+    let patch = |body: Value| {
+        let api = as_operator.clone();
+        let name = name.clone();
+        async move {
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(body))
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+    };
+    // The node lifecycle controller adds taints of its own to a Node no
+    // kubelet runs: each patch starts from the Node as it is now, as the
+    // operator's does (controller::taint_patch).
+    let current = || async {
+        let node = nodes.get(&name).await.expect("Node");
+        let taints: Vec<Value> = node
+            .spec
+            .and_then(|s| s.taints)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| serde_json::to_value(t).unwrap())
+            .collect();
+        (node.metadata.resource_version.unwrap_or_default(), taints)
+    };
+    let with = |mut taints: Vec<Value>, extra: Vec<Value>, version: String| {
+        taints.retain(|t| t["key"] != "hugepool.dev/draining");
+        taints.extend(extra);
+        json!({"metadata": {"resourceVersion": version}, "spec": {"taints": taints}})
+    };
+    let draining = json!({"key": "hugepool.dev/draining", "effect": "NoSchedule"});
+
+    // A policy takes effect a moment after it is created: wait until a
+    // label change is refused by it (a new value each time: a patch that
+    // changes nothing passes).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut attempt = 0;
+    let refused = loop {
+        attempt += 1;
+        match patch(json!({"metadata": {"labels": {"zone": format!("b{attempt}")}}})).await {
+            Err(message) if message.contains("may not change a Node's labels") => break message,
+            other => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the operator's label change was never refused: {other:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+        }
+    };
+    assert!(refused.contains("denied request"), "{refused}");
+    let keys = |taints: &[Value]| -> Vec<String> {
+        taints
+            .iter()
+            .map(|t| {
+                format!(
+                    "{}:{}",
+                    t["key"].as_str().unwrap(),
+                    t["effect"].as_str().unwrap()
+                )
+            })
+            .collect()
+    };
+    // What the operator does: its taint on, then off, other taints kept.
+    // (A concurrent change by the node controller makes a patch conflict:
+    // retried from the fresh Node, as the operator does.)
+    let retried = |extra: Vec<Value>| {
+        let patch = &patch;
+        let current = &current;
+        let with = &with;
+        async move {
+            loop {
+                let (version, taints) = current().await;
+                match patch(with(taints, extra.clone(), version)).await {
+                    Err(message) if message.contains("the object has been modified") => continue,
+                    other => return other,
+                }
+            }
+        }
+    };
+    retried(vec![draining.clone()])
+        .await
+        .expect("the operator adds its taint");
+    let (_, taints) = current().await;
+    let listed = keys(&taints);
+    assert!(
+        listed.contains(&"example.com/gpu:NoSchedule".to_string()),
+        "{listed:?}"
+    );
+    assert!(
+        listed.contains(&"hugepool.dev/draining:NoSchedule".to_string()),
+        "{listed:?}"
+    );
+    retried(vec![])
+        .await
+        .expect("the operator removes its taint");
+    // Anything else is refused, each with the policy's message.
+    let only_its_taint = "only its own hugepool.dev/draining:NoSchedule taint";
+    let (_, before) = current().await;
+    let without_gpu: Vec<Value> = before
+        .iter()
+        .filter(|t| t["key"] != "example.com/gpu")
+        .cloned()
+        .collect();
+    let gpu_no_execute: Vec<Value> = before
+        .iter()
+        .map(|t| {
+            let mut t = t.clone();
+            if t["key"] == "example.com/gpu" {
+                t["effect"] = json!("NoExecute");
+            }
+            t
+        })
+        .collect();
+    let refusals = [
+        (
+            with(
+                before.clone(),
+                vec![json!({"key": "hugepool.dev/draining", "effect": "NoExecute"})],
+                String::new(),
+            ),
+            only_its_taint,
+        ),
+        (with(without_gpu, vec![], String::new()), only_its_taint),
+        (with(gpu_no_execute, vec![], String::new()), only_its_taint),
+        (
+            json!({"metadata": {"annotations": {"a": "b"}}}),
+            "may not change a Node's labels, annotations",
+        ),
+        (
+            json!({"spec": {"unschedulable": true}}),
+            "may not cordon a Node",
+        ),
+    ];
+    for (mut body, message) in refusals {
+        if body["metadata"]["resourceVersion"] == "" {
+            body["metadata"]
+                .as_object_mut()
+                .unwrap()
+                .remove("resourceVersion");
+        }
+        let refused = patch(body.clone()).await.expect_err(&body.to_string());
+        assert!(refused.contains(message), "{body}: {refused}");
+    }
+    let (_, after) = current().await;
+    assert!(
+        keys(&after).contains(&"example.com/gpu:NoSchedule".to_string())
+            && !keys(&after).iter().any(|k| k.starts_with("hugepool.dev/")),
+        "{after:?}"
+    );
+    let deleted = as_operator.delete(&name, &DeleteParams::default()).await;
+    assert!(deleted.is_err(), "the operator deleted a Node");
+
+    // Events: about a Node, as hugepool-operator, in default: accepted.
+    let events: Api<Event> = Api::namespaced(operator.clone(), "default");
+    let event = |controller: &str, kind: &str, name: &str| -> Event {
+        serde_json::from_value(json!({
+            "metadata": {"generateName": "hugepool-test-"},
+            "eventTime": "2026-12-02T00:00:00.000000Z",
+            "reportingController": controller,
+            "reportingInstance": "test",
+            "action": "Drain",
+            "reason": "DrainStarted",
+            "type": "Normal",
+            "note": "test",
+            "regarding": {"apiVersion": "v1", "kind": kind, "name": name},
+        }))
+        .unwrap()
+    };
+    events
+        .create(
+            &PostParams::default(),
+            &event("hugepool-operator", "Node", &name),
+        )
+        .await
+        .expect("the operator's Event about a Node");
+    for (controller, kind) in [("kubelet", "Node"), ("hugepool-operator", "Secret")] {
+        let refused = events
+            .create(&PostParams::default(), &event(controller, kind, &name))
+            .await
+            .expect_err(kind)
+            .to_string();
+        assert!(
+            refused.contains("writes Events only as hugepool-operator"),
+            "{controller} {kind}: {refused}"
+        );
+    }
+    // (The apiserver itself keeps a cluster-scoped object's Events in
+    // default; one that names a namespace for it is the policy's to refuse.)
+    let elsewhere: Api<Event> = Api::namespaced(operator, &namespace);
+    let mut outside = event("hugepool-operator", "Node", &name);
+    outside.regarding.as_mut().unwrap().namespace = Some(namespace.clone());
+    let refused = elsewhere
+        .create(&PostParams::default(), &outside)
+        .await
+        .expect_err("an Event outside default")
+        .to_string();
+    assert!(refused.contains("in default"), "{refused}");
+
+    let _ = nodes.delete(&name, &DeleteParams::default()).await;
+    let deleted = kubectl(kubeconfig, &["delete", "-f", "-", "--wait=false"], &yaml);
+    assert!(deleted.status.success(), "{}", output_text(&deleted));
+    let _ = kubectl(
+        kubeconfig,
+        &["delete", "namespace", &namespace, "--wait=false"],
+        "",
+    );
+}

@@ -684,6 +684,29 @@ async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it(
         "name",
     ]);
     assert!(!events.is_empty(), "the holder pod has events");
+    // The operator's own Events about the drain got past the chart's
+    // policy on its Events (operator-policy.yaml), as its taint did.
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), "default");
+    let reasons: Vec<String> = events
+        .list(&Default::default())
+        .await
+        .expect("Events")
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reporting_controller.as_deref() == Some(hugepool_crds::OPERATOR_MANAGER)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.name.as_str())
+        })
+        .filter_map(|e| e.reason)
+        .collect();
+    for reason in ["DrainStarted", "Evicted", "DrainFinished"] {
+        assert!(
+            reasons.iter().any(|r| r == reason),
+            "the operator's {reason} Event about {}: {reasons:?}",
+            node.name
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
