@@ -91,6 +91,29 @@ impl ConditionType for PoolConditionType {
     }
 }
 
+/// The longest condition message the CRDs accept (bytes; the schema counts
+/// characters, which are never more). Writers cut longer ones with
+/// [`bounded_message`], so a long list of pods or an error chain never makes
+/// the whole status write fail.
+pub const MAX_MESSAGE: usize = 1024;
+/// The most conditions a status may carry (the CRDs' maxItems).
+pub const MAX_CONDITIONS: usize = 16;
+
+/// `message` cut to at most [`MAX_MESSAGE`] bytes at a character boundary,
+/// ending in "..." when cut.
+pub fn bounded_message(mut message: String) -> String {
+    if message.len() <= MAX_MESSAGE {
+        return message;
+    }
+    let mut end = MAX_MESSAGE - 3;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    message.truncate(end);
+    message.push_str("...");
+    message
+}
+
 /// The state a writer wants a condition to be in.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConditionUpdate {
@@ -130,7 +153,12 @@ fn status_str(status: bool) -> &'static str {
 /// Sets one condition in `conditions`. `lastTransitionTime` moves to `now`
 /// only when the status changes (or the condition is new). Returns whether
 /// anything changed, so callers can skip a patch that would change nothing.
-pub fn set_condition(conditions: &mut Vec<Condition>, update: ConditionUpdate, now: &Time) -> bool {
+pub fn set_condition(
+    conditions: &mut Vec<Condition>,
+    mut update: ConditionUpdate,
+    now: &Time,
+) -> bool {
+    update.message = bounded_message(update.message);
     let status = status_str(update.status);
     let existing = conditions.iter_mut().find(|c| c.type_ == update.type_);
     let Some(condition) = existing else {
@@ -174,6 +202,27 @@ pub fn is_true(conditions: &[Condition], type_: impl ConditionType) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_messages_are_cut_at_a_character_boundary() {
+        let short = "x".repeat(MAX_MESSAGE);
+        assert_eq!(bounded_message(short.clone()), short);
+        // 'é' is two bytes: a cut at byte 1021 would split one.
+        let long = "é".repeat(MAX_MESSAGE);
+        let cut = bounded_message(long);
+        assert!(cut.len() <= MAX_MESSAGE, "{}", cut.len());
+        assert!(cut.ends_with("..."));
+        assert_eq!(cut.trim_end_matches("...").chars().count(), 510);
+        let mut conditions = Vec::new();
+        let update = ConditionUpdate::new(
+            NodeConditionType::ShrinkBlocked,
+            true,
+            Reason::PagesInUse,
+            "pod ".repeat(1000),
+        );
+        set_condition(&mut conditions, update, &at(0));
+        assert_eq!(conditions[0].message.len(), MAX_MESSAGE);
+    }
 
     fn at(second: i64) -> Time {
         Time(jiff::Timestamp::from_second(1_700_000_000 + second).unwrap())

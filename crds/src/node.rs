@@ -129,13 +129,17 @@ pub struct HugePageNodeStatus {
     pub memory: Option<MemoryInfo>,
     /// Every page size the kernel offers, as it reports it.
     #[serde(default)]
+    #[schemars(length(max = 8))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["size".into()]))]
     pub page_sizes: Vec<PageSizeStatus>,
     /// Converged, Resizing, Stalled, AllocationFailed, ShrinkBlocked,
     /// KubeletCapacityStale, KernelLogUnavailable (agent) and Draining
-    /// (operator): docs/design.md, "Conditions".
+    /// (operator): docs/design.md, "Conditions". At most 16, each message
+    /// at most 1024 characters.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    #[x_kube(validation = Rule::new("self.all(c, size(c.message) <= 1024)").message("a condition message is at most 1024 characters"))]
     pub conditions: Vec<Condition>,
 }
 
@@ -178,6 +182,7 @@ pub struct PageSizeStatus {
     pub in_use: i64,
     /// The same counts per NUMA node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["id".into()]))]
     pub numa: Vec<NumaStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -233,6 +238,7 @@ pub struct ResizeSummary {
     /// Pages moved per second over the whole resize.
     pub pages_per_second: f64,
     /// Reached, Blocked, Short, Stalled or Failed.
+    #[schemars(length(max = 16))]
     pub outcome: String,
     /// When it ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]

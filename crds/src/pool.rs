@@ -165,10 +165,14 @@ pub struct HugePagePoolStatus {
     pub pages: PoolPages,
     /// Up to 10 failed nodes with their reasons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
     pub failed_nodes: Vec<FailedNode>,
     /// Available, Progressing and Degraded (docs/design.md, "Conditions").
+    /// At most 16, each message at most 1024 characters.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    #[x_kube(validation = Rule::new("self.all(c, size(c.message) <= 1024)").message("a condition message is at most 1024 characters"))]
     pub conditions: Vec<Condition>,
 }
 
@@ -203,10 +207,13 @@ pub struct PoolPages {
 #[serde(rename_all = "camelCase")]
 pub struct FailedNode {
     /// The Node's name.
+    #[schemars(length(max = 253))]
     pub name: String,
     /// Why it failed: AllocationFailed, DrainTimeout, InvalidSpec, ...
+    #[schemars(length(max = 64))]
     pub reason: String,
-    /// What its agent or the operator said.
+    /// What its agent or the operator said (at most 1024 characters).
     #[serde(default)]
+    #[schemars(length(max = 1024))]
     pub message: String,
 }

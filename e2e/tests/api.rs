@@ -456,6 +456,123 @@ fn condition(type_: &str, status: &str, reason: &str) -> Condition {
     }
 }
 
+/// The status is bounded (docs/design.md, "Status size"): at the limits it
+/// is stored, one past any of them the server refuses it, naming the field.
+#[tokio::test]
+async fn statuses_past_their_size_limits_are_refused() {
+    use hugepool_crds::conditions::{MAX_CONDITIONS, MAX_MESSAGE};
+    let Some(env) = setup().await else { return };
+    let name = unique_name("bounded");
+    let pools = Api::<HugePagePool>::all(env.client.clone());
+    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 4}))
+        .await
+        .unwrap();
+    let nodes = Api::<HugePageNode>::all(env.client.clone());
+    nodes
+        .create(
+            &PostParams::default(),
+            &HugePageNode::new(&name, HugePageNodeSpec::default()),
+        )
+        .await
+        .unwrap();
+    let conditions = |count: usize, message_len: usize| -> Vec<Condition> {
+        (0..count)
+            .map(|i| Condition {
+                message: "m".repeat(message_len),
+                ..condition(&format!("Type{i}"), "True", "AsExpected")
+            })
+            .collect()
+    };
+    let failed = |count: usize, message_len: usize| -> Value {
+        (0..count)
+            .map(|i| json!({"name": format!("n{i}"), "reason": "AllocationFailed", "message": "m".repeat(message_len)}))
+            .collect()
+    };
+    let write_pool = |status: Value| {
+        let pools = pools.clone();
+        let name = name.clone();
+        async move {
+            let patch = json!({"apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePagePool", "status": status});
+            pools
+                .patch_status(
+                    &name,
+                    &PatchParams::apply("hugepool-operator").force(),
+                    &Patch::Apply(&patch),
+                )
+                .await
+                .map(|_| ())
+                .map_err(api_message)
+        }
+    };
+    let sizes = |count: usize| -> Value {
+        (0..count)
+            .map(|i| json!({"size": format!("{}Mi", 2 << i), "total": 0, "free": 0, "reserved": 0, "surplus": 0, "inUse": 0}))
+            .collect()
+    };
+    let write_node = |status: Value| {
+        let nodes = nodes.clone();
+        let name = name.clone();
+        async move {
+            let patch = json!({"apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePageNode", "status": status});
+            nodes
+                .patch_status(
+                    &name,
+                    &PatchParams::apply("hugepool-agent").force(),
+                    &Patch::Apply(&patch),
+                )
+                .await
+                .map(|_| ())
+                .map_err(api_message)
+        }
+    };
+    // At the limits: stored.
+    write_pool(json!({"conditions": conditions(MAX_CONDITIONS, MAX_MESSAGE), "failedNodes": failed(10, 1024)}))
+        .await
+        .expect("a pool status at its limits");
+    write_node(
+        json!({"conditions": conditions(MAX_CONDITIONS, MAX_MESSAGE), "pageSizes": sizes(8)}),
+    )
+    .await
+    .expect("a node status at its limits");
+    // One past: refused, naming the field.
+    let refusals = [
+        (
+            write_pool(json!({"conditions": conditions(MAX_CONDITIONS + 1, 0)})).await,
+            "status.conditions: Too many: 17",
+        ),
+        (
+            write_pool(json!({"conditions": conditions(1, MAX_MESSAGE + 1)})).await,
+            "a condition message is at most 1024 characters",
+        ),
+        (
+            write_pool(json!({"failedNodes": failed(11, 0)})).await,
+            "status.failedNodes: Too many: 11",
+        ),
+        (
+            write_pool(json!({"failedNodes": failed(1, 1025)})).await,
+            "status.failedNodes[0].message: Too long",
+        ),
+        (
+            write_node(json!({"conditions": conditions(MAX_CONDITIONS + 1, 0)})).await,
+            "status.conditions: Too many: 17",
+        ),
+        (
+            write_node(json!({"conditions": conditions(1, MAX_MESSAGE + 1)})).await,
+            "a condition message is at most 1024 characters",
+        ),
+        (
+            write_node(json!({"pageSizes": sizes(9)})).await,
+            "status.pageSizes: Too many: 9",
+        ),
+    ];
+    for (i, (result, expected)) in refusals.into_iter().enumerate() {
+        let message = result.expect_err(&format!("refusal {i} ({expected}) was stored"));
+        assert!(message.contains(expected), "refusal {i}: {message}");
+    }
+    let _ = nodes.delete(&name, &Default::default()).await;
+    delete_pool(&env.client, &name).await;
+}
+
 #[tokio::test]
 async fn status_is_written_only_through_the_status_subresource() {
     let Some(env) = setup().await else { return };

@@ -852,7 +852,7 @@ fn settle_pool(
             NodeState::Failed { reason, message } => Some(FailedNode {
                 name: m.node.clone(),
                 reason: reason.clone(),
-                message: message.clone(),
+                message: hugepool_crds::conditions::bounded_message(message.clone()),
             }),
             _ => None,
         })
