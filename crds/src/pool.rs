@@ -167,6 +167,10 @@ pub struct HugePagePoolStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 10))]
     pub failed_nodes: Vec<FailedNode>,
+    /// The last 10 pods a drain for this pool evicted, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub evicted_pods: Vec<EvictedPod>,
     /// Available, Progressing and Degraded (docs/design.md, "Conditions").
     /// At most 16, each message at most 1024 characters.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -203,6 +207,40 @@ pub struct PoolPages {
     pub current: i64,
 }
 
+/// The most pods `status.evictedPods` lists.
+pub const MAX_EVICTED_PODS: usize = 10;
+
+/// One pod a drain evicted, and why.
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct EvictedPod {
+    /// `namespace/name`.
+    #[schemars(length(max = 317))]
+    pub pod: String,
+    /// The Node it ran on.
+    #[schemars(length(max = 253))]
+    pub node: String,
+    /// Huge pages of the pool's size its requests held.
+    pub pages: i64,
+    /// Why it was chosen: the pages the node's shrink needed back.
+    #[serde(default)]
+    #[schemars(length(max = 1024))]
+    pub reason: String,
+    /// When the Eviction API accepted it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evicted_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+}
+
+impl HugePagePoolStatus {
+    /// Appends `evicted` to the list, keeping the newest
+    /// [`MAX_EVICTED_PODS`].
+    pub fn record_evictions(&mut self, evicted: impl IntoIterator<Item = EvictedPod>) {
+        self.evicted_pods.extend(evicted);
+        let extra = self.evicted_pods.len().saturating_sub(MAX_EVICTED_PODS);
+        self.evicted_pods.drain(..extra);
+    }
+}
+
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct FailedNode {
@@ -216,4 +254,25 @@ pub struct FailedNode {
     #[serde(default)]
     #[schemars(length(max = 1024))]
     pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recorded_evictions_keep_the_newest_ten_in_order() {
+        let pod = |i: i64| EvictedPod {
+            pod: format!("ns/p{i}"),
+            node: "n".into(),
+            pages: i,
+            reason: String::new(),
+            evicted_at: None,
+        };
+        let mut status = HugePagePoolStatus::default();
+        status.record_evictions((0..4).map(pod));
+        status.record_evictions((4..13).map(pod));
+        let pages: Vec<i64> = status.evicted_pods.iter().map(|e| e.pages).collect();
+        assert_eq!(pages, (3..13).collect::<Vec<_>>());
+    }
 }

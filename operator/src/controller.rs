@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
-use hugepool_crds::conditions::{find_condition, set_condition};
+use hugepool_crds::conditions::{bounded_message, find_condition, set_condition};
+use hugepool_crds::pool::EvictedPod;
 use hugepool_crds::{
     HugePageNode, HugePagePool, NodeConditionType, OPERATOR_MANAGER, POOL_FINALIZER, PageSize,
 };
@@ -75,6 +76,8 @@ struct Written {
     node_states: BTreeMap<String, (Arc<HugePageNode>, Instant)>,
     /// Pods whose eviction a PodDisruptionBudget refused, by namespace/name.
     evictions: BTreeMap<String, EvictionBackoff>,
+    /// Pods evicted for each pool, not yet in its status.
+    evicted: BTreeMap<String, Vec<EvictedPod>>,
 }
 
 /// How long a write the watch never shows (the object was deleted) is kept.
@@ -424,7 +427,10 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         return Ok(Action::await_change());
     };
     let old_status = pool.status.clone().unwrap_or_default();
-    if pool_plan.status != old_status {
+    let mut status = pool_plan.status.clone();
+    let evicted = written.evicted.get(name).cloned().unwrap_or_default();
+    status.record_evictions(evicted);
+    if status != old_status {
         let updated = pools_api
             .patch_status(
                 name,
@@ -432,7 +438,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
                 &Patch::Apply(json!({
                     "apiVersion": HugePagePool::api_version(&()),
                     "kind": HugePagePool::kind(&()),
-                    "status": pool_plan.status,
+                    "status": status,
                 })),
             )
             .await
@@ -440,6 +446,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
                 pool: name.to_string(),
                 source,
             })?;
+        written.evicted.remove(name);
         written.pools.insert(
             name.to_string(),
             (Arc::new(updated.clone()), Instant::now()),
@@ -449,7 +456,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         if !pool_plan.admitted.is_empty() {
             info!(admitted = ?pool_plan.admitted, "nodes admitted to the rollout");
         }
-        for event in events::pool_events(&old_status, &pool_plan.status) {
+        for event in events::pool_events(&old_status, &status) {
             ctx.publish(event, &pool.object_ref(&())).await;
         }
     }
@@ -460,6 +467,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     if pool_plan.remove_finalizer && pool.finalizers().iter().any(|f| f == POOL_FINALIZER) {
         remove_finalizer(&pools_api, &pool).await?;
         written.pools.remove(name);
+        written.evicted.remove(name);
         ctx.metrics.forget_pool(name);
         info!("pool released every node; finalizer removed");
         return Ok(Action::await_change());
@@ -696,6 +704,11 @@ async fn carry_out_drain(
         return Ok(false);
     }
     let pool = drain.pools.first().cloned().unwrap_or_default();
+    let needed: Vec<String> = drain
+        .evict
+        .iter()
+        .map(|&size| format!("{} of {size}", must_free(node_state, plan, size)))
+        .collect();
     for pod in chosen {
         let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
         if written
@@ -712,6 +725,21 @@ async fn carry_out_drain(
             Eviction::Evicted => {
                 written.evictions.remove(&key);
                 info!(node = %name, pod = %key, "evicted");
+                let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(pod, s)).sum();
+                written
+                    .evicted
+                    .entry(pool.clone())
+                    .or_default()
+                    .push(EvictedPod {
+                        pod: key.clone(),
+                        node: name.clone(),
+                        pages: pages as i64,
+                        reason: bounded_message(format!(
+                            "held {pages} pages; the shrink of {name} needed {} back",
+                            needed.join(" and ")
+                        )),
+                        evicted_at: Some(Time(now)),
+                    });
             }
             Eviction::Blocked(message) | Eviction::Failed(message) => {
                 let backoff = EvictionBackoff::refused(written.evictions.get(&key), now);

@@ -887,6 +887,13 @@ fn settle_pool(
         nodes,
         pages,
         failed_nodes,
+        // The controller appends what its drains evict; the planner keeps it.
+        evicted_pods: pool
+            .pool
+            .status
+            .as_ref()
+            .map(|s| s.evicted_pods.clone())
+            .unwrap_or_default(),
         conditions: Vec::new(),
     };
     let pool_plan = PoolPlan {

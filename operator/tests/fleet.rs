@@ -621,6 +621,37 @@ async fn a_drain_evicts_the_fewest_pods_and_never_more_than_the_pods_explain() {
         .map(|(name, _)| name.clone())
         .collect();
     assert_eq!(evicted, ["large"], "only the pod that alone frees 30 pages");
+    // The pool's status names it, with its node, its pages and why.
+    let listed = wait_for(
+        "the pool's status lists the evicted pod",
+        Duration::from_secs(60),
+        || async {
+            let listed = fleet
+                .pool(&pool)
+                .await
+                .status
+                .unwrap_or_default()
+                .evicted_pods;
+            (!listed.is_empty())
+                .then_some(listed.clone())
+                .ok_or(format!("{listed:?}"))
+        },
+    )
+    .await;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(
+        (
+            listed[0].pod.as_str(),
+            listed[0].node.as_str(),
+            listed[0].pages
+        ),
+        (format!("{scope}/large").as_str(), consumers.as_str(), 32),
+    );
+    assert_eq!(
+        listed[0].reason,
+        format!("held 32 pages; the shrink of {consumers} needed 30 of 2Mi back")
+    );
+    assert!(listed[0].evicted_at.is_some());
     // Node 1's 40 pages are held by no pod: the drain says so and waits.
     let state = wait_for(
         "node 1 says why it evicts nothing",
