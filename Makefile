@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CONTROLPLANE_DIR := e2e/controlplane
 
-.PHONY: all build test lint fmt crds manifests controlplane images krew bench bench-fleet demo clean
+.PHONY: all build test lint fmt crds manifests controlplane images krew bench bench-fragment bench-fleet demo clean
 
 all: build
 
@@ -49,6 +49,10 @@ krew:
 ## Side-by-side benchmark of the resize engine against one write and fixed steps (real kernel, root).
 bench:
 	HUGEPOOL_BENCH_REPS=$${HUGEPOOL_BENCH_REPS:-7} $(CARGO) bench -p hugepool-agent --bench resize
+
+## A grow on fragmented memory: one write against the engine (real kernel, root; HUGEPOOL_FRAGMENT_PAGES, HUGEPOOL_FRAGMENT_REPS).
+bench-fragment:
+	$(CARGO) bench -p hugepool-agent --bench fragment
 
 ## The operator at fleet size: N Nodes on a real control plane, simulated agents (HUGEPOOL_FLEET_NODES).
 bench-fleet: controlplane
