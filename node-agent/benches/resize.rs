@@ -1,16 +1,21 @@
-//! Freeing and growing 8192 x 2Mi pages on the real kernel, with HVO off and
-//! on, five ways, interleaved: one write, fixed steps of 64 and of 1024, and
-//! the engine (`hugepool-agent resize`, 50 ms budget) starting cold and
-//! starting from a saved cost model. Per (HVO, direction) it fits the write
-//! cost `a + b*n` to this run's one-write and fixed-step writes and prints
-//! the best any budget-keeping strategy can do, T* = k*a + b*N + (k-1)*pause
-//! with k = ceil(b*N / (B - a)) writes, beside each strategy's medians. Raw
-//! results go to node-agent/bench-results/ as JSON. Saves and restores every
-//! pool and HVO. It also says how many 1Gi pages the kernel can allocate
-//! (HUGEPOOL_BENCH_1GI_PAGES, default 4).
+//! Freeing and growing hugetlb pools on the real kernel, with HVO off and
+//! on, several ways, interleaved: one write, fixed steps, and the engine
+//! (`hugepool-agent resize`, 50 ms budget) starting cold and starting from a
+//! saved cost model. Two matrices: 1Gi pages, half as many as the kernel
+//! can allocate at the start (of HUGEPOOL_BENCH_1GI_PAGES, default 8; none
+//! when it gives fewer than 2), first, while memory is least fragmented;
+//! then 8192 x 2Mi. Per (size, HVO,
+//! direction) it fits the write cost `a + b*n` to this run's one-write and
+//! fixed-step writes and prints the best any budget-keeping strategy can do,
+//! T* = k*a + b*N + (k-1)*pause with k = ceil(b*N / (B - a)) writes, beside
+//! each strategy's medians. Then it repeats the 2Mi engine resizes until
+//! each engine row has HUGEPOOL_BENCH_MIN_WRITES writes (default 1000), for
+//! a p99 that is not just the largest write. Raw results go to
+//! node-agent/bench-results/ as JSON. Holds the real-kernel test lock;
+//! saves and restores every pool and HVO.
 //!
 //! Environment: HUGEPOOL_BENCH_REPS (default 5), HUGEPOOL_BENCH_PAGES
-//! (default 8192).
+//! (default 8192), HUGEPOOL_BENCH_1GI_PAGES, HUGEPOOL_BENCH_MIN_WRITES.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -59,27 +64,33 @@ impl Strategy {
             Strategy::EngineWarm => "engine, saved model".into(),
         }
     }
+
+    fn is_engine(self) -> bool {
+        matches!(self, Strategy::EngineCold | Strategy::EngineWarm)
+    }
 }
 
-const STRATEGIES: [Strategy; 5] = [
-    Strategy::OneWrite,
-    Strategy::Fixed(64),
-    Strategy::Fixed(1024),
-    Strategy::EngineCold,
-    Strategy::EngineWarm,
-];
+/// One page size's matrix: `pages` of `size`, these strategies.
+struct Matrix {
+    size: PageSize,
+    pages: u64,
+    strategies: Vec<Strategy>,
+}
 
 /// One measured resize.
 struct Run {
     total: Duration,
-    /// Each write's latency, with the pages it moved when known.
-    writes: Vec<(Option<u64>, Duration)>,
+    /// Each write's pages and latency.
+    writes: Vec<(u64, Duration)>,
     /// Persistent pages at the end.
     reached: u64,
     peak_rss: Option<u64>,
+    /// Part of the interleaved matrix (medians come from these only); the
+    /// rest are the engine's extra resizes for the p99.
+    interleaved: bool,
 }
 
-type Key = (bool, Direction, Strategy);
+type Key = (PageSize, bool, Direction, Strategy);
 
 /// Restores the machine's hugetlb settings when dropped, also on panic.
 struct Restore {
@@ -128,14 +139,24 @@ fn env_number(name: &str, default: u64) -> Result<u64, String> {
     }
 }
 
+fn model_file(size: PageSize, hvo: bool) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "hugepool-bench-model-{size}-hvo{}.json",
+        u8::from(hvo)
+    ))
+}
+
 fn bench() -> Result<(), String> {
     let reps = env_number("HUGEPOOL_BENCH_REPS", 5)?.max(1) as usize;
     let pages = env_number("HUGEPOOL_BENCH_PAGES", 8192)?;
+    let min_writes = env_number("HUGEPOOL_BENCH_MIN_WRITES", 1000)? as usize;
     let kernel = SysfsKernel::default();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err("needs root (it writes the hugetlb pools)".into());
     }
+    // Tests that write pools take the same lock: never run beside them.
+    let _lock = hugepool_e2e::lock_machine_kernel();
     let available = kernel.meminfo().map_err(|e| e.to_string())?.available_bytes;
     if available < pages * MI2.bytes() + KEEP_FREE {
         return Err(format!(
@@ -156,24 +177,98 @@ fn bench() -> Result<(), String> {
         pools,
         hvo: kernel.hvo().map_err(|e| e.to_string())?,
     };
-    let dir = std::env::temp_dir();
-    let model_file =
-        |hvo: bool| dir.join(format!("hugepool-bench-model-hvo{}.json", u8::from(hvo)));
 
     let mut results: Vec<(Key, Vec<Run>)> = Vec::new();
+    let mut notes = Vec::new();
+    let gi1 = probe_1gi(&kernel, env_number("HUGEPOOL_BENCH_1GI_PAGES", 8)?)?;
+    match gi1 {
+        Some((_, allocated)) if allocated >= 2 => {
+            let matrix = Matrix {
+                size: GI1,
+                // Half of what the kernel gave, so that memory taken by
+                // others between a shrink and the next fill does not end
+                // the matrix (6 of 6 could not be refilled once).
+                pages: (allocated / 2).max(2),
+                strategies: vec![
+                    Strategy::OneWrite,
+                    Strategy::Fixed(1),
+                    Strategy::EngineCold,
+                    Strategy::EngineWarm,
+                ],
+            };
+            // Memory fragments as the bench goes on: a 1Gi pool that cannot
+            // be refilled ends the 1Gi matrix, not the bench.
+            if let Err(err) = run_matrix(&kernel, &matrix, reps, &mut results) {
+                notes.push(format!("1Gi matrix stopped early: {err}"));
+            }
+            kernel
+                .write_pool(GI1, PoolScope::Global, 0)
+                .map_err(|e| e.to_string())?;
+        }
+        _ => {}
+    }
+    notes.push(match gi1 {
+        Some((requested, allocated)) => format!(
+            "1Gi: the kernel allocated {allocated} of {requested} pages at the start (page \
+             cache dropped, three compactions); the 1Gi rows use half of that, at least 2 \
+             (none when it got fewer than 2)"
+        ),
+        None => "1Gi: this kernel offers no 1Gi pages".to_string(),
+    });
+    let matrix = Matrix {
+        size: MI2,
+        pages,
+        strategies: vec![
+            Strategy::OneWrite,
+            Strategy::Fixed(64),
+            Strategy::Fixed(1024),
+            Strategy::EngineCold,
+            Strategy::EngineWarm,
+        ],
+    };
+    run_matrix(&kernel, &matrix, reps, &mut results)?;
+    engine_writes_for_p99(&kernel, &matrix, min_writes, &mut results)?;
+    drop(restore);
+    let mut table = String::new();
+    for size in [GI1, MI2] {
+        if results.iter().any(|((s, ..), _)| *s == size) {
+            table.push_str(&print_table(&results, size, reps));
+        }
+    }
+    for note in notes {
+        println!("{note}");
+        table.push_str(&note);
+        table.push('\n');
+    }
+    let saved = save_raw(&results, reps, &table)?;
+    println!("\nRaw results: {}", saved.display());
+    Ok(())
+}
+
+/// The interleaved matrix of one size: per repetition, HVO off and on (in
+/// alternating order), shrink and grow, every strategy in rotating order.
+fn run_matrix(
+    kernel: &SysfsKernel,
+    matrix: &Matrix,
+    reps: usize,
+    results: &mut Vec<(Key, Vec<Run>)>,
+) -> Result<(), String> {
+    let size = matrix.size;
+    let pages = matrix.pages;
     for hvo in [false, true] {
         kernel.set_hvo(hvo).map_err(|e| e.to_string())?;
         // Seed the saved models (both directions) with untimed resizes.
-        let _ = std::fs::remove_file(model_file(hvo));
-        fill(&kernel, pages)?;
-        engine(Some(model_file(hvo)), 0)?;
-        engine(Some(model_file(hvo)), pages)?;
+        let _ = std::fs::remove_file(model_file(size, hvo));
+        fill(kernel, size, pages)?;
+        engine(size, Some(model_file(size, hvo)), 0)?;
+        engine(size, Some(model_file(size, hvo)), pages)?;
         for direction in [Direction::Shrink, Direction::Grow] {
-            for strategy in STRATEGIES {
-                results.push(((hvo, direction, strategy), Vec::new()));
+            for strategy in &matrix.strategies {
+                results.push(((size, hvo, direction, *strategy), Vec::new()));
             }
         }
     }
+    let strategies = &matrix.strategies;
     for rep in 0..reps {
         for hvo in if rep % 2 == 0 {
             [false, true]
@@ -183,32 +278,19 @@ fn bench() -> Result<(), String> {
             kernel.set_hvo(hvo).map_err(|e| e.to_string())?;
             for direction in [Direction::Shrink, Direction::Grow] {
                 // Rotate the order so no strategy always runs first.
-                for i in 0..STRATEGIES.len() {
-                    let strategy = STRATEGIES[(i + rep) % STRATEGIES.len()];
-                    let (start, goal) = match direction {
-                        Direction::Shrink => (pages, 0),
-                        Direction::Grow => (0, pages),
-                    };
-                    if start > 0 {
-                        fill(&kernel, start)?;
-                    } else {
-                        kernel
-                            .write_pool(MI2, PoolScope::Global, 0)
-                            .map_err(|e| e.to_string())?;
-                        // A grow gets the memory a shrink would have left.
-                        kernel
-                            .compact(PoolScope::Global)
-                            .map_err(|e| e.to_string())?;
-                    }
+                for i in 0..strategies.len() {
+                    let strategy = strategies[(i + rep) % strategies.len()];
+                    let goal = prepare(kernel, size, pages, direction)?;
                     std::thread::sleep(Duration::from_millis(200));
-                    let run = match strategy {
-                        Strategy::OneWrite => fixed(&kernel, start, goal, pages)?,
-                        Strategy::Fixed(step) => fixed(&kernel, start, goal, step)?,
-                        Strategy::EngineCold => engine(None, goal)?,
-                        Strategy::EngineWarm => engine(Some(model_file(hvo)), goal)?,
+                    let mut run = match strategy {
+                        Strategy::OneWrite => fixed(kernel, size, pages - goal, goal, pages)?,
+                        Strategy::Fixed(step) => fixed(kernel, size, pages - goal, goal, step)?,
+                        Strategy::EngineCold => engine(size, None, goal)?,
+                        Strategy::EngineWarm => engine(size, Some(model_file(size, hvo)), goal)?,
                     };
+                    run.interleaved = true;
                     eprintln!(
-                        "rep {} hvo {} {:<6} {:<20} total {:>8.1} ms, {:>4} writes, max {:>6.1} ms, reached {}",
+                        "{size} rep {} hvo {} {:<6} {:<20} total {:>8.1} ms, {:>4} writes, max {:>6.1} ms, reached {}",
                         rep + 1,
                         u8::from(hvo),
                         direction.name(),
@@ -218,30 +300,91 @@ fn bench() -> Result<(), String> {
                         ms(run.writes.iter().map(|w| w.1).max().unwrap_or_default()),
                         run.reached,
                     );
-                    if let Some((_, runs)) = results
-                        .iter_mut()
-                        .find(|(key, _)| *key == (hvo, direction, strategy))
-                    {
-                        runs.push(run);
-                    }
+                    push_run(results, (size, hvo, direction, strategy), run);
                 }
             }
         }
     }
-    let gi1 = probe_1gi(&kernel, env_number("HUGEPOOL_BENCH_1GI_PAGES", 4)?)?;
-    drop(restore);
-    let mut table = print_table(&results, pages, reps);
-    let line = match gi1 {
-        Some((requested, allocated)) => format!(
-            "1Gi: the kernel allocated {allocated} of {requested} pages (after dropping the page \
-             cache and three compactions); 1Gi rows need all of them (docs/kernel.md)\n"
-        ),
-        None => "1Gi: this kernel offers no 1Gi pages\n".to_string(),
+    Ok(())
+}
+
+/// Sets the pool up for a resize in `direction` and returns its goal: a
+/// shrink starts from a full pool, a grow from an empty, compacted one (the
+/// memory a shrink would have left).
+fn prepare(
+    kernel: &SysfsKernel,
+    size: PageSize,
+    pages: u64,
+    direction: Direction,
+) -> Result<u64, String> {
+    match direction {
+        Direction::Shrink => {
+            fill(kernel, size, pages)?;
+            Ok(0)
+        }
+        Direction::Grow => {
+            kernel
+                .write_pool(size, PoolScope::Global, 0)
+                .map_err(|e| e.to_string())?;
+            kernel
+                .compact(PoolScope::Global)
+                .map_err(|e| e.to_string())?;
+            Ok(pages)
+        }
+    }
+}
+
+fn push_run(results: &mut [(Key, Vec<Run>)], key: Key, run: Run) {
+    if let Some((_, runs)) = results.iter_mut().find(|(k, _)| *k == key) {
+        runs.push(run);
+    }
+}
+
+/// More engine resizes of the matrix's size, shrink and grow alternating
+/// (HVO off and on, cold and warm), until every engine row holds
+/// `min_writes` writes: a p99 over fewer than 100 writes is their maximum.
+fn engine_writes_for_p99(
+    kernel: &SysfsKernel,
+    matrix: &Matrix,
+    min_writes: usize,
+    results: &mut [(Key, Vec<Run>)],
+) -> Result<(), String> {
+    let size = matrix.size;
+    let writes_of = |results: &[(Key, Vec<Run>)], key: Key| -> usize {
+        results
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or(0, |(_, runs)| runs.iter().map(|r| r.writes.len()).sum())
     };
-    print!("{line}");
-    table.push_str(&line);
-    let saved = save_raw(&results, pages, reps, &table)?;
-    println!("\nRaw results: {}", saved.display());
+    for hvo in [false, true] {
+        kernel.set_hvo(hvo).map_err(|e| e.to_string())?;
+        for strategy in [Strategy::EngineCold, Strategy::EngineWarm] {
+            let started = Instant::now();
+            let mut resizes = 0;
+            loop {
+                let wanted: Vec<Direction> = [Direction::Shrink, Direction::Grow]
+                    .into_iter()
+                    .filter(|d| writes_of(results, (size, hvo, *d, strategy)) < min_writes)
+                    .collect();
+                if wanted.is_empty() {
+                    break;
+                }
+                for direction in wanted {
+                    let goal = prepare(kernel, size, matrix.pages, direction)?;
+                    let model = (strategy == Strategy::EngineWarm).then(|| model_file(size, hvo));
+                    let run = engine(size, model, goal)?;
+                    push_run(results, (size, hvo, direction, strategy), run);
+                    resizes += 1;
+                }
+            }
+            eprintln!(
+                "{size} hvo {} {}: {resizes} more resizes for the p99 in {:.0} s",
+                u8::from(hvo),
+                strategy.name(),
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
     Ok(())
 }
 
@@ -288,12 +431,12 @@ fn probe_1gi(kernel: &SysfsKernel, requested: u64) -> Result<Option<(u64, u64)>,
 /// Grows the pool to `pages` in one write (untimed). If the kernel comes up
 /// short, compacts, and from the second try drops the page cache (builds on
 /// the same machine can fill it faster than hugetlb allocation reclaims it).
-fn fill(kernel: &SysfsKernel, pages: u64) -> Result<(), String> {
+fn fill(kernel: &SysfsKernel, size: PageSize, pages: u64) -> Result<(), String> {
     for attempt in 0..10 {
         kernel
-            .write_pool(MI2, PoolScope::Global, pages)
+            .write_pool(size, PoolScope::Global, pages)
             .map_err(|e| e.to_string())?;
-        if kernel.pool(MI2).map_err(|e| e.to_string())?.persistent() == pages {
+        if kernel.pool(size).map_err(|e| e.to_string())?.persistent() == pages {
             return Ok(());
         }
         if attempt > 0 {
@@ -305,12 +448,18 @@ fn fill(kernel: &SysfsKernel, pages: u64) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         std::thread::sleep(Duration::from_millis(500));
     }
-    Err(format!("could not allocate {pages} x 2Mi to start from"))
+    Err(format!("could not allocate {pages} x {size} to start from"))
 }
 
 /// Moves the pool from `start` to `goal` in fixed steps (one step of
 /// everything is `echo N`).
-fn fixed(kernel: &SysfsKernel, start: u64, goal: u64, step: u64) -> Result<Run, String> {
+fn fixed(
+    kernel: &SysfsKernel,
+    size: PageSize,
+    start: u64,
+    goal: u64,
+    step: u64,
+) -> Result<Run, String> {
     let mut writes = Vec::new();
     let started = Instant::now();
     let mut current = start;
@@ -322,10 +471,10 @@ fn fixed(kernel: &SysfsKernel, start: u64, goal: u64, step: u64) -> Result<Run, 
         };
         let write = Instant::now();
         kernel
-            .write_pool(MI2, PoolScope::Global, next)
+            .write_pool(size, PoolScope::Global, next)
             .map_err(|e| e.to_string())?;
-        writes.push((Some(current.abs_diff(next)), write.elapsed()));
-        let now = kernel.pool(MI2).map_err(|e| e.to_string())?.persistent();
+        writes.push((current.abs_diff(next), write.elapsed()));
+        let now = kernel.pool(size).map_err(|e| e.to_string())?.persistent();
         if now != next {
             // A grow the kernel could not satisfy: stop where it is.
             current = now;
@@ -338,18 +487,20 @@ fn fixed(kernel: &SysfsKernel, start: u64, goal: u64, step: u64) -> Result<Run, 
         writes,
         reached: current,
         peak_rss: None,
+        interleaved: false,
     })
 }
 
-/// `hugepool-agent resize --pages GOAL` with the default 50 ms budget; times
-/// and peak RSS come from its JSON summary.
-fn engine(model_file: Option<PathBuf>, goal: u64) -> Result<Run, String> {
+/// `hugepool-agent resize --pages GOAL` with the default 50 ms budget; times,
+/// the pages of each write and peak RSS come from its JSON summary.
+fn engine(size: PageSize, model_file: Option<PathBuf>, goal: u64) -> Result<Run, String> {
     let goal = goal.to_string();
+    let size = size.to_string();
     let mut command = Command::new(env!("CARGO_BIN_EXE_hugepool-agent"));
     command.args([
         "resize",
         "--page-size",
-        "2Mi",
+        &size,
         "--pages",
         &goal,
         "--output",
@@ -370,10 +521,17 @@ fn engine(model_file: Option<PathBuf>, goal: u64) -> Result<Run, String> {
     let report: serde_json::Value =
         serde_json::from_slice(&output.stdout).map_err(|e| format!("agent summary: {e}"))?;
     let seconds = |value: &serde_json::Value| value.as_f64().map(Duration::from_secs_f64);
-    let writes = report["writeSeconds"]
+    let latencies = report["writeSeconds"]
         .as_array()
-        .map(|all| all.iter().filter_map(seconds).map(|w| (None, w)).collect())
-        .unwrap_or_default();
+        .ok_or("summary has no writeSeconds")?;
+    let pages = report["writePages"]
+        .as_array()
+        .ok_or("summary has no writePages")?;
+    let writes = pages
+        .iter()
+        .zip(latencies)
+        .filter_map(|(pages, latency)| Some((pages.as_u64()?, seconds(latency)?)))
+        .collect();
     Ok(Run {
         total: seconds(&report["durationSeconds"]).ok_or("summary has no durationSeconds")?,
         writes,
@@ -381,6 +539,7 @@ fn engine(model_file: Option<PathBuf>, goal: u64) -> Result<Run, String> {
             .as_u64()
             .ok_or("summary has no achieved")?,
         peak_rss: report["peakRssBytes"].as_u64(),
+        interleaved: false,
     })
 }
 
@@ -404,18 +563,16 @@ fn percentile(mut values: Vec<f64>, share: f64) -> f64 {
 
 /// The write cost `a + b*n` (seconds, seconds per page): least squares over
 /// one point per step size, the median latency of that size's writes (one
-/// write of N, steps of 64 and of 1024). Medians, because single writes
+/// write of N and the fixed steps). Medians, because single writes
 /// here have outliers (a build on the other core) that would tilt a fit
 /// over all writes.
 fn fit(runs: &[&Run]) -> Option<(f64, f64)> {
     let mut by_size: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
     for (pages, latency) in runs.iter().flat_map(|r| r.writes.iter()) {
-        if let Some(pages) = pages {
-            by_size
-                .entry(*pages)
-                .or_default()
-                .push(latency.as_secs_f64());
-        }
+        by_size
+            .entry(*pages)
+            .or_default()
+            .push(latency.as_secs_f64());
     }
     let points: Vec<(f64, f64)> = by_size
         .into_iter()
@@ -440,7 +597,8 @@ fn fit(runs: &[&Run]) -> Option<(f64, f64)> {
 /// included): T* = k*a + b*N + (k-1)*pause.
 fn best_budgeted(a: f64, b: f64, pages: u64) -> Option<(u64, f64)> {
     let room = BUDGET.as_secs_f64() - a;
-    if room <= 0.0 {
+    // No strategy keeps the budget when a write of one page breaks it.
+    if room <= b {
         return None;
     }
     let k = ((b * pages as f64) / room).ceil().max(1.0) as u64;
@@ -450,11 +608,21 @@ fn best_budgeted(a: f64, b: f64, pages: u64) -> Option<(u64, f64)> {
     ))
 }
 
-fn print_table(results: &[(Key, Vec<Run>)], pages: u64, reps: usize) -> String {
+/// The table of one page size: medians over the interleaved runs, p99 and
+/// writes over the budget over every run (the engine's extra ones too).
+fn print_table(results: &[(Key, Vec<Run>)], size: PageSize, reps: usize) -> String {
     let mut out = String::new();
+    let pages = results
+        .iter()
+        .filter(|((s, _, _, strategy), _)| *s == size && *strategy == Strategy::OneWrite)
+        .flat_map(|(_, runs)| runs.iter())
+        .filter_map(|run| run.writes.first().map(|w| w.0))
+        .max()
+        .unwrap_or(0);
     let _ = writeln!(
         out,
-        "\n{pages} x 2Mi, medians of {reps} interleaved repetitions (p99 over all writes); \
+        "\n{pages} x {size}, medians of {reps} interleaved repetitions; p99 and writes over the \
+         budget over every write of the row (engine rows: repeated to the write count shown); \
          T* from a + b*n fitted to this run's one-write and fixed-step writes, \
          budget {} ms, pause {} ms\n",
         ms(BUDGET),
@@ -462,61 +630,72 @@ fn print_table(results: &[(Key, Vec<Run>)], pages: u64, reps: usize) -> String {
     );
     let _ = writeln!(
         out,
-        "| HVO | direction | strategy | total ms | vs one write | vs T* | writes | max write ms | p99 write ms | reached |"
+        "| size | HVO | direction | strategy | total ms | vs one write | vs T* | writes | max write ms | p99 write ms | writes over budget | reached |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut fits = Vec::new();
     for hvo in [false, true] {
         for direction in [Direction::Shrink, Direction::Grow] {
             let group: Vec<&(Key, Vec<Run>)> = results
                 .iter()
-                .filter(|((h, d, _), _)| *h == hvo && *d == direction)
+                .filter(|((s, h, d, _), _)| *s == size && *h == hvo && *d == direction)
                 .collect();
             let measured: Vec<&Run> = group
                 .iter()
-                .filter(|((_, _, s), _)| matches!(s, Strategy::OneWrite | Strategy::Fixed(_)))
+                .filter(|((.., s), _)| !s.is_engine())
                 .flat_map(|(_, runs)| runs.iter())
                 .collect();
             let best = fit(&measured).and_then(|(a, b)| Some((a, b, best_budgeted(a, b, pages)?)));
             let t_star = best.map(|(_, _, (_, t))| t * 1000.0).unwrap_or(f64::NAN);
+            let hvo_name = if hvo { "on" } else { "off" };
             if let Some((a, b, (k, t))) = best {
                 fits.push(format!(
-                    "HVO {} {}: a = {:.2} ms, b = {:.2} us/page, k = {k}, T* = {:.1} ms",
-                    if hvo { "on" } else { "off" },
+                    "{size} HVO {hvo_name} {}: a = {:.2} ms, b = {:.2} us/page, k = {k}, T* = {:.1} ms",
                     direction.name(),
                     a * 1000.0,
                     b * 1e6,
                     t * 1000.0
                 ));
+            } else {
+                fits.push(format!(
+                    "{size} HVO {hvo_name} {}: no T* (the fit leaves no room in the budget: one page \
+                     costs more than {} ms)",
+                    direction.name(),
+                    ms(BUDGET)
+                ));
             }
             let one_write = group
                 .iter()
-                .find(|((_, _, s), _)| *s == Strategy::OneWrite)
-                .map(|(_, runs)| median(runs.iter().map(|r| ms(r.total)).collect()))
+                .find(|((.., s), _)| *s == Strategy::OneWrite)
+                .map(|(_, runs)| median(interleaved(runs).iter().map(|r| ms(r.total)).collect()))
                 .unwrap_or(f64::NAN);
-            for ((_, _, strategy), runs) in &group {
-                let total = median(runs.iter().map(|r| ms(r.total)).collect());
+            for ((.., strategy), runs) in &group {
+                let medians_of = interleaved(runs);
+                let total = median(medians_of.iter().map(|r| ms(r.total)).collect());
                 let all_writes: Vec<f64> = runs
                     .iter()
                     .flat_map(|r| r.writes.iter().map(|w| ms(w.1)))
                     .collect();
+                let over = all_writes.iter().filter(|&&w| w > ms(BUDGET)).count();
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {:.1} | {:.2}x | {:.2}x | {:.0} | {:.1} | {:.1} | {:.0} |",
-                    if hvo { "on" } else { "off" },
+                    "| {size} | {hvo_name} | {} | {} | {:.1} | {:.2}x | {:.2}x | {:.0} | {:.1} | {:.1} | {} of {} | {:.0} |",
                     direction.name(),
                     strategy.name(),
                     total,
                     total / one_write,
                     total / t_star,
-                    median(runs.iter().map(|r| r.writes.len() as f64).collect()),
+                    median(medians_of.iter().map(|r| r.writes.len() as f64).collect()),
                     median(
-                        runs.iter()
+                        medians_of
+                            .iter()
                             .map(|r| r.writes.iter().map(|w| ms(w.1)).fold(0.0, f64::max))
                             .collect()
                     ),
-                    percentile(all_writes, 0.99),
-                    median(runs.iter().map(|r| r.reached as f64).collect()),
+                    percentile(all_writes.clone(), 0.99),
+                    over,
+                    all_writes.len(),
+                    median(medians_of.iter().map(|r| r.reached as f64).collect()),
                 );
             }
         }
@@ -551,19 +730,20 @@ fn print_table(results: &[(Key, Vec<Run>)], pages: u64, reps: usize) -> String {
 
 /// Every run of this bench as JSON, next to BENCH.md (one file per run of
 /// the bench, named by its start time), with the table it printed.
-fn save_raw(
-    results: &[(Key, Vec<Run>)],
-    pages: u64,
-    reps: usize,
-    table: &str,
-) -> Result<PathBuf, String> {
+/// The runs of the interleaved matrix (the ones medians are taken over).
+fn interleaved(runs: &[Run]) -> Vec<&Run> {
+    runs.iter().filter(|r| r.interleaved).collect()
+}
+
+fn save_raw(results: &[(Key, Vec<Run>)], reps: usize, table: &str) -> Result<PathBuf, String> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let runs: Vec<serde_json::Value> = results
         .iter()
-        .flat_map(|((hvo, direction, strategy), runs)| {
+        .flat_map(|((size, hvo, direction, strategy), runs)| {
             runs.iter().map(move |run| {
                 serde_json::json!({
+                    "size": size.to_string(),
                     "hvo": hvo,
                     "direction": direction.name(),
                     "strategy": strategy.name(),
@@ -573,6 +753,7 @@ fn save_raw(
                         serde_json::json!({"pages": pages, "ms": ms(*latency)})
                     }).collect::<Vec<_>>(),
                     "peakRssBytes": run.peak_rss,
+                    "interleaved": run.interleaved,
                 })
             })
         })
@@ -583,7 +764,6 @@ fn save_raw(
         "bench": "resize",
         "at": now.to_string(),
         "kernel": release.trim(),
-        "pages": pages,
         "repetitions": reps,
         "budgetMs": ms(BUDGET),
         "pauseMs": ms(PAUSE),

@@ -103,7 +103,7 @@ fn resize_of_a_fake_tree_exits_0_and_prints_one_json_object() {
             "--page-size",
             "2Mi",
             "--pages",
-            "40",
+            "600",
             "--output",
             "json",
         ],
@@ -120,14 +120,14 @@ fn resize_of_a_fake_tree_exits_0_and_prints_one_json_object() {
     assert_eq!(report["outcome"]["kind"], "reached");
     assert_eq!(
         (report["from"].as_u64(), report["achieved"].as_u64()),
-        (Some(0), Some(40))
+        (Some(0), Some(600))
     );
     assert!(
         report["steps"].as_u64().unwrap() >= 2,
-        "16-page probe first"
+        "a 256-page probe first"
     );
     assert!(report["peakRssBytes"].as_u64().unwrap() > 0);
-    assert_eq!(fake.read(GLOBAL_2MI), "40\n");
+    assert_eq!(fake.read(GLOBAL_2MI), "600\n");
 }
 
 #[test]

@@ -88,13 +88,15 @@ impl CostModel {
         self.samples.iter()
     }
 
-    /// Largest write in the window that stayed within `budget`.
-    pub fn largest_within(&self, budget: Duration) -> Option<u64> {
+    /// The largest write in the window that stayed within `budget` (the
+    /// slowest of them when several moved as many pages): the measurement
+    /// that says most about the per-page cost.
+    pub fn anchor_within(&self, budget: Duration) -> Option<Sample> {
         self.samples
             .iter()
-            .filter(|s| s.latency <= budget)
-            .map(|s| s.pages)
-            .max()
+            .filter(|s| s.latency <= budget && s.pages > 0)
+            .max_by_key(|s| (s.pages, s.latency))
+            .copied()
     }
 
     /// The fit. Where the data cannot tell the two terms apart it charges

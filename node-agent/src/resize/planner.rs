@@ -5,13 +5,14 @@
 //! with an [`Outcome`]. Because every decision starts from the observed
 //! counts, the engine is idempotent: a restart mid-resize simply continues.
 //!
-//! - Step size: the first write of a direction is a small probe (32 MiB worth
-//!   of pages) unless earlier writes already fitted the cost model; after
-//!   that, the largest step the fitted `a + b*pages` puts within
-//!   `budget_fraction * max_step_duration`, at most double the previous step
-//!   and at most what scaling the previous write's latency linearly allows,
-//!   at most half of it after a write that went over the budget (a quarter
-//!   after a stall), at least 1.
+//! - Step size: the first write of a direction is a probe (512 MiB worth of
+//!   pages for a 50 ms budget) unless earlier writes already measured the
+//!   cost; after that, the smallest of: where the fitted `a + b*pages` puts
+//!   `budget_fraction * max_step_duration` (the aim), the largest write
+//!   measured within the budget scaled linearly to the aim, and the last
+//!   write scaled linearly to the aim; at most half the last write after one
+//!   that went over the budget (a quarter after a stall); at least 1. What
+//!   is left is then cut into the fewest writes of that size, all equal.
 //! - Shrink never writes below the floor `in_use + reserved`: below it the
 //!   kernel would turn in-use pages into surplus. At the floor it finishes
 //!   `Blocked` with the counts.
@@ -28,8 +29,10 @@ use serde::Serialize;
 use crate::kernel::{NumaCounts, PoolCounts, PoolScope};
 use crate::resize::model::{CostModels, Direction, ModelKey, Sample};
 
-/// The first write of a direction moves this much memory.
-const PROBE_BYTES: u64 = 32 << 20;
+/// The first write of a direction moves this much memory, for a budget of
+/// `PROBE_BUDGET` (smaller budgets probe less).
+const PROBE_BYTES: u64 = 512 << 20;
+const PROBE_BUDGET: Duration = Duration::from_millis(50);
 
 /// Knobs of one resize (the pool's `resize` and `allocation` settings).
 #[derive(Clone, Debug, PartialEq)]
@@ -60,7 +63,7 @@ impl Default for Settings {
             min_mem_available: 1 << 30,
             retries: 3,
             compact: true,
-            budget_fraction: 0.7,
+            budget_fraction: 0.85,
         }
     }
 }
@@ -255,51 +258,57 @@ impl Planner {
     }
 
     /// Pages the next write of `direction` may move.
-    pub fn step_size(&self, direction: Direction, hvo: bool, models: &CostModels) -> u64 {
-        let size = self.target.size;
+    ///
+    /// Cold (no write of this kind measured yet): the probe. Otherwise the
+    /// smallest of three limits: where the fit puts the aim
+    /// (`budget_fraction` of the budget); the largest write measured within
+    /// the budget scaled linearly to the aim; and the last write scaled
+    /// linearly to the aim. The two linear limits are what keeps a fit that
+    /// noise made optimistic from overshooting: with `cost = a + b*pages`
+    /// and `a >= 0`, a write k times a measured one costs at most k times as
+    /// much. After an over-budget write the step is at most half the last
+    /// (a quarter after a stall).
+    pub fn step_size(&self, direction: Direction, hvo: bool, models: &CostModels) -> Step {
         let state = match direction {
             Direction::Grow => self.grow,
             Direction::Shrink => self.shrink,
         };
-        let aim = self
-            .settings
-            .max_step_duration
-            .mul_f64(self.settings.budget_fraction);
+        let budget = self.settings.max_step_duration;
+        let aim = budget.mul_f64(self.settings.budget_fraction);
         let model = models.get(self.model_key(direction, hvo));
-        let fitted = model.and_then(|m| m.fit()).map(|fit| fit.pages_within(aim));
-        let step = match state.last_step {
-            // Warm start: what earlier resizes measured, at most double the
-            // largest write that stayed within budget.
-            None => match (
-                fitted,
-                model.and_then(|m| m.largest_within(self.settings.max_step_duration)),
-            ) {
-                (Some(fitted), Some(proven)) => fitted.min(proven.saturating_mul(2)),
-                _ => probe_pages(size),
-            },
-            Some(previous) => {
-                let mut step = previous.saturating_mul(2);
-                if let Some(fitted) = fitted {
-                    step = step.min(fitted);
-                }
-                // Linearity with a non-negative fixed cost: a write k times
-                // the last costs at most k times its latency. Guards against
-                // a fit that noise made optimistic.
-                if let Some(latency) = state.last_latency.filter(|l| !l.is_zero()) {
-                    let ratio =
-                        self.settings.max_step_duration.as_secs_f64() / latency.as_secs_f64();
-                    step = step.min((previous as f64 * ratio) as u64);
-                }
-                if state.over_budget {
-                    step = step.min(previous / 2);
-                }
-                if state.stalled {
-                    step = step.min(previous / 4);
-                }
-                step
+        let anchor = model.and_then(|m| m.anchor_within(budget));
+        let mut fit = None;
+        let mut step = match (model, anchor) {
+            (Some(model), Some(anchor)) => {
+                fit = model.fit();
+                scale_to(anchor.pages, anchor.latency, aim)
             }
+            // Nothing measured, or every write so far went over the budget.
+            _ => match state.last_step {
+                Some(previous) => previous / 2,
+                None => probe_pages(self.target.size, budget),
+            },
         };
-        step.max(1)
+        if let (Some(previous), Some(latency)) = (state.last_step, state.last_latency) {
+            step = step.min(scale_to(previous, latency, aim));
+            if state.over_budget {
+                step = step.min(previous / 2);
+            }
+            if state.stalled {
+                step = step.min(previous / 4);
+            }
+        }
+        let fitted = fit.map(|fit| fit.pages_within(aim));
+        Step {
+            pages: fitted.map_or(step, |fitted| step.min(fitted)).max(1),
+            // A fit that tells the fixed cost from the per-page cost decides,
+            // or the linear limits are within a tenth of it: later steps
+            // will not be much larger. (A fit that charges everything per
+            // page is itself a linear limit.)
+            settled: fit.is_some_and(|fit| {
+                fit.fixed_seconds > 0.0 && fit.pages_within(aim) as f64 <= step as f64 * 1.1
+            }),
+        }
     }
 
     /// The next thing to do, from what the kernel reports now.
@@ -376,7 +385,7 @@ impl Planner {
         let step = self.step_size(Direction::Grow, observed.hvo, models);
         let reachable = (target - current).min(guard_cap);
         let pages = next_step(reachable, step);
-        let guard_limited = guard_cap < (target - current).min(step);
+        let guard_limited = guard_cap < (target - current).min(step.pages);
         Decision::Write(self.planned(
             current,
             current + pages,
@@ -493,20 +502,42 @@ impl Planner {
     }
 }
 
-/// The next step towards `remaining` pages when one write may move at most
-/// `step`: a full step, except that a small remainder is not left for a last
-/// write of its own (it would pay a whole fixed cost for a few pages): when
-/// less than half a step would be left, the last two writes share the rest.
-/// Steps stay at the limit otherwise, so the model keeps learning there.
-pub fn next_step(remaining: u64, step: u64) -> u64 {
-    let step = step.max(1);
-    if remaining <= step {
-        return remaining;
+/// The largest write the next step may make, and whether it is settled:
+/// the fit decided it, so later steps will be no larger. While the linear
+/// limits still decide (the engine is learning the cost), each write makes
+/// the next one larger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub pages: u64,
+    pub settled: bool,
+}
+
+/// The next write towards `remaining` pages. A settled step cuts what is
+/// left into the fewest writes of at most its size, all equal: that keeps
+/// every write below the limit (further from the budget) at no extra fixed
+/// cost, where full steps would leave a small last write paying a whole
+/// fixed cost for a few pages. While learning, a write takes the whole
+/// step, so the next one learns more, unless two writes would finish.
+pub fn next_step(remaining: u64, step: Step) -> u64 {
+    let limit = step.pages.max(1);
+    if !step.settled && remaining > 2 * limit {
+        return limit;
     }
-    if remaining - step < step / 2 {
-        return remaining.div_ceil(2);
+    let writes = remaining.div_ceil(limit).max(1);
+    remaining.div_ceil(writes)
+}
+
+/// `pages` moved in `latency`, scaled linearly to what fits in `aim`.
+fn scale_to(pages: u64, latency: Duration, aim: Duration) -> u64 {
+    if latency.is_zero() {
+        return pages.saturating_mul(1024);
     }
-    step
+    let scaled = pages as f64 * aim.as_secs_f64() / latency.as_secs_f64();
+    if scaled >= u64::MAX as f64 {
+        u64::MAX
+    } else {
+        scaled as u64
+    }
 }
 
 /// Allocating under memory pressure lowers MemAvailable by a little more
@@ -516,9 +547,13 @@ pub fn guard_headroom(min_mem_available: u64) -> u64 {
     (min_mem_available / 32).max(32 << 20)
 }
 
-/// The probe: 32 MiB of pages (16 x 2Mi), at least one page.
-pub fn probe_pages(size: PageSize) -> u64 {
-    (PROBE_BYTES / size.bytes()).max(1)
+/// The probe: 512 MiB of pages for the default 50 ms budget, in proportion
+/// for others, at least one page. The slowest freeing published is about
+/// 73 us per 2Mi page (HVO, 500,000 pages in 36.7 s), so 256 pages take
+/// under 19 ms plus the fixed cost of a write (13 ms with HVO here).
+pub fn probe_pages(size: PageSize, budget: Duration) -> u64 {
+    let bytes = PROBE_BYTES as f64 * (budget.as_secs_f64() / PROBE_BUDGET.as_secs_f64()).min(1.0);
+    ((bytes / size.bytes() as f64) as u64).max(1)
 }
 
 #[cfg(test)]
@@ -610,38 +645,37 @@ mod tests {
     }
 
     #[test]
-    fn first_write_is_a_probe_then_steps_at_most_double_and_fit_the_budget() {
+    fn cold_start_probes_then_scales_to_the_budget_and_never_crosses_it() {
         let kernel = instant_kernel(32 * GIB);
         kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
         let mut planner = Planner::new(target(0), Settings::default());
         let mut models = CostModels::default();
         let (writes, outcome) = drive(&kernel, &mut planner, &mut models, hvo_free_cost);
         assert_eq!(outcome, Outcome::Reached);
-        assert_eq!(writes[0].pages, 16);
-        for pair in writes.windows(2) {
-            assert!(
-                pair[1].pages <= pair[0].pages * 2,
-                "{} after {}",
-                pair[1].pages,
-                pair[0].pages
-            );
-        }
+        assert_eq!(writes[0].pages, 256);
+        // 256 pages took 16.33 ms: scaled linearly to 0.85 x 50 ms, 666.
+        assert_eq!(writes[1].pages, 666);
         for write in &writes {
             assert!(
                 hvo_free_cost(write.pages) <= Duration::from_millis(50),
                 "{write:?}"
             );
         }
-        // Steps settle near the model's answer for 0.7 x 50 ms: 1692 pages.
+        // The fit puts the aim at (42.5 - 13) / 0.013 = 2269 pages; a cold
+        // start grows towards it (each write at most the last scaled
+        // linearly to the aim), then cuts the rest into equal writes. The
+        // old rule (16-page probe, at most doubling) took 10.
+        assert_eq!(writes.len(), 6, "{writes:?}");
+        let settled = &writes[writes.len() - 2..];
         assert!(
-            writes.iter().any(|w| (1500..=1692).contains(&w.pages)),
+            settled.iter().all(|w| (1500..=2269).contains(&w.pages)),
             "{writes:?}"
         );
         assert_eq!(writes.iter().map(|w| w.pages).sum::<u64>(), 8192);
     }
 
     #[test]
-    fn a_warm_model_skips_the_probe() {
+    fn a_warm_model_takes_the_fewest_equal_writes_within_the_aim() {
         let kernel = instant_kernel(32 * GIB);
         kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
         let mut models = CostModels::default();
@@ -650,19 +684,47 @@ mod tests {
         kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
         let mut planner = Planner::new(target(0), Settings::default());
         let (writes, _) = drive(&kernel, &mut planner, &mut models, hvo_free_cost);
-        // 8192 pages at most 1692 a write: five writes, the first at the limit.
-        assert_eq!(writes.len(), 5);
-        assert_eq!(writes[0].pages, 1692);
-        assert!(writes.iter().all(|w| w.pages <= 1692), "{writes:?}");
+        // At most 2269 pages a write (42.5 ms): 8192 needs four, of 2048.
+        assert_eq!(
+            writes.iter().map(|w| w.pages).collect::<Vec<_>>(),
+            vec![2048; 4]
+        );
+    }
+
+    fn settled(pages: u64) -> Step {
+        Step {
+            pages,
+            settled: true,
+        }
     }
 
     #[test]
-    fn a_small_remainder_is_shared_with_the_previous_write() {
-        assert_eq!(next_step(8192, 2900), 2900);
-        assert_eq!(next_step(2392, 2900), 2392);
-        assert_eq!(next_step(3100, 2900), 1550);
-        assert_eq!(next_step(4400, 2900), 2900);
-        assert_eq!(next_step(5, 0), 1);
+    fn what_is_left_is_cut_into_the_fewest_equal_writes() {
+        assert_eq!(next_step(8192, settled(2900)), 2731);
+        assert_eq!(next_step(2392, settled(2900)), 2392);
+        assert_eq!(next_step(3100, settled(2900)), 1550);
+        assert_eq!(next_step(5801, settled(2900)), 1934);
+        assert_eq!(next_step(5, settled(0)), 1);
+        assert_eq!(next_step(0, settled(10)), 0);
+        // While learning, a write takes the whole step unless two finish.
+        let learning = Step {
+            pages: 2900,
+            settled: false,
+        };
+        assert_eq!(next_step(8192, learning), 2900);
+        assert_eq!(next_step(5800, learning), 2900);
+        assert_eq!(next_step(5700, learning), 2850);
+    }
+
+    #[test]
+    fn the_probe_is_smaller_for_a_smaller_budget() {
+        assert_eq!(probe_pages(MI2, Duration::from_millis(50)), 256);
+        assert_eq!(probe_pages(MI2, Duration::from_millis(5)), 25);
+        assert_eq!(probe_pages(MI2, Duration::from_secs(1)), 256);
+        assert_eq!(
+            probe_pages(PageSize::SIZE_1GI, Duration::from_millis(50)),
+            1
+        );
     }
 
     #[test]
@@ -678,7 +740,7 @@ mod tests {
         kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
         let mut planner = Planner::new(target(0), Settings::default());
         let (writes, _) = drive(&kernel, &mut planner, &mut models, hvo_free_cost);
-        assert_eq!(writes[0].pages, 16, "probe again: HVO changed the costs");
+        assert_eq!(writes[0].pages, 256, "probe again: HVO changed the costs");
         assert!(writes[0].hvo);
     }
 
@@ -713,7 +775,7 @@ mod tests {
         };
         let after = observed(4096 - first.pages, 4096 - first.pages, 0, 0);
         planner.record_write(&first, Duration::from_millis(300), &after, &mut models);
-        assert!(planner.step_size(Direction::Shrink, false, &models) <= first.pages / 4);
+        assert!(planner.step_size(Direction::Shrink, false, &models).pages <= first.pages / 4);
     }
 
     #[test]
@@ -893,12 +955,34 @@ mod tests {
 
     proptest! {
         #[test]
-        fn next_step_never_exceeds_the_step_nor_adds_writes(remaining in 0u64..1_000_000, step in 1u64..100_000) {
-            let first = next_step(remaining, step);
+        fn next_step_never_exceeds_the_step_nor_adds_writes(remaining in 0u64..1_000_000, step in 1u64..100_000, is_settled: bool) {
+            let first = next_step(remaining, Step { pages: step, settled: is_settled });
             prop_assert!(first <= step && first <= remaining);
             prop_assert!(remaining == 0 || first > 0);
             let writes = remaining.div_ceil(step);
             prop_assert!((remaining - first).div_ceil(step) <= writes.saturating_sub(1));
+        }
+
+        /// With a linear cost `a + b*pages` whose probe fits the budget,
+        /// no write ever goes over the budget, cold or warm.
+        #[test]
+        fn a_linear_cost_never_puts_a_write_over_the_budget(
+            start in 1000u64..20_000, fixed_us in 0u64..30_000, per_page_ns in 100u64..200_000,
+        ) {
+            let cost = |pages: u64| Duration::from_nanos(fixed_us * 1000 + per_page_ns * pages);
+            let budget = Settings::default().max_step_duration;
+            prop_assume!(cost(probe_pages(MI2, budget)) <= budget);
+            let kernel = instant_kernel(64 * GIB);
+            let mut models = CostModels::default();
+            for _ in 0..2 {
+                kernel.preset(MI2, PoolScope::Global, start).unwrap();
+                let mut planner = Planner::new(target(0), Settings::default());
+                let (writes, outcome) = drive(&kernel, &mut planner, &mut models, cost);
+                prop_assert_eq!(outcome, Outcome::Reached);
+                for write in &writes {
+                    prop_assert!(cost(write.pages) <= budget, "{:?} took {:?}", write, cost(write.pages));
+                }
+            }
         }
 
         /// From any start, with any pages held and reserved, the planner never
@@ -929,11 +1013,7 @@ mod tests {
                 prop_assert!(matches!(outcome, Outcome::Blocked { .. }), "{:?}", outcome);
                 prop_assert_eq!(pool.persistent(), floor.min(start).max(floor));
             }
-            for pair in writes.windows(2) {
-                if pair[0].direction == pair[1].direction {
-                    prop_assert!(pair[1].pages <= pair[0].pages * 2);
-                }
-            }
+            prop_assert!(writes.iter().all(|w| w.pages > 0));
         }
     }
 }
