@@ -384,15 +384,14 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         .buffer_unordered(NODE_WRITES_IN_FLIGHT)
         .collect()
         .await;
-    let mut fresh: HashMap<String, HugePageNode> = HashMap::new();
+    let mut fresh: HashMap<String, Arc<HugePageNode>> = HashMap::new();
     for (node_name, result) in results {
         match result {
-            Ok(mut updated) => {
-                updated.metadata.managed_fields = None;
-                written.node_states.insert(
-                    node_name.clone(),
-                    (Arc::new(updated.clone()), Instant::now()),
-                );
+            Ok(updated) => {
+                let updated = Arc::new(updated);
+                written
+                    .node_states
+                    .insert(node_name.clone(), (Arc::clone(&updated), Instant::now()));
                 fresh.insert(node_name, updated);
             }
             Err(Error::NotLeader) => return Ok(Action::await_change()),
@@ -413,6 +412,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         };
         let node_state = fresh
             .get(node_name)
+            .map(Arc::as_ref)
             .or_else(|| states_by_name.get(node_name.as_str()).copied());
         match carry_out_drain(ctx, node, node_state, node_plan, now, &mut written).await {
             Ok(still_evicting) => evicting |= still_evicting,
@@ -588,6 +588,13 @@ async fn write_node_spec(
     let result = api
         .patch(&name, &params, &patch)
         .await
+        .map(|mut updated| {
+            // A pass keeps every response until its writes are done: their
+            // managedFields (a tree of maps per field the agent and the
+            // operator own) were over half the operator's peak heap.
+            updated.metadata.managed_fields = None;
+            updated
+        })
         .map_err(|source| Error::NodeSpec {
             node: name.clone(),
             source,
