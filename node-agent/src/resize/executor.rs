@@ -166,6 +166,9 @@ pub async fn run(
     let mut stalls = 0;
     let mut compactions = 0;
     let mut blocked_since: Option<Instant> = None;
+    // The pause runs between writes, from the end of one to the start of
+    // the next (reading the kernel back overlaps it); none after the last.
+    let mut last_write_end: Option<Instant> = None;
     loop {
         let wanted = *target.borrow_and_update();
         if wanted != planner.target() {
@@ -176,6 +179,10 @@ pub async fn run(
         match planner.next(&observed, models) {
             Decision::Write(write) => {
                 blocked_since = None;
+                if let Some(end) = last_write_end {
+                    let due = end + planner.settings().step_pause;
+                    tokio::time::sleep_until(due.into()).await;
+                }
                 let step = writes.len() as u32 + 1;
                 let (result, latency, stalled) = write_with_watchdog(
                     &kernel,
@@ -186,6 +193,7 @@ pub async fn run(
                     &mut on_event,
                 )
                 .await?;
+                last_write_end = Some(Instant::now());
                 if stalled {
                     stalls += 1;
                 }
@@ -220,7 +228,6 @@ pub async fn run(
                         observed = observe(&kernel, planner.target()).await?;
                     }
                 }
-                tokio::time::sleep(planner.settings().step_pause).await;
             }
             Decision::Compact(scope) => {
                 let result = {
@@ -445,6 +452,23 @@ mod tests {
         assert_eq!(summary.write_pages.iter().sum::<u64>(), 8192);
         assert_eq!(summary.hvo, Some(true));
         assert!(summary.pages_per_second > 0.0);
+    }
+
+    #[tokio::test]
+    async fn the_pause_runs_between_writes_and_not_after_the_last() {
+        let kernel = sim(0.0, false);
+        kernel.preset(MI2, PoolScope::Global, 300).unwrap();
+        let settings = Settings {
+            step_pause: Duration::from_secs(1),
+            ..scaled(1.0)
+        };
+        // 300 pages: the 256-page probe, then the rest: one pause.
+        let (summary, _) = resize(&kernel, 0, settings, Options::default()).await;
+        assert_eq!(summary.steps, 2, "{summary:?}");
+        assert!(
+            (1.0..1.9).contains(&summary.duration_seconds),
+            "one pause of 1 s, not two: {summary:?}"
+        );
     }
 
     #[tokio::test]
