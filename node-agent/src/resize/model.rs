@@ -74,6 +74,9 @@ impl Fit {
 #[derive(Clone, Debug, Default)]
 pub struct CostModel {
     samples: VecDeque<Sample>,
+    /// How much longer than the fit said the first write of each recent
+    /// resize took (measured with HVO: 10-20 ms, node-agent/BENCH.md).
+    first_write_excess: VecDeque<Duration>,
 }
 
 impl CostModel {
@@ -82,6 +85,29 @@ impl CostModel {
             self.samples.pop_front();
         }
         self.samples.push_back(sample);
+    }
+
+    /// Records the first write of a resize: its sample, and how far it ran
+    /// past what the fit (before it) expected.
+    pub fn record_first(&mut self, sample: Sample) {
+        if let Some(fit) = self.fit() {
+            let excess = sample.latency.saturating_sub(fit.estimate(sample.pages));
+            if self.first_write_excess.len() == WINDOW {
+                self.first_write_excess.pop_front();
+            }
+            self.first_write_excess.push_back(excess);
+        }
+        self.record(sample);
+    }
+
+    /// The largest excess of a recent first write: what the first write of
+    /// the next resize keeps free of its aim.
+    pub fn first_write_excess(&self) -> Duration {
+        self.first_write_excess
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or_default()
     }
 
     pub fn samples(&self) -> impl Iterator<Item = &Sample> {
@@ -188,6 +214,11 @@ impl CostModels {
         self.models.entry(key).or_default().record(sample);
     }
 
+    /// Records the first write of a resize (see [`CostModel::record_first`]).
+    pub fn record_first(&mut self, key: ModelKey, sample: Sample) {
+        self.models.entry(key).or_default().record_first(sample);
+    }
+
     /// The windows as plain data, to keep the models across restarts.
     pub fn to_saved(&self) -> Vec<SavedModel> {
         let mut saved: Vec<SavedModel> = self
@@ -203,6 +234,11 @@ impl CostModels {
                         pages: s.pages,
                         seconds: s.latency.as_secs_f64(),
                     })
+                    .collect(),
+                first_write_excess_seconds: model
+                    .first_write_excess
+                    .iter()
+                    .map(Duration::as_secs_f64)
                     .collect(),
             })
             .collect();
@@ -236,6 +272,16 @@ impl CostModels {
                     );
                 }
             }
+            let excess = entry
+                .first_write_excess_seconds
+                .iter()
+                .filter_map(|&seconds| Duration::try_from_secs_f64(seconds).ok())
+                .rev()
+                .take(WINDOW)
+                .collect::<Vec<_>>();
+            if let Some(model) = models.models.get_mut(&key) {
+                model.first_write_excess = excess.into_iter().rev().collect();
+            }
         }
         models
     }
@@ -249,6 +295,9 @@ pub struct SavedModel {
     #[serde(default)]
     pub hvo: bool,
     pub samples: Vec<SavedSample>,
+    /// Files written before this field existed have none.
+    #[serde(default, rename = "firstWriteExcessSeconds")]
+    pub first_write_excess_seconds: Vec<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -365,12 +414,47 @@ mod tests {
                 pages: 1,
                 seconds: -1.0,
             }],
+            first_write_excess_seconds: vec![],
         });
         saved[0].samples.push(SavedSample {
             pages: 1,
             seconds: f64::NAN,
         });
         assert_eq!(CostModels::from_saved(&saved).to_saved(), models.to_saved());
+    }
+
+    #[test]
+    fn a_first_write_records_its_excess_over_the_fit_and_it_is_saved() {
+        let mut model = model_of(&[(1000, 23.0), (2000, 33.0)]);
+        // The fit says 13 ms + 0.01 ms a page: 1500 pages, 28 ms; took 40.
+        model.record_first(Sample {
+            pages: 1500,
+            latency: ms(40.0),
+        });
+        assert!((model.first_write_excess().as_secs_f64() - 0.012).abs() < 1e-6);
+        let key = ModelKey {
+            size: PageSize::SIZE_2MI,
+            direction: Direction::Grow,
+            hvo: true,
+        };
+        let mut models = CostModels::default();
+        models.models.insert(key, model);
+        let saved = models.to_saved();
+        assert_eq!(saved[0].first_write_excess_seconds.len(), 1);
+        let restored = CostModels::from_saved(&saved);
+        let excess = restored.get(key).map(CostModel::first_write_excess);
+        assert!((excess.unwrap().as_secs_f64() - 0.012).abs() < 1e-6);
+        // A file from before the field existed reads with no excess.
+        let old: Vec<SavedModel> = serde_json::from_str(
+            r#"[{"size":"2Mi","direction":"grow","hvo":true,"samples":[{"pages":16,"seconds":0.01}]}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            CostModels::from_saved(&old)
+                .get(key)
+                .map(CostModel::first_write_excess),
+            Some(Duration::ZERO)
+        );
     }
 
     proptest! {

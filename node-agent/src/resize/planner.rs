@@ -27,7 +27,7 @@ use hugepool_crds::PageSize;
 use serde::Serialize;
 
 use crate::kernel::{NumaCounts, PoolCounts, PoolScope};
-use crate::resize::model::{CostModels, Direction, ModelKey, Sample};
+use crate::resize::model::{CostModel, CostModels, Direction, ModelKey, Sample};
 
 /// The first write of a direction moves this much memory, for a budget of
 /// `PROBE_BUDGET` (smaller budgets probe less).
@@ -267,15 +267,23 @@ impl Planner {
     /// noise made optimistic from overshooting: with `cost = a + b*pages`
     /// and `a >= 0`, a write k times a measured one costs at most k times as
     /// much. After an over-budget write the step is at most half the last
-    /// (a quarter after a stall).
+    /// (a quarter after a stall). The first write of a resize aims lower by
+    /// the largest excess recent first writes had over the fit.
     pub fn step_size(&self, direction: Direction, hvo: bool, models: &CostModels) -> Step {
         let state = match direction {
             Direction::Grow => self.grow,
             Direction::Shrink => self.shrink,
         };
         let budget = self.settings.max_step_duration;
-        let aim = budget.mul_f64(self.settings.budget_fraction);
         let model = models.get(self.model_key(direction, hvo));
+        let mut aim = budget.mul_f64(self.settings.budget_fraction);
+        if state.last_step.is_none() {
+            // The first write of a resize has run longer than the fit says
+            // (with HVO): leave its recent excess free, keeping at least a
+            // quarter of the aim.
+            let excess = model.map(CostModel::first_write_excess).unwrap_or_default();
+            aim = aim.saturating_sub(excess).max(aim / 4);
+        }
         let anchor = model.and_then(|m| m.anchor_within(budget));
         let mut fit = None;
         let mut step = match (model, anchor) {
@@ -448,13 +456,16 @@ impl Planner {
         after: &Observation,
         models: &mut CostModels,
     ) {
-        models.record(
-            self.model_key(write.direction, write.hvo),
-            Sample {
-                pages: write.pages,
-                latency,
-            },
-        );
+        let sample = Sample {
+            pages: write.pages,
+            latency,
+        };
+        let key = self.model_key(write.direction, write.hvo);
+        if self.direction_state(write.direction).last_step.is_none() {
+            models.record_first(key, sample);
+        } else {
+            models.record(key, sample);
+        }
         let budget = self.settings.max_step_duration;
         let stall = self.settings.stall_threshold;
         let state = self.direction_state(write.direction);
@@ -695,6 +706,47 @@ mod tests {
         Step {
             pages,
             settled: true,
+        }
+    }
+
+    #[test]
+    fn a_first_write_that_runs_long_makes_the_next_resize_start_smaller() {
+        // Every resize's first write costs 15 ms more than the others (as
+        // measured with HVO).
+        let kernel = instant_kernel(32 * GIB);
+        let mut models = CostModels::default();
+        let mut first_writes = Vec::new();
+        for _ in 0..3 {
+            kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
+            let mut planner = Planner::new(target(0), Settings::default());
+            let first = std::cell::Cell::new(true);
+            let (writes, outcome) = drive(&kernel, &mut planner, &mut models, |pages| {
+                let extra = if first.replace(false) { 15_000 } else { 0 };
+                hvo_free_cost(pages) + Duration::from_micros(extra)
+            });
+            assert_eq!(outcome, Outcome::Reached);
+            first_writes.push(writes[0].pages);
+        }
+        let first_cost = |pages| hvo_free_cost(pages) + Duration::from_millis(15);
+        // The first warm resize does not know yet: 2048 pages, 54 ms.
+        assert!(first_cost(first_writes[1]) > Duration::from_millis(50));
+        // The next keeps the excess it measured free of its aim (a little
+        // under 15 ms: the fit it measured against includes the cold
+        // probe's long first write).
+        assert!(first_writes[2] < first_writes[1], "{first_writes:?}");
+        assert!(first_cost(first_writes[2]) <= Duration::from_millis(50));
+        let excess = models
+            .get(planner_key())
+            .map(CostModel::first_write_excess)
+            .unwrap();
+        assert!(excess >= Duration::from_millis(10), "{excess:?}");
+    }
+
+    fn planner_key() -> ModelKey {
+        ModelKey {
+            size: MI2,
+            direction: Direction::Shrink,
+            hvo: false,
         }
     }
 
