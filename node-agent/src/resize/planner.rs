@@ -276,7 +276,8 @@ impl Planner {
         };
         let budget = self.settings.max_step_duration;
         let model = models.get(self.model_key(direction, hvo));
-        let mut aim = budget.mul_f64(self.settings.budget_fraction);
+        let full_aim = budget.mul_f64(self.settings.budget_fraction);
+        let mut aim = full_aim;
         if state.last_step.is_none() {
             // The first write of a resize has run longer than the fit says
             // (with HVO): leave its recent excess free, keeping at least a
@@ -299,16 +300,28 @@ impl Planner {
         };
         if let (Some(previous), Some(latency)) = (state.last_step, state.last_latency) {
             step = step.min(scale_to(previous, latency, aim));
-            if state.over_budget {
-                step = step.min(previous / 2);
-            }
-            if state.stalled {
-                step = step.min(previous / 4);
-            }
         }
         let fitted = fit.map(|fit| fit.pages_within(aim));
+        let mut pages = fitted.map_or(step, |fitted| step.min(fitted));
+        if state.last_step.is_none() && anchor.is_some() {
+            // A first write never drops below the probe the model says fits
+            // the full aim: a tiny first write costs a whole fixed cost and
+            // teaches nothing (measured: 1 page, then 4, 18, 136 ... when a
+            // long first write's excess ate the aim).
+            let probe = probe_pages(self.target.size, budget);
+            let fits = fit.map_or(0, |fit| fit.pages_within(full_aim));
+            pages = pages.max(probe.min(fits));
+        }
+        if let Some(previous) = state.last_step {
+            if state.over_budget {
+                pages = pages.min(previous / 2);
+            }
+            if state.stalled {
+                pages = pages.min(previous / 4);
+            }
+        }
         Step {
-            pages: fitted.map_or(step, |fitted| step.min(fitted)).max(1),
+            pages: pages.max(1),
             // A fit that tells the fixed cost from the per-page cost decides,
             // or the linear limits are within a tenth of it: later steps
             // will not be much larger. (A fit that charges everything per
@@ -469,8 +482,11 @@ impl Planner {
         let budget = self.settings.max_step_duration;
         let stall = self.settings.stall_threshold;
         let state = self.direction_state(write.direction);
+        let first = state.last_step.is_none();
         state.last_step = Some(write.pages);
-        state.last_latency = Some(latency);
+        // A resize's first write runs long for reasons other than its size
+        // (see `record_first`): it does not limit the next by scaling.
+        state.last_latency = (!first).then_some(latency);
         state.over_budget = latency > budget;
         state.stalled = latency > stall;
         self.failed_writes = 0;
@@ -740,6 +756,34 @@ mod tests {
             .map(CostModel::first_write_excess)
             .unwrap();
         assert!(excess >= Duration::from_millis(10), "{excess:?}");
+    }
+
+    #[test]
+    fn a_long_first_write_does_not_shrink_the_writes_after_it() {
+        // First writes 25 ms over the fit (13 ms + 13 us a page): the next
+        // resize's first write keeps 25 ms of its aim free but stays at
+        // least the probe (not 1 page), and the one after it is sized by
+        // the fit, not by scaling the long first write.
+        let kernel = instant_kernel(32 * GIB);
+        let mut models = CostModels::default();
+        let mut last = Vec::new();
+        for _ in 0..3 {
+            kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
+            let mut planner = Planner::new(target(0), Settings::default());
+            let first = std::cell::Cell::new(true);
+            let (writes, outcome) = drive(&kernel, &mut planner, &mut models, |pages| {
+                let extra = if first.replace(false) { 25_000 } else { 0 };
+                hvo_free_cost(pages) + Duration::from_micros(extra)
+            });
+            assert_eq!(outcome, Outcome::Reached);
+            last = writes;
+        }
+        assert!((256..=1000).contains(&last[0].pages), "{last:?}");
+        assert!(
+            hvo_free_cost(last[0].pages) + Duration::from_millis(25) <= Duration::from_millis(50)
+        );
+        assert!(last[1].pages > 1500, "{last:?}");
+        assert!(last.len() <= 6, "{last:?}");
     }
 
     fn planner_key() -> ModelKey {
