@@ -725,24 +725,43 @@ mod tests {
         }
     }
 
+    /// Three 8192-page shrinks in a row sharing `models`, each resize's
+    /// first write costing `first_extra` more than `hvo_free_cost`; the
+    /// writes of each.
+    fn resizes_with_long_first_writes(
+        models: &mut CostModels,
+        first_extra: Duration,
+    ) -> Vec<Vec<PlannedWrite>> {
+        let kernel = instant_kernel(32 * GIB);
+        (0..3)
+            .map(|_| {
+                kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
+                let mut planner = Planner::new(target(0), Settings::default());
+                let first = std::cell::Cell::new(true);
+                let (writes, outcome) = drive(&kernel, &mut planner, models, |pages| {
+                    let extra = if first.replace(false) {
+                        first_extra
+                    } else {
+                        Duration::ZERO
+                    };
+                    hvo_free_cost(pages) + extra
+                });
+                assert_eq!(outcome, Outcome::Reached);
+                writes
+            })
+            .collect()
+    }
+
     #[test]
     fn a_first_write_that_runs_long_makes_the_next_resize_start_smaller() {
         // Every resize's first write costs 15 ms more than the others (as
         // measured with HVO).
-        let kernel = instant_kernel(32 * GIB);
         let mut models = CostModels::default();
-        let mut first_writes = Vec::new();
-        for _ in 0..3 {
-            kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
-            let mut planner = Planner::new(target(0), Settings::default());
-            let first = std::cell::Cell::new(true);
-            let (writes, outcome) = drive(&kernel, &mut planner, &mut models, |pages| {
-                let extra = if first.replace(false) { 15_000 } else { 0 };
-                hvo_free_cost(pages) + Duration::from_micros(extra)
-            });
-            assert_eq!(outcome, Outcome::Reached);
-            first_writes.push(writes[0].pages);
-        }
+        let first_writes: Vec<u64> =
+            resizes_with_long_first_writes(&mut models, Duration::from_millis(15))
+                .iter()
+                .map(|writes| writes[0].pages)
+                .collect();
         let first_cost = |pages| hvo_free_cost(pages) + Duration::from_millis(15);
         // The first warm resize does not know yet: 2048 pages, 54 ms.
         assert!(first_cost(first_writes[1]) > Duration::from_millis(50));
@@ -764,20 +783,10 @@ mod tests {
         // resize's first write keeps 25 ms of its aim free but stays at
         // least the probe (not 1 page), and the one after it is sized by
         // the fit, not by scaling the long first write.
-        let kernel = instant_kernel(32 * GIB);
         let mut models = CostModels::default();
-        let mut last = Vec::new();
-        for _ in 0..3 {
-            kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
-            let mut planner = Planner::new(target(0), Settings::default());
-            let first = std::cell::Cell::new(true);
-            let (writes, outcome) = drive(&kernel, &mut planner, &mut models, |pages| {
-                let extra = if first.replace(false) { 25_000 } else { 0 };
-                hvo_free_cost(pages) + Duration::from_micros(extra)
-            });
-            assert_eq!(outcome, Outcome::Reached);
-            last = writes;
-        }
+        let last = resizes_with_long_first_writes(&mut models, Duration::from_millis(25))
+            .pop()
+            .unwrap();
         assert!((256..=1000).contains(&last[0].pages), "{last:?}");
         assert!(
             hvo_free_cost(last[0].pages) + Duration::from_millis(25) <= Duration::from_millis(50)
