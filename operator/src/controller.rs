@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use hugepool_crds::conditions::{bounded_message, find_condition, set_condition};
 use hugepool_crds::pool::EvictedPod;
@@ -39,7 +40,7 @@ use crate::error::{Error, Result};
 use crate::events;
 use crate::leader::{LeaderConfig, Leadership};
 use crate::metrics::{Health, Metrics};
-use crate::planner::{self, NodePlan, Plan, PlanInput};
+use crate::planner::{self, DrainPlan, NodePlan, Plan, PlanInput};
 
 /// How the operator runs; `main` fills it from flags, tests directly.
 #[derive(Clone, Debug)]
@@ -320,7 +321,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     let planning = Instant::now();
     let pools = fresher(ctx.pools.state(), &mut written.pools, false);
     let nodes = fresher(ctx.nodes.state(), &mut written.nodes, false);
-    let node_states = fresher(ctx.node_states.state(), &mut written.node_states, true);
+    let states = fresher(ctx.node_states.state(), &mut written.node_states, true);
     let Some(mut pool) = pools
         .iter()
         .find(|p| p.name_any() == name)
@@ -344,7 +345,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     let now = (ctx.now)();
     let pools: Vec<HugePagePool> = pools.iter().map(|p| HugePagePool::clone(p)).collect();
     let nodes: Vec<&Node> = nodes.iter().map(Arc::as_ref).collect();
-    let node_states: Vec<&HugePageNode> = node_states.iter().map(Arc::as_ref).collect();
+    let node_states: Vec<&HugePageNode> = states.iter().map(Arc::as_ref).collect();
     let plan = planner::plan(&PlanInput {
         pools: &pools,
         nodes: &nodes,
@@ -358,41 +359,67 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         .iter()
         .filter_map(|&n| n.metadata.name.as_deref().map(|name| (name, n)))
         .collect();
-    let states_by_name: HashMap<&str, &HugePageNode> = node_states
-        .iter()
-        .filter_map(|&s| s.metadata.name.as_deref().map(|name| (name, s)))
-        .collect();
+    drop(node_states);
+    // Of the states the pass planned from it keeps only what its writes and
+    // drains read, so the caches' newer copies (the watch delivers every
+    // write of this pass) do not live beside a whole older fleet (operator/
+    // BENCH.md: peak RSS at 10,000 nodes).
+    let (to_write, mut drain_states) = {
+        let states_by_name: HashMap<&str, &Arc<HugePageNode>> = states
+            .iter()
+            .filter_map(|s| s.metadata.name.as_deref().map(|name| (name, s)))
+            .collect();
+        let mut to_write = Vec::new();
+        let mut drain_states: HashMap<&str, Arc<HugePageNode>> = HashMap::new();
+        for (node_name, node_plan) in &plan.nodes {
+            let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
+                continue;
+            };
+            let current = states_by_name.get(node_name.as_str()).copied();
+            if reads_state(&node_plan.drain)
+                && let Some(current) = current
+            {
+                drain_states.insert(node_name.as_str(), Arc::clone(current));
+            }
+            let needs_owner = current.is_none_or(|c| !owned_by(c, node));
+            if node_plan.spec_changed || needs_owner {
+                to_write.push((node, current.is_some(), node_plan, needs_owner));
+            }
+        }
+        (to_write, drain_states)
+    };
+    drop(states);
     let mut evicting = false;
     // One node's failed write must not hold up the others or the status;
     // the first error is returned at the end so the pass is retried.
     let mut node_error = None;
     // The specs first, `NODE_WRITES_IN_FLIGHT` at a time: a rollout's wave
     // (or a whole fleet at maxUnavailable 100%) is written in a fraction of
-    // the time one write after another takes.
-    let mut spec_writes = Vec::new();
-    for (node_name, node_plan) in &plan.nodes {
-        let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
-            continue;
-        };
-        let current = states_by_name.get(node_name.as_str()).copied();
-        let needs_owner = current.is_none_or(|c| !owned_by(c, node));
-        if node_plan.spec_changed || needs_owner {
-            spec_writes.push(write_node_spec(ctx, node, current, node_plan, needs_owner));
+    // the time one write after another takes. A write's future is made when
+    // a slot frees and its response is kept as it arrives: a Vec of every
+    // write's future, then one of every response, were 38 of the 136 MiB of
+    // peak heap at 10,000 nodes (operator/BENCH.md).
+    let mut waiting = to_write.into_iter();
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        while in_flight.len() < NODE_WRITES_IN_FLIGHT {
+            let Some((node, exists, node_plan, needs_owner)) = waiting.next() else {
+                break;
+            };
+            in_flight.push(write_node_spec(ctx, node, exists, node_plan, needs_owner));
         }
-    }
-    let results: Vec<(String, Result<HugePageNode>)> = futures::stream::iter(spec_writes)
-        .buffer_unordered(NODE_WRITES_IN_FLIGHT)
-        .collect()
-        .await;
-    let mut fresh: HashMap<String, Arc<HugePageNode>> = HashMap::new();
-    for (node_name, result) in results {
+        let Some((node_name, result)) = in_flight.next().await else {
+            break;
+        };
         match result {
             Ok(updated) => {
                 let updated = Arc::new(updated);
+                if let Some(state) = drain_states.get_mut(node_name.as_str()) {
+                    *state = Arc::clone(&updated);
+                }
                 written
                     .node_states
-                    .insert(node_name.clone(), (Arc::clone(&updated), Instant::now()));
-                fresh.insert(node_name, updated);
+                    .insert(node_name, (updated, Instant::now()));
             }
             Err(Error::NotLeader) => return Ok(Action::await_change()),
             Err(err) => {
@@ -410,10 +437,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
             continue;
         };
-        let node_state = fresh
-            .get(node_name)
-            .map(Arc::as_ref)
-            .or_else(|| states_by_name.get(node_name.as_str()).copied());
+        let node_state = drain_states.get(node_name.as_str()).map(Arc::as_ref);
         match carry_out_drain(ctx, node, node_state, node_plan, now, &mut written).await {
             Ok(still_evicting) => evicting |= still_evicting,
             Err(err) => {
@@ -560,7 +584,7 @@ const NODE_WRITES_IN_FLIGHT: usize = 32;
 async fn write_node_spec(
     ctx: &Context,
     node: &Node,
-    current: Option<&HugePageNode>,
+    exists: bool,
     plan: &NodePlan,
     needs_owner: bool,
 ) -> (String, Result<HugePageNode>) {
@@ -570,10 +594,10 @@ async fn write_node_spec(
         return (name, Err(Error::NotLeader));
     }
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
-    let (params, patch) = match current {
+    let (params, patch) = match exists {
         // Applying an empty list drops `spec` altogether (nothing in it is
         // owned any more), which the schema refuses; clear it explicitly.
-        Some(_) if plan.spec.page_sizes.is_empty() => {
+        true if plan.spec.page_sizes.is_empty() => {
             let params = PatchParams {
                 field_manager: Some(OPERATOR_MANAGER.into()),
                 ..PatchParams::default()
@@ -603,6 +627,12 @@ async fn write_node_spec(
         debug!(node = %name, generation = ?updated.metadata.generation, "wrote HugePageNode spec");
     }
     (name, result)
+}
+
+/// Whether carrying out `drain` reads the node's HugePageNode (its status:
+/// the pages held, the Draining condition).
+fn reads_state(drain: &DrainPlan) -> bool {
+    drain.condition.is_some() || !drain.evict.is_empty()
 }
 
 /// Sets the Draining condition, the taint and evicts as the plan says;
