@@ -647,9 +647,8 @@ fn print_table(results: &[(Key, Vec<Run>)], size: PageSize, reps: usize) -> Stri
                 .flat_map(|(_, runs)| runs.iter())
                 .collect();
             let fitted = fit(&measured);
-            let best = fitted.and_then(|(a, b)| {
-                Some((a, b, best_budgeted(a, b, pages, BUDGET.as_secs_f64())?))
-            });
+            let best = fitted
+                .and_then(|(a, b)| Some((a, b, best_budgeted(a, b, pages, BUDGET.as_secs_f64())?)));
             let t_star = best.map(|(_, _, (_, t))| t * 1000.0).unwrap_or(f64::NAN);
             // T* with the noise: the latency of the engine's writes of at
             // least N/8 pages (the sizes T* is made of; probes are mostly
@@ -667,7 +666,10 @@ fn print_table(results: &[(Key, Vec<Run>)], size: PageSize, reps: usize) -> Stri
                 percentile(ratios, 0.99).max(1.0)
             });
             let noisy = fitted.zip(spread).and_then(|((a, b), spread)| {
-                Some((spread, best_budgeted(a, b, pages, BUDGET.as_secs_f64() / spread)?))
+                Some((
+                    spread,
+                    best_budgeted(a, b, pages, BUDGET.as_secs_f64() / spread)?,
+                ))
             });
             let t_noisy = noisy.map(|(_, (_, t))| t * 1000.0).unwrap_or(f64::NAN);
             let hvo_name = if hvo { "on" } else { "off" };
