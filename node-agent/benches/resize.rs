@@ -661,7 +661,7 @@ fn print_table(results: &[(Key, Vec<Run>)], size: PageSize, reps: usize) -> Stri
                     .filter(|((.., s), _)| s.is_engine())
                     .flat_map(|(_, runs)| runs.iter().flat_map(|r| r.writes.iter()))
                     .filter(|(written, _)| written * 8 >= pages)
-                    .map(|(pages, latency)| latency.as_secs_f64() / (a + b * *pages as f64))
+                    .map(|(written, latency)| latency.as_secs_f64() / (a + b * *written as f64))
                     .collect();
                 percentile(ratios, 0.99).max(1.0)
             });

@@ -398,7 +398,9 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     // the time one write after another takes. A write's future is made when
     // a slot frees and its response is kept as it arrives: a Vec of every
     // write's future, then one of every response, were 38 of the 136 MiB of
-    // peak heap at 10,000 nodes (operator/BENCH.md).
+    // peak heap at 10,000 nodes (operator/BENCH.md). (`buffer_unordered`
+    // over a lazy `map` does the same but its closure, borrowing the pass,
+    // fails the Controller's higher-ranked `Send` bound.)
     let mut waiting = to_write.into_iter();
     let mut in_flight = FuturesUnordered::new();
     loop {
@@ -594,20 +596,19 @@ async fn write_node_spec(
         return (name, Err(Error::NotLeader));
     }
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
-    let (params, patch) = match exists {
-        // Applying an empty list drops `spec` altogether (nothing in it is
-        // owned any more), which the schema refuses; clear it explicitly.
-        true if plan.spec.page_sizes.is_empty() => {
-            let params = PatchParams {
-                field_manager: Some(OPERATOR_MANAGER.into()),
-                ..PatchParams::default()
-            };
-            (params, Patch::Merge(node_spec_clear(node, needs_owner)))
-        }
-        _ => (
+    // Applying an empty list drops `spec` altogether (nothing in it is owned
+    // any more), which the schema refuses; clear it explicitly.
+    let (params, patch) = if exists && plan.spec.page_sizes.is_empty() {
+        let params = PatchParams {
+            field_manager: Some(OPERATOR_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        (params, Patch::Merge(node_spec_clear(node, needs_owner)))
+    } else {
+        (
             PatchParams::apply(OPERATOR_MANAGER).force(),
             Patch::Apply(node_spec_apply(node, plan)),
-        ),
+        )
     };
     let result = api
         .patch(&name, &params, &patch)

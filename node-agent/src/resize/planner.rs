@@ -737,31 +737,43 @@ mod tests {
         }
     }
 
-    /// Three 8192-page shrinks in a row sharing `models`, each resize's
-    /// first write costing `first_extra` more than `hvo_free_cost`; the
+    /// `count` 8192-page shrinks in a row sharing `models`; each write costs
+    /// `hvo_free_cost` plus `extra(pages the resize freed before it)`. The
     /// writes of each.
-    fn resizes_with_long_first_writes(
+    fn shrinks_with_extra_cost(
         models: &mut CostModels,
-        first_extra: Duration,
+        count: usize,
+        extra: impl Fn(u64) -> Duration,
     ) -> Vec<Vec<PlannedWrite>> {
         let kernel = instant_kernel(32 * GIB);
-        (0..3)
+        (0..count)
             .map(|_| {
                 kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
                 let mut planner = Planner::new(target(0), Settings::default());
-                let first = std::cell::Cell::new(true);
+                let freed = std::cell::Cell::new(0u64);
                 let (writes, outcome) = drive(&kernel, &mut planner, models, |pages| {
-                    let extra = if first.replace(false) {
-                        first_extra
-                    } else {
-                        Duration::ZERO
-                    };
-                    hvo_free_cost(pages) + extra
+                    let cost = hvo_free_cost(pages) + extra(freed.get());
+                    freed.set(freed.get() + pages);
+                    cost
                 });
                 assert_eq!(outcome, Outcome::Reached);
                 writes
             })
             .collect()
+    }
+
+    /// Three shrinks whose first write costs `first_extra` more.
+    fn resizes_with_long_first_writes(
+        models: &mut CostModels,
+        first_extra: Duration,
+    ) -> Vec<Vec<PlannedWrite>> {
+        shrinks_with_extra_cost(models, 3, |freed| {
+            if freed == 0 {
+                first_extra
+            } else {
+                Duration::ZERO
+            }
+        })
     }
 
     #[test]
@@ -817,34 +829,23 @@ mod tests {
         // Each resize's writes cost 25 ms more until 1000 pages are freed:
         // after a small first write the excess lands on the second one
         // (measured with HVO: 256 pages, then 2646 in 55 ms).
+        let extra = |freed| {
+            if freed < 1000 {
+                Duration::from_millis(25)
+            } else {
+                Duration::ZERO
+            }
+        };
         let mut models = CostModels::default();
-        let kernel = instant_kernel(32 * GIB);
-        let mut writes_of = Vec::new();
-        for _ in 0..4 {
-            kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
-            let mut planner = Planner::new(target(0), Settings::default());
-            let freed = std::cell::Cell::new(0u64);
-            let (writes, outcome) = drive(&kernel, &mut planner, &mut models, |pages| {
-                let extra = if freed.get() < 1000 {
-                    Duration::from_millis(25)
-                } else {
-                    Duration::ZERO
-                };
-                freed.set(freed.get() + pages);
-                hvo_free_cost(pages) + extra
-            });
-            assert_eq!(outcome, Outcome::Reached);
-            writes_of.push(writes);
-        }
+        let writes_of = shrinks_with_extra_cost(&mut models, 4, extra);
         // Once the model has seen the excess, no write of a warm resize
         // goes over the budget: the second write is sized with the excess
         // kept free too, as long as the first did not run within its fit.
         for writes in &writes_of[2..] {
             let mut freed = 0;
             for write in writes {
-                let extra = if freed < 1000 { 25 } else { 0 };
+                let cost = hvo_free_cost(write.pages) + extra(freed);
                 freed += write.pages;
-                let cost = hvo_free_cost(write.pages) + Duration::from_millis(extra);
                 assert!(cost <= Duration::from_millis(50), "{writes:?}");
             }
         }
