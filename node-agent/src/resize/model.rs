@@ -13,6 +13,14 @@ use serde::{Deserialize, Serialize};
 /// (HVO, memory pressure) changes.
 pub const WINDOW: usize = 8;
 
+/// Recent overruns (latency past the fit's estimate) a model keeps: enough
+/// for a 98th percentile that is not just the largest.
+pub const OVERRUN_WINDOW: usize = 64;
+
+/// The share of writes whose overrun the aim may leave uncovered: the
+/// budget is kept at this percentile of the recent overruns.
+const OVERRUN_TAIL: f64 = 0.02;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum Direction {
@@ -77,6 +85,9 @@ pub struct CostModel {
     /// How much longer than the fit said the first write of each recent
     /// resize took (measured with HVO: 10-20 ms, node-agent/BENCH.md).
     first_write_excess: VecDeque<Duration>,
+    /// How much longer than the fit said each recent write after a
+    /// resize's first took (zero when it ran shorter).
+    overruns: VecDeque<Duration>,
 }
 
 impl CostModel {
@@ -108,6 +119,29 @@ impl CostModel {
             .max()
             .copied()
             .unwrap_or_default()
+    }
+
+    /// Records how far a write (not a resize's first) ran past the
+    /// estimate it was planned with.
+    pub fn record_overrun(&mut self, overrun: Duration) {
+        if self.overruns.len() == OVERRUN_WINDOW {
+            self.overruns.pop_front();
+        }
+        self.overruns.push_back(overrun);
+    }
+
+    /// The 98th percentile of the recent overruns: the smallest that at
+    /// most 2% of them exceed (the largest while there are fewer than 50).
+    /// A write keeps it free of the budget, so that noise takes few writes
+    /// past it.
+    pub fn overrun_tail(&self) -> Duration {
+        let mut overruns: Vec<Duration> = self.overruns.iter().copied().collect();
+        overruns.sort_unstable();
+        let above = (overruns.len() as f64 * OVERRUN_TAIL) as usize;
+        overruns
+            .len()
+            .checked_sub(above + 1)
+            .map_or(Duration::ZERO, |rank| overruns[rank])
     }
 
     pub fn samples(&self) -> impl Iterator<Item = &Sample> {
@@ -214,6 +248,11 @@ impl CostModels {
         self.models.entry(key).or_default().record(sample);
     }
 
+    /// Records a later write's overrun (see [`CostModel::record_overrun`]).
+    pub fn record_overrun(&mut self, key: ModelKey, overrun: Duration) {
+        self.models.entry(key).or_default().record_overrun(overrun);
+    }
+
     /// Records the first write of a resize (see [`CostModel::record_first`]).
     pub fn record_first(&mut self, key: ModelKey, sample: Sample) {
         self.models.entry(key).or_default().record_first(sample);
@@ -240,6 +279,7 @@ impl CostModels {
                     .iter()
                     .map(Duration::as_secs_f64)
                     .collect(),
+                overrun_seconds: model.overruns.iter().map(Duration::as_secs_f64).collect(),
             })
             .collect();
         saved.sort_by(|a, b| {
@@ -279,8 +319,16 @@ impl CostModels {
                 .rev()
                 .take(WINDOW)
                 .collect::<Vec<_>>();
+            let overruns = entry
+                .overrun_seconds
+                .iter()
+                .filter_map(|&seconds| Duration::try_from_secs_f64(seconds).ok())
+                .rev()
+                .take(OVERRUN_WINDOW)
+                .collect::<Vec<_>>();
             if let Some(model) = models.models.get_mut(&key) {
                 model.first_write_excess = excess.into_iter().rev().collect();
+                model.overruns = overruns.into_iter().rev().collect();
             }
         }
         models
@@ -298,6 +346,9 @@ pub struct SavedModel {
     /// Files written before this field existed have none.
     #[serde(default, rename = "firstWriteExcessSeconds")]
     pub first_write_excess_seconds: Vec<f64>,
+    /// Files written before this field existed have none.
+    #[serde(default, rename = "overrunSeconds")]
+    pub overrun_seconds: Vec<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -415,6 +466,7 @@ mod tests {
                 seconds: -1.0,
             }],
             first_write_excess_seconds: vec![],
+            overrun_seconds: vec![],
         });
         saved[0].samples.push(SavedSample {
             pages: 1,
@@ -455,6 +507,48 @@ mod tests {
                 .map(CostModel::first_write_excess),
             Some(Duration::ZERO)
         );
+    }
+
+    #[test]
+    fn the_overrun_tail_is_the_98th_percentile_of_the_window_and_is_saved() {
+        let mut model = CostModel::default();
+        assert_eq!(model.overrun_tail(), Duration::ZERO);
+        for overrun in [3.0, 9.0, 1.0] {
+            model.record_overrun(ms(overrun));
+        }
+        // Fewer than 50: the largest.
+        assert_eq!(model.overrun_tail(), ms(9.0));
+        // 1..=100 ms, of which the window keeps the last 64 (37..=100): 2%
+        // of 64 is 1.28, so one may be above: the second largest.
+        for overrun in 1..=100 {
+            model.record_overrun(ms(overrun as f64));
+        }
+        assert_eq!(model.overrun_tail(), ms(99.0));
+        let key = ModelKey {
+            size: PageSize::SIZE_2MI,
+            direction: Direction::Shrink,
+            hvo: true,
+        };
+        model.record(Sample {
+            pages: 16,
+            latency: ms(13.0),
+        });
+        let mut models = CostModels::default();
+        models.models.insert(key, model);
+        let saved = models.to_saved();
+        assert_eq!(saved[0].overrun_seconds.len(), OVERRUN_WINDOW);
+        let restored = CostModels::from_saved(&saved);
+        let tail = restored.get(key).map(CostModel::overrun_tail).unwrap();
+        assert!((tail.as_secs_f64() - 0.099).abs() < 1e-9, "{tail:?}");
+        // A file from before the field existed reads with no overruns.
+        let old: Vec<SavedModel> = serde_json::from_str(
+            r#"[{"size":"2Mi","direction":"shrink","hvo":true,"samples":[{"pages":16,"seconds":0.01}]}]"#,
+        )
+        .unwrap();
+        let tail = CostModels::from_saved(&old)
+            .get(key)
+            .map(CostModel::overrun_tail);
+        assert_eq!(tail, Some(Duration::ZERO));
     }
 
     proptest! {
