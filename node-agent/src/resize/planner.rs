@@ -875,7 +875,7 @@ mod tests {
         let written = std::cell::Cell::new(0u64);
         let extra = |_freed| {
             written.set(written.get() + 1);
-            if written.get() % 16 == 0 {
+            if written.get().is_multiple_of(16) {
                 noise
             } else {
                 Duration::ZERO
