@@ -17,8 +17,11 @@ pub struct ResizeSettings {
     #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("maxStepDuration must be greater than 0"))]
     #[x_kube(validation = Rule::new("duration(self) <= duration('10s')").message("maxStepDuration must be at most 10s"))]
     pub max_step_duration: String,
-    /// Pause between two writes, so other writers of the pool get a turn
-    /// (Go duration, at most 1m).
+    /// Pause after a write that took the whole maxStepDuration, so other
+    /// writers of the pool get a turn; a shorter write is followed by a
+    /// pause in proportion (half the budget, half the pause), so writes
+    /// take at most maxStepDuration / (maxStepDuration + stepPause) of a
+    /// resize (Go duration, at most 1m).
     #[serde(default = "default_step_pause")]
     #[schemars(regex(pattern = duration::PATTERN), length(max = 32))]
     #[x_kube(validation = Rule::new("duration(self) <= duration('1m')").message("stepPause must be at most 1m"))]

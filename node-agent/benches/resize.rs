@@ -7,7 +7,8 @@
 //! then 8192 x 2Mi. Per (size, HVO,
 //! direction) it fits the write cost `a + b*n` to this run's one-write and
 //! fixed-step writes and prints the best any budget-keeping strategy can do,
-//! T* = k*a + b*N + (k-1)*pause with k = ceil(b*N / (B - a)) writes, beside
+//! T* = k*a + b*N + (k-1)*pause*w/B with k = ceil(b*N / (B - a)) writes of
+//! w = a + b*N/k each (the engine's pause is in proportion), beside
 //! each strategy's medians. Then it repeats the 2Mi engine resizes until
 //! each engine row has HUGEPOOL_BENCH_MIN_WRITES writes (default 1000), for
 //! a p99 that is not just the largest write. Raw results go to
@@ -256,7 +257,7 @@ fn run_matrix(
     let size = matrix.size;
     let pages = matrix.pages;
     for hvo in [false, true] {
-        kernel.set_hvo(hvo).map_err(|e| e.to_string())?;
+        switch_hvo(kernel, size, hvo)?;
         // Seed the saved models (both directions) with untimed resizes.
         let _ = std::fs::remove_file(model_file(size, hvo));
         fill(kernel, size, pages)?;
@@ -275,7 +276,7 @@ fn run_matrix(
         } else {
             [true, false]
         } {
-            kernel.set_hvo(hvo).map_err(|e| e.to_string())?;
+            switch_hvo(kernel, size, hvo)?;
             for direction in [Direction::Shrink, Direction::Grow] {
                 // Rotate the order so no strategy always runs first.
                 for i in 0..strategies.len() {
@@ -306,6 +307,20 @@ fn run_matrix(
         }
     }
     Ok(())
+}
+
+/// Turns HVO on or off with the pool empty. HVO applies when pages are
+/// allocated, so pages kept across a switch free at the other state's cost:
+/// before this, the first shrink after a switch to HVO on freed pages grown
+/// with it off (8192 in 74 ms where the others took 150-250 ms), its warm
+/// model learnt that cost, and the next warm resize wrote 4096 pages in one
+/// 90 ms write; pages grown with HVO on made the first HVO-off shrink twice
+/// as slow.
+fn switch_hvo(kernel: &SysfsKernel, size: PageSize, on: bool) -> Result<(), String> {
+    kernel
+        .write_pool(size, PoolScope::Global, 0)
+        .map_err(|e| e.to_string())?;
+    kernel.set_hvo(on).map_err(|e| e.to_string())
 }
 
 /// Sets the pool up for a resize in `direction` and returns its goal: a
@@ -357,7 +372,7 @@ fn engine_writes_for_p99(
             .map_or(0, |(_, runs)| runs.iter().map(|r| r.writes.len()).sum())
     };
     for hvo in [false, true] {
-        kernel.set_hvo(hvo).map_err(|e| e.to_string())?;
+        switch_hvo(kernel, size, hvo)?;
         for strategy in [Strategy::EngineCold, Strategy::EngineWarm] {
             let started = Instant::now();
             let mut resizes = 0;
@@ -593,8 +608,10 @@ fn fit(runs: &[&Run]) -> Option<(f64, f64)> {
 }
 
 /// The fewest writes that keep each within `budget` (seconds), and the best
-/// total any such strategy can reach (the engine's pauses between its writes
-/// included): T* = k*a + b*N + (k-1)*pause.
+/// total any such strategy can reach, the engine's pauses between its writes
+/// included: T* = k*a + b*N + (k-1)*pause*w/B, with k equal writes of w =
+/// a + b*N/k each (the engine pauses in proportion to the share of its 50 ms
+/// budget B a write took).
 fn best_budgeted(a: f64, b: f64, pages: u64, budget: f64) -> Option<(u64, f64)> {
     let room = budget - a;
     // No strategy keeps the budget when a write of one page breaks it.
@@ -602,10 +619,9 @@ fn best_budgeted(a: f64, b: f64, pages: u64, budget: f64) -> Option<(u64, f64)> 
         return None;
     }
     let k = ((b * pages as f64) / room).ceil().max(1.0) as u64;
-    Some((
-        k,
-        k as f64 * a + b * pages as f64 + (k - 1) as f64 * PAUSE.as_secs_f64(),
-    ))
+    let write = a + b * pages as f64 / k as f64;
+    let pause = PAUSE.as_secs_f64() * (write / BUDGET.as_secs_f64()).min(1.0);
+    Some((k, k as f64 * a + b * pages as f64 + (k - 1) as f64 * pause))
 }
 
 /// The table of one page size: medians over the interleaved runs, p99 and

@@ -167,7 +167,8 @@ pub struct ResizeArgs {
     /// Time budget of one kernel write.
     #[arg(long, default_value = "50ms", value_parser = hugepool_runtime::duration_arg)]
     pub max_step_duration: Duration,
-    /// Pause between writes.
+    /// Pause after a write that took the whole budget (shorter writes: in
+    /// proportion).
     #[arg(long, default_value = "5ms", value_parser = hugepool_runtime::duration_arg)]
     pub step_pause: Duration,
     /// A write slower than this is reported as a stall.
