@@ -96,10 +96,7 @@ pub struct CostModel {
 
 impl CostModel {
     pub fn record(&mut self, sample: Sample) {
-        if self.samples.len() == WINDOW {
-            self.samples.pop_front();
-        }
-        self.samples.push_back(sample);
+        push_within(&mut self.samples, sample, WINDOW);
     }
 
     /// Records the first write of a resize: its sample, and how far it ran
@@ -107,10 +104,7 @@ impl CostModel {
     pub fn record_first(&mut self, sample: Sample) {
         if let Some(fit) = self.fit() {
             let excess = sample.latency.saturating_sub(fit.estimate(sample.pages));
-            if self.first_write_excess.len() == FIRST_WRITE_WINDOW {
-                self.first_write_excess.pop_front();
-            }
-            self.first_write_excess.push_back(excess);
+            push_within(&mut self.first_write_excess, excess, FIRST_WRITE_WINDOW);
         }
         self.record(sample);
     }
@@ -128,10 +122,7 @@ impl CostModel {
     /// Records how far a write (not a resize's first) ran past the
     /// estimate it was planned with.
     pub fn record_overrun(&mut self, overrun: Duration) {
-        if self.overruns.len() == OVERRUN_WINDOW {
-            self.overruns.pop_front();
-        }
-        self.overruns.push_back(overrun);
+        push_within(&mut self.overruns, overrun, OVERRUN_WINDOW);
     }
 
     /// The 98th percentile of the recent overruns: the smallest that at
@@ -316,27 +307,33 @@ impl CostModels {
                     );
                 }
             }
-            let excess = entry
-                .first_write_excess_seconds
-                .iter()
-                .filter_map(|&seconds| Duration::try_from_secs_f64(seconds).ok())
-                .rev()
-                .take(FIRST_WRITE_WINDOW)
-                .collect::<Vec<_>>();
-            let overruns = entry
-                .overrun_seconds
-                .iter()
-                .filter_map(|&seconds| Duration::try_from_secs_f64(seconds).ok())
-                .rev()
-                .take(OVERRUN_WINDOW)
-                .collect::<Vec<_>>();
             if let Some(model) = models.models.get_mut(&key) {
-                model.first_write_excess = excess.into_iter().rev().collect();
-                model.overruns = overruns.into_iter().rev().collect();
+                model.first_write_excess =
+                    saved_durations(&entry.first_write_excess_seconds, FIRST_WRITE_WINDOW);
+                model.overruns = saved_durations(&entry.overrun_seconds, OVERRUN_WINDOW);
             }
         }
         models
     }
+}
+
+/// Appends `value`, dropping the oldest entries beyond `window`.
+fn push_within<T>(entries: &mut VecDeque<T>, value: T, window: usize) {
+    if entries.len() == window {
+        entries.pop_front();
+    }
+    entries.push_back(value);
+}
+
+/// The last `window` of saved durations that parse, oldest first.
+fn saved_durations(seconds: &[f64], window: usize) -> VecDeque<Duration> {
+    let mut durations = VecDeque::new();
+    for &value in seconds {
+        if let Ok(duration) = Duration::try_from_secs_f64(value) {
+            push_within(&mut durations, duration, window);
+        }
+    }
+    durations
 }
 
 /// One model's window as stored in a model file.
