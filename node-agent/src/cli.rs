@@ -304,7 +304,10 @@ pub async fn resize(
 ) -> Result<Exit> {
     let target = args.target(kernel.as_ref())?;
     let mut kernel_log = kmsg_path.map(|path| kmsg::spawn(path, true));
-    let (_target_tx, mut target_rx) = watch::channel(target);
+    let (_goal_tx, mut goal_rx) = watch::channel(resize::Goal {
+        target,
+        settings: args.settings(),
+    });
     let options = Options {
         blocked_wait: args.wait_blocked,
         blocked_poll: Duration::from_millis(200),
@@ -316,19 +319,12 @@ pub async fn resize(
         .as_deref()
         .map(|path| model_file::load(path, &release))
         .unwrap_or_default();
-    let summary = resize::run(
-        kernel,
-        &mut target_rx,
-        args.settings(),
-        &options,
-        &mut models,
-        |event| {
-            if text {
-                // Progress is best effort; a closed stdout must not stop a resize.
-                let _ = writeln!(out, "{}", describe(event));
-            }
-        },
-    )
+    let summary = resize::run(kernel, &mut goal_rx, &options, &mut models, |event| {
+        if text {
+            // Progress is best effort; a closed stdout must not stop a resize.
+            let _ = writeln!(out, "{}", describe(event));
+        }
+    })
     .await?;
     if let Some(path) = &args.model_file
         && let Err(err) = model_file::save(path, &models, &release)
@@ -404,6 +400,7 @@ pub fn describe(event: &Event) -> String {
             direction,
             pages,
             elapsed,
+            ..
         } => format!(
             "step {step:>3} stalled: {} write of {pages} pages still running after {}",
             direction.as_str(),
@@ -417,6 +414,7 @@ pub fn describe(event: &Event) -> String {
         } => format!("compaction ({scope}) failed: {error}; retrying anyway"),
         Event::Blocked(outcome) => format!("waiting: {}", describe_outcome(outcome)),
         Event::Retargeted(target) => format!("new target: {} pages", target.pages),
+        Event::Resettled(_) => "new settings".to_string(),
     }
 }
 

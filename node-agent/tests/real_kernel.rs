@@ -31,12 +31,14 @@ async fn run_engine(
     options: Options,
     mut on_event: impl FnMut(&Event) + Send,
 ) -> (Summary, Vec<Event>) {
-    let (_tx, mut rx) = watch::channel(wanted);
+    let (_tx, mut rx) = watch::channel(resize::Goal {
+        target: wanted,
+        settings,
+    });
     let mut events = Vec::new();
     let summary = resize::run(
         kernel,
         &mut rx,
-        settings,
         &options,
         &mut CostModels::default(),
         |event| {

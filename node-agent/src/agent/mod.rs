@@ -57,7 +57,7 @@ pub use self::watchers::node_capacity;
 use self::watchers::{watch_kernel_log, watch_kubelet_capacity, watch_own_node_spec};
 use crate::kernel::kmsg::KernelLogEvent;
 use crate::kernel::{Kernel, PoolScope};
-use crate::resize::{self, CostModels, Direction, Event, Outcome, Settings, Summary, Target};
+use crate::resize::{self, CostModels, Direction, Event, Goal, Outcome, Settings, Summary, Target};
 use hugepool_crds::conditions::Reason;
 
 /// How the agent runs; the CLI fills it from flags.

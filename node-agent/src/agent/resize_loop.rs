@@ -51,13 +51,17 @@ pub fn targets_for(entry: &PageSizeTarget) -> Vec<Target> {
     }
 }
 
-pub(super) fn find_target(
+pub(super) fn find_goal(
     object: Option<&HugePageNode>,
     size: PageSize,
     scope: PoolScope,
-) -> Option<Target> {
+) -> Option<Goal> {
     let entry = object?.spec.page_sizes.iter().find(|e| e.size == size)?;
-    targets_for(entry).into_iter().find(|t| t.scope == scope)
+    let target = targets_for(entry).into_iter().find(|t| t.scope == scope)?;
+    Some(Goal {
+        target,
+        settings: settings_for(entry),
+    })
 }
 
 impl ResizeLoop {
@@ -290,15 +294,16 @@ impl ResizeLoop {
         );
 
         let span = info_span!("resize", node = %self.config.node_name, size = %size_label, scope = %target.scope, from, target = target.pages, direction = direction.as_str());
-        let (target_tx, mut target_rx) = watch::channel(target);
+        let (goal_tx, mut goal_rx) = watch::channel(Goal {
+            target,
+            settings: settings_for(entry),
+        });
         let stopping = Arc::new(AtomicBool::new(false));
         let options = resize::Options::default();
-        let settings = settings_for(entry);
-        let stall_threshold = settings.stall_threshold;
         let on_event = {
             let shared = Arc::clone(&self.shared);
             let events = self.events.clone();
-            let target_tx = target_tx.clone();
+            let goal_tx = goal_tx.clone();
             let stopping = Arc::clone(&stopping);
             let size_label = size_label.clone();
             move |event: &Event| {
@@ -306,18 +311,16 @@ impl ResizeLoop {
                     event,
                     &shared,
                     &events,
-                    &target_tx,
+                    &goal_tx,
                     &stopping,
                     size,
                     &size_label,
-                    stall_threshold,
                 )
             }
         };
         let engine = resize::run(
             Arc::clone(&self.kernel),
-            &mut target_rx,
-            settings,
+            &mut goal_rx,
             &options,
             models,
             on_event,
@@ -329,17 +332,20 @@ impl ResizeLoop {
                 result = &mut engine => break result,
                 changed = spec_rx.changed(), if !stopping.load(Ordering::Relaxed) => {
                     let object = if changed.is_ok() { spec_rx.borrow().clone() } else { None };
-                    match find_target(object.as_ref(), size, target.scope) {
-                        Some(new_target) => {
+                    match find_goal(object.as_ref(), size, target.scope) {
+                        Some(new_goal) => {
                             let mut memory = self.shared.memory();
                             memory.generation = object.as_ref().and_then(|o| o.metadata.generation);
                             memory.targets = object.as_ref().map(|o| o.spec.page_sizes.clone()).unwrap_or_default();
                             if let Some(running) = memory.sizes.get_mut(&size).and_then(|r| r.running.as_mut()) {
-                                running.target = new_target.pages;
+                                running.target = new_goal.target.pages;
                             }
                             drop(memory);
-                            span.in_scope(|| info!(new_target = new_target.pages, "target changed mid-resize"));
-                            let _ = target_tx.send(new_target);
+                            goal_tx.send_if_modified(|goal| {
+                                let modified = *goal != new_goal;
+                                *goal = new_goal;
+                                modified
+                            });
                         }
                         None => {
                             // The entry is gone: stop after the write in flight.
@@ -547,11 +553,10 @@ pub(super) fn on_resize_event(
     event: &Event,
     shared: &Shared,
     events: &EventSender,
-    target_tx: &watch::Sender<Target>,
+    goal_tx: &watch::Sender<Goal>,
     stopping: &AtomicBool,
     size: PageSize,
     size_label: &str,
-    stall_threshold: Duration,
 ) {
     match event {
         Event::Step(step) => {
@@ -579,7 +584,7 @@ pub(super) fn on_resize_event(
             );
             if stopping.load(Ordering::Relaxed) {
                 // Make the pool as it is now the target: the engine finishes here.
-                target_tx.send_modify(|t| t.pages = step.after);
+                goal_tx.send_modify(|goal| goal.target.pages = step.after);
             }
             shared.touch(false);
         }
@@ -588,6 +593,7 @@ pub(super) fn on_resize_event(
             direction,
             pages,
             elapsed,
+            threshold,
         } => {
             shared
                 .metrics
@@ -600,7 +606,7 @@ pub(super) fn on_resize_event(
                 "{size_label} {} write {step} of {pages} pages has taken {:.2}s (stall threshold {})",
                 direction.as_str(),
                 elapsed.as_secs_f64(),
-                duration::format(stall_threshold)
+                duration::format(*threshold)
             );
             warn!(%message, "slow kernel write");
             shared.memory().sizes.entry(size).or_default().stall = Some(StallRecord {
@@ -624,5 +630,6 @@ pub(super) fn on_resize_event(
         }
         Event::Blocked(outcome) => debug!(?outcome, "waiting for pages in use"),
         Event::Retargeted(target) => info!(pages = target.pages, "retargeted at a step boundary"),
+        Event::Resettled(settings) => info!(?settings, "new settings at a step boundary"),
     }
 }

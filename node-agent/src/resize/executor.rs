@@ -57,6 +57,15 @@ pub struct StepEvent {
     pub mem_available: u64,
 }
 
+/// Where a resize goes and how: re-read at every step boundary, so a new
+/// target or new settings (a pool's `resize` and `allocation` fields edited
+/// mid-resize) take effect at the next write.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Goal {
+    pub target: Target,
+    pub settings: Settings,
+}
+
 /// What happens during a resize, for logs, status and metrics.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
@@ -68,6 +77,8 @@ pub enum Event {
         direction: Direction,
         pages: u64,
         elapsed: Duration,
+        /// The stall threshold the write outlived.
+        threshold: Duration,
     },
     /// A write failed; it is retried up to `retries` times.
     WriteFailed {
@@ -82,6 +93,8 @@ pub enum Event {
     Blocked(Outcome),
     /// A new target took effect at a step boundary.
     Retargeted(Target),
+    /// New settings took effect at a step boundary.
+    Resettled(Settings),
 }
 
 /// How a resize went.
@@ -137,21 +150,23 @@ pub async fn observe(kernel: &Arc<dyn Kernel>, target: Target) -> Result<Observa
     .map_err(|err| Error::WriteThread(err.to_string()))?
 }
 
-/// Moves the pool to the target in `target` (re-read at every step
-/// boundary) and reports each step through `on_event`.
+/// Moves the pool to the target in `goal`, with its settings (both re-read
+/// at every step boundary), and reports each step through `on_event`.
 ///
 /// `models` carries the cost fits between resizes; pass the same value to
 /// every resize of an agent.
 pub async fn run(
     kernel: Arc<dyn Kernel>,
-    target: &mut watch::Receiver<Target>,
-    settings: Settings,
+    goal: &mut watch::Receiver<Goal>,
     options: &Options,
     models: &mut CostModels,
     mut on_event: impl FnMut(&Event) + Send,
 ) -> Result<Summary> {
     let started = Instant::now();
-    let initial = *target.borrow_and_update();
+    let Goal {
+        target: initial,
+        settings,
+    } = goal.borrow_and_update().clone();
     let hvo = {
         let kernel = Arc::clone(&kernel);
         tokio::task::spawn_blocking(move || kernel.hvo())
@@ -168,19 +183,29 @@ pub async fn run(
     let mut blocked_since: Option<Instant> = None;
     // The pause runs between writes, from the end of one to the start of
     // the next (reading the kernel back overlaps it); none after the last.
-    let mut pause_until: Option<Instant> = None;
+    // Kept as the last write's end and latency, so that new settings change
+    // a pause already begun.
+    let mut last_write: Option<(Instant, Duration)> = None;
     loop {
-        let wanted = *target.borrow_and_update();
-        if wanted != planner.target() {
-            planner.retarget(wanted);
-            on_event(&Event::Retargeted(wanted));
-            observed = observe(&kernel, wanted).await?;
+        let wanted = goal.borrow_and_update().clone();
+        if wanted.settings != *planner.settings() {
+            planner.set_settings(wanted.settings.clone());
+            on_event(&Event::Resettled(wanted.settings));
+        }
+        if wanted.target != planner.target() {
+            planner.retarget(wanted.target);
+            on_event(&Event::Retargeted(wanted.target));
+            observed = observe(&kernel, wanted.target).await?;
         }
         match planner.next(&observed, models) {
             Decision::Write(write) => {
                 blocked_since = None;
-                if let Some(due) = pause_until {
-                    tokio::time::sleep_until(due.into()).await;
+                if let Some((ended, latency)) = last_write {
+                    let due = ended + planner.settings().pause_after(latency);
+                    if wait_or_change(goal, due).await {
+                        // New settings or target: plan again with them.
+                        continue;
+                    }
                 }
                 let step = writes.len() as u32 + 1;
                 let (result, latency, stalled) = write_with_watchdog(
@@ -192,7 +217,7 @@ pub async fn run(
                     &mut on_event,
                 )
                 .await?;
-                pause_until = Some(Instant::now() + planner.settings().pause_after(latency));
+                last_write = Some((Instant::now(), latency));
                 if stalled {
                     stalls += 1;
                 }
@@ -251,7 +276,7 @@ pub async fn run(
                     let waited = since.elapsed();
                     if waited < options.blocked_wait {
                         let nap = options.blocked_poll.min(options.blocked_wait - waited);
-                        wait_or_retarget(target, nap).await;
+                        wait_or_change(goal, Instant::now() + nap).await;
                         observed = observe(&kernel, planner.target()).await?;
                         continue;
                     }
@@ -272,21 +297,21 @@ pub async fn run(
     }
 }
 
-/// Sleeps `nap`, or less if a new target arrives.
-async fn wait_or_retarget(target: &mut watch::Receiver<Target>, nap: Duration) {
-    let current = *target.borrow();
+/// Sleeps until `due`, or less if a different goal arrives; says which.
+async fn wait_or_change(goal: &mut watch::Receiver<Goal>, due: Instant) -> bool {
+    let current = goal.borrow().clone();
     let changed = async {
         // Resolves on a new value; if the sender is gone, never.
-        while target.changed().await.is_ok() {
-            if *target.borrow() != current {
+        while goal.changed().await.is_ok() {
+            if *goal.borrow() != current {
                 return;
             }
         }
         std::future::pending::<()>().await;
     };
     tokio::select! {
-        () = tokio::time::sleep(nap) => {}
-        () = changed => {}
+        () = tokio::time::sleep_until(due.into()) => false,
+        () = changed => true,
     }
 }
 
@@ -316,6 +341,7 @@ async fn write_with_watchdog(
                 direction: write.direction,
                 pages: write.pages,
                 elapsed: started.elapsed(),
+                threshold: settings.stall_threshold,
             });
             handle.await
         }
@@ -414,12 +440,14 @@ mod tests {
         settings: Settings,
         options: Options,
     ) -> (Summary, Vec<Event>) {
-        let (_tx, mut rx) = watch::channel(target(wanted));
+        let (_tx, mut rx) = watch::channel(Goal {
+            target: target(wanted),
+            settings,
+        });
         let mut events = Vec::new();
         let summary = run(
             Arc::new(kernel.clone()),
             &mut rx,
-            settings,
             &options,
             &mut CostModels::default(),
             |event| events.push(event.clone()),
@@ -490,6 +518,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn new_settings_take_effect_in_the_pause_they_arrive_in() {
+        let kernel = sim(0.0, false);
+        kernel.preset(MI2, PoolScope::Global, 300).unwrap();
+        // The first write takes its whole budget, so an hour's pause follows
+        // it; settings without a pause arrive during it.
+        kernel.hang_next_write(Duration::from_millis(60));
+        let slow = Settings {
+            step_pause: Duration::from_secs(3600),
+            ..scaled(1.0)
+        };
+        let (tx, mut rx) = watch::channel(Goal {
+            target: target(0),
+            settings: slow,
+        });
+        let mut events = Vec::new();
+        let mut models = CostModels::default();
+        let options = Options::default();
+        let run = run(
+            Arc::new(kernel.clone()),
+            &mut rx,
+            &options,
+            &mut models,
+            |event| {
+                if let Event::Step(StepEvent { step: 1, .. }) = event {
+                    tx.send_modify(|goal| goal.settings.step_pause = Duration::ZERO);
+                }
+                events.push(event.clone());
+            },
+        );
+        let summary = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("the pause of the old settings ran on")
+            .unwrap();
+        assert!(summary.reached(), "{summary:?}");
+        assert!(summary.steps >= 2, "{summary:?}");
+        assert!(
+            events
+                .iter()
+                .any(|e| matches!(e, Event::Resettled(settings) if settings.step_pause.is_zero())),
+            "{events:?}"
+        );
+    }
+
+    #[tokio::test]
     async fn a_write_past_the_stall_threshold_is_reported_while_it_runs() {
         let kernel = sim(0.0, false);
         kernel.preset(MI2, PoolScope::Global, 1024).unwrap();
@@ -549,16 +621,18 @@ mod tests {
     #[tokio::test]
     async fn a_new_target_takes_effect_at_the_next_step() {
         let kernel = sim(0.0, false);
-        let (tx, mut rx) = watch::channel(target(4096));
+        let (tx, mut rx) = watch::channel(Goal {
+            target: target(4096),
+            settings: scaled(1.0),
+        });
         let summary = run(
             Arc::new(kernel.clone()),
             &mut rx,
-            scaled(1.0),
             &Options::default(),
             &mut CostModels::default(),
             |event| {
                 if let Event::Step(StepEvent { step: 2, .. }) = event {
-                    let _ = tx.send(target(20));
+                    tx.send_modify(|goal| goal.target = target(20));
                 }
             },
         )
@@ -594,11 +668,13 @@ mod tests {
             blocked_wait: Duration::from_secs(10),
             blocked_poll: Duration::from_millis(5),
         };
-        let (_tx, mut rx) = watch::channel(target(10));
+        let (_tx, mut rx) = watch::channel(Goal {
+            target: target(10),
+            settings: scaled(1.0),
+        });
         let summary = run(
             Arc::new(kernel.clone()),
             &mut rx,
-            scaled(1.0),
             &options,
             &mut CostModels::default(),
             |event| {

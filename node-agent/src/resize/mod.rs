@@ -8,6 +8,6 @@ pub mod model;
 pub mod model_file;
 pub mod planner;
 
-pub use executor::{Event, Options, StepEvent, Summary, run};
+pub use executor::{Event, Goal, Options, StepEvent, Summary, run};
 pub use model::{CostModels, Direction};
 pub use planner::{Decision, Observation, Outcome, Planner, Settings, ShortfallReason, Target};

@@ -262,6 +262,12 @@ impl Planner {
         &self.settings
     }
 
+    /// New settings, taking effect at this step boundary: the next write is
+    /// sized for the new budget; what the writes measured carries over.
+    pub fn set_settings(&mut self, settings: Settings) {
+        self.settings = settings;
+    }
+
     /// A new target, taking effect at this step boundary. Step sizes carry
     /// over (they describe the kernel, not the target); retries start anew.
     pub fn retarget(&mut self, target: Target) {
