@@ -440,17 +440,31 @@ mod tests {
         settings: Settings,
         options: Options,
     ) -> (Summary, Vec<Event>) {
-        let (_tx, mut rx) = watch::channel(Goal {
+        let goal = Goal {
             target: target(wanted),
             settings,
-        });
+        };
+        resize_with(kernel, goal, options, |_, _| {}).await
+    }
+
+    /// A resize whose `on_event` sees every event and may send a new goal.
+    async fn resize_with(
+        kernel: &SimulatedKernel,
+        goal: Goal,
+        options: Options,
+        mut on_event: impl FnMut(&Event, &watch::Sender<Goal>) + Send,
+    ) -> (Summary, Vec<Event>) {
+        let (tx, mut rx) = watch::channel(goal);
         let mut events = Vec::new();
         let summary = run(
             Arc::new(kernel.clone()),
             &mut rx,
             &options,
             &mut CostModels::default(),
-            |event| events.push(event.clone()),
+            |event| {
+                on_event(event, &tx);
+                events.push(event.clone());
+            },
         )
         .await
         .unwrap();
@@ -528,29 +542,18 @@ mod tests {
             step_pause: Duration::from_secs(3600),
             ..scaled(1.0)
         };
-        let (tx, mut rx) = watch::channel(Goal {
+        let goal = Goal {
             target: target(0),
             settings: slow,
+        };
+        let run = resize_with(&kernel, goal, Options::default(), |event, tx| {
+            if let Event::Step(StepEvent { step: 1, .. }) = event {
+                tx.send_modify(|goal| goal.settings.step_pause = Duration::ZERO);
+            }
         });
-        let mut events = Vec::new();
-        let mut models = CostModels::default();
-        let options = Options::default();
-        let run = run(
-            Arc::new(kernel.clone()),
-            &mut rx,
-            &options,
-            &mut models,
-            |event| {
-                if let Event::Step(StepEvent { step: 1, .. }) = event {
-                    tx.send_modify(|goal| goal.settings.step_pause = Duration::ZERO);
-                }
-                events.push(event.clone());
-            },
-        );
-        let summary = tokio::time::timeout(Duration::from_secs(60), run)
+        let (summary, events) = tokio::time::timeout(Duration::from_secs(60), run)
             .await
-            .expect("the pause of the old settings ran on")
-            .unwrap();
+            .expect("the pause of the old settings ran on");
         assert!(summary.reached(), "{summary:?}");
         assert!(summary.steps >= 2, "{summary:?}");
         assert!(
@@ -621,23 +624,16 @@ mod tests {
     #[tokio::test]
     async fn a_new_target_takes_effect_at_the_next_step() {
         let kernel = sim(0.0, false);
-        let (tx, mut rx) = watch::channel(Goal {
+        let goal = Goal {
             target: target(4096),
             settings: scaled(1.0),
-        });
-        let summary = run(
-            Arc::new(kernel.clone()),
-            &mut rx,
-            &Options::default(),
-            &mut CostModels::default(),
-            |event| {
-                if let Event::Step(StepEvent { step: 2, .. }) = event {
-                    tx.send_modify(|goal| goal.target = target(20));
-                }
-            },
-        )
-        .await
-        .unwrap();
+        };
+        let (summary, _) = resize_with(&kernel, goal, Options::default(), |event, tx| {
+            if let Event::Step(StepEvent { step: 2, .. }) = event {
+                tx.send_modify(|goal| goal.target = target(20));
+            }
+        })
+        .await;
         assert!(summary.reached());
         assert_eq!((summary.to, summary.achieved), (20, 20));
         assert_eq!(kernel.pool(MI2).unwrap().total, 20);
@@ -668,27 +664,20 @@ mod tests {
             blocked_wait: Duration::from_secs(10),
             blocked_poll: Duration::from_millis(5),
         };
-        let (_tx, mut rx) = watch::channel(Goal {
+        let goal = Goal {
             target: target(10),
             settings: scaled(1.0),
-        });
-        let summary = run(
-            Arc::new(kernel.clone()),
-            &mut rx,
-            &options,
-            &mut CostModels::default(),
-            |event| {
-                if let Ok(pool) = releaser.pool(MI2) {
-                    let mut max = max_surplus.lock().unwrap();
-                    *max = (*max).max(pool.surplus);
-                }
-                if matches!(event, Event::Blocked(_)) {
-                    releaser.release_pages(MI2, 0, 60).unwrap();
-                }
-            },
-        )
-        .await
-        .unwrap();
+        };
+        let (summary, _) = resize_with(&kernel, goal, options, |event, _| {
+            if let Ok(pool) = releaser.pool(MI2) {
+                let mut max = max_surplus.lock().unwrap();
+                *max = (*max).max(pool.surplus);
+            }
+            if matches!(event, Event::Blocked(_)) {
+                releaser.release_pages(MI2, 0, 60).unwrap();
+            }
+        })
+        .await;
         assert!(summary.reached(), "{summary:?}");
         assert_eq!(kernel.pool(MI2).unwrap().total, 10);
         assert_eq!(*max_surplus.lock().unwrap(), 0);
