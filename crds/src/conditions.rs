@@ -62,6 +62,7 @@ api_enum! {
         NotBlocked,
         // KubeletCapacityStale
         KubeletRestartRequired, KubeletRestarted, KubeletRestartFailed, CapacityMatches,
+        MemoryManagerAssignments,
         // KernelLogUnavailable
         KernelLogUnreadable, KernelLogDisabled, KernelLogWatched,
         // Draining

@@ -6,6 +6,7 @@ pub mod conditions;
 #[cfg(feature = "crdgen")]
 pub mod crdgen;
 pub mod duration;
+pub mod kubelet;
 pub mod node;
 pub mod page_size;
 pub mod pool;

@@ -103,6 +103,16 @@ pub struct RunArgs {
     /// counted as failed (failures are retried with backoff).
     #[arg(long, default_value = "2m", value_parser = hugepool_runtime::duration_arg)]
     pub kubelet_restart_timeout: Duration,
+    /// How long the kubelet has, once the restart command returned, to
+    /// report the pools on its Node; past it the restart counts as failed.
+    #[arg(long, default_value = "2m", value_parser = hugepool_runtime::duration_arg)]
+    pub kubelet_ready_timeout: Duration,
+    /// The kubelet's root directory as the agent sees it (the chart:
+    /// /var/lib/kubelet mounted at /host/var/lib/kubelet). With a Static
+    /// Memory Manager its checkpoint is removed before a restart, and a
+    /// restart waits while pods hold memory in it.
+    #[arg(long, value_name = "PATH", env = "HUGEPOOL_KUBELET_ROOT_DIR")]
+    pub kubelet_root_dir: Option<PathBuf>,
     /// Do not watch the kernel log for lockups.
     #[arg(long)]
     pub no_kmsg: bool,
@@ -141,6 +151,11 @@ impl RunArgs {
         config.refresh_interval = self.refresh_interval;
         config.kubelet_restart_command = self.kubelet_restart_command.0.clone();
         config.kubelet_restart_timeout = self.kubelet_restart_timeout;
+        config.kubelet_ready_timeout = self.kubelet_ready_timeout;
+        config.kubelet_root_dir = self
+            .kubelet_root_dir
+            .clone()
+            .map(crate::kubelet_state::KubeletRootDir);
         config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
         config.model_file = self.model_file.clone();
         config

@@ -12,6 +12,7 @@ pub mod agent;
 pub mod cli;
 pub mod error;
 pub mod kernel;
+pub mod kubelet_state;
 pub mod resize;
 
 pub use error::{Error, Result};

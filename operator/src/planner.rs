@@ -922,21 +922,17 @@ fn settle_pool(
     (pool_plan, decisions)
 }
 
-/// Whether the Node's kubelet reports a `hugepages-<size>` capacity other
-/// than `pages` of the size. The kubelet reads the pools only when it starts
-/// (docs/design.md, "Kubelet"), so after a resize this holds until it
-/// restarts. A Node that does not list the resource at all has no kubelet
-/// publishing hugepages for the size, so nothing there can be stale.
+/// Whether the Node's kubelet misreports `pages` of `size`, by the rule the
+/// agent restarts kubelets by (`hugepool_crds::kubelet::capacity_stale`).
 fn kubelet_capacity_stale(node: Option<&Node>, size: PageSize, pages: i64) -> bool {
-    let capacity = node
-        .and_then(|n| n.status.as_ref())
-        .and_then(|s| s.capacity.as_ref())
-        .and_then(|c| c.get(&size.resource_name()));
-    let Some(quantity) = capacity else {
-        return false;
-    };
-    let want = u64::try_from(pages).unwrap_or(0) * size.bytes();
-    !hugepool_crds::quantity::parse_bytes(&quantity.0).is_ok_and(|bytes| bytes == want)
+    node.and_then(hugepool_crds::kubelet::hugepage_capacity)
+        .is_some_and(|capacity| {
+            hugepool_crds::kubelet::capacity_stale(
+                &capacity,
+                size,
+                u64::try_from(pages).unwrap_or(0),
+            )
+        })
 }
 
 /// Whether the agent reports that `entry`'s shrink is held up by pages in

@@ -11,6 +11,7 @@ use hugepool_crds::PageSize;
 
 use super::status::KubeletView;
 use crate::resize::{Observation, Outcome};
+use hugepool_crds::kubelet;
 
 /// What to do about one pool file now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,6 +106,9 @@ pub enum Restart {
     UpToDate,
     /// A restart is running.
     Running,
+    /// A restart would fail: the kubelet's Memory Manager holds memory for
+    /// pods in the state it checks at start (or its state is unreadable).
+    Held,
     /// The last restart for these pools failed; retry after this long.
     WaitRetry(Duration),
     /// Restart it now.
@@ -133,10 +137,13 @@ pub fn kubelet_restart(
     let stale = view.capacity.as_ref().is_some_and(|capacity| {
         pools
             .iter()
-            .any(|(size, pages)| capacity.get(size).copied().unwrap_or(0) != pages * size.bytes())
+            .any(|(&size, &pages)| kubelet::capacity_stale(capacity, size, pages))
     });
     if !stale || view.restarted_for.as_ref() == Some(pools) {
         return Restart::UpToDate;
+    }
+    if view.memory_manager.holds_restart().is_some() {
+        return Restart::Held;
     }
     match &view.failure {
         Some(failure) if failure.pools == *pools && now < failure.retry_at => {
@@ -375,6 +382,66 @@ mod tests {
     }
 
     #[test]
+    fn a_node_that_does_not_list_the_size_is_not_restarted_for_it() {
+        // The one rule both sides share (hugepool_crds::kubelet): no kubelet
+        // publishes a size its Node does not list, so a restart cannot help.
+        let lists_1gi_only = KubeletView {
+            capacity: Some(BTreeMap::from([(PageSize::SIZE_1GI, 0)])),
+            ..KubeletView::default()
+        };
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &lists_1gi_only, Instant::now()),
+            Restart::UpToDate
+        );
+    }
+
+    #[test]
+    fn a_static_memory_manager_holding_memory_for_pods_holds_the_restart() {
+        use crate::agent::status::MemoryManagerView;
+        use crate::kubelet_state::Assignment;
+        let now = Instant::now();
+        let holder = Assignment {
+            pod_uid: "uid-1".into(),
+            containers: vec!["holder".into()],
+            resources: vec!["hugepages-2Mi".into(), "memory".into()],
+        };
+        let held = KubeletView {
+            memory_manager: MemoryManagerView::Static(vec![holder]),
+            ..kubelet_reports(0)
+        };
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &held, now),
+            Restart::Held
+        );
+        let unreadable = KubeletView {
+            memory_manager: MemoryManagerView::Unreadable("bad json".into()),
+            ..kubelet_reports(0)
+        };
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &unreadable, now),
+            Restart::Held
+        );
+        // No assignments: the restart goes ahead (the checkpoint is cleared
+        // first); held or not, nothing is due while the kubelet reports the pools.
+        let empty = KubeletView {
+            memory_manager: MemoryManagerView::Static(Vec::new()),
+            ..kubelet_reports(0)
+        };
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &empty, now),
+            Restart::Due
+        );
+        let reporting = KubeletView {
+            memory_manager: held.memory_manager.clone(),
+            ..kubelet_reports(64)
+        };
+        assert_eq!(
+            kubelet_restart(true, true, &pools(64), &reporting, now),
+            Restart::UpToDate
+        );
+    }
+
+    #[test]
     fn the_loop_wakes_for_the_soonest_wait_and_at_least_every_refresh() {
         let waits = Waits {
             refresh: Duration::from_secs(15),
@@ -482,6 +549,7 @@ mod tests {
                         }),
                         restarts_disabled: false,
                         restarting,
+                        ..KubeletView::default()
                     };
                     (view, node_pages, now_s)
                 },

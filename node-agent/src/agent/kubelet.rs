@@ -3,23 +3,45 @@
 
 use super::*;
 
-/// Runs the restart command for `pools` on its own task, so that the resize
-/// loop never waits for it (up to `timeout`), and records how it ended: the
-/// pools it restarted for, or the failure and when to try again.
+/// How a kubelet is restarted (from the agent's flags).
+#[derive(Clone, Debug)]
+pub(super) struct RestartPlan {
+    pub command: Vec<String>,
+    /// How long the command may run.
+    pub timeout: Duration,
+    /// How long the kubelet has after the command to report the pools.
+    pub ready_timeout: Duration,
+    /// Where the kubelet keeps its Memory Manager checkpoint, when known.
+    pub root_dir: Option<crate::kubelet_state::KubeletRootDir>,
+}
+
+/// Restarts the kubelet for `pools` on its own task, so that the resize loop
+/// never waits for it: removes a Static Memory Manager's checkpoint (the
+/// caller checked that it holds no assignment), runs the command (up to its
+/// timeout), then waits until the Node reports the pools (up to
+/// `ready_timeout`). Records how it ended: the pools it restarted for, or
+/// the failure and when to try again.
 pub(super) fn spawn_restart(
     shared: Arc<Shared>,
     events: EventSender,
-    command: Vec<String>,
-    timeout: Duration,
+    plan: RestartPlan,
     pools: BTreeMap<PageSize, u64>,
 ) {
-    shared.memory().kubelet.restarting = true;
+    let clear_state = {
+        let mut memory = shared.memory();
+        memory.kubelet.restarting = true;
+        matches!(
+            memory.kubelet.memory_manager,
+            status::MemoryManagerView::Static(_)
+        )
+    };
+    let command = plan.command.clone();
     info!(
         ?command,
-        "restarting kubelet so it reports the new hugepage capacity"
+        clear_state, "restarting kubelet so it reports the new hugepage capacity"
     );
     tokio::spawn(async move {
-        let result = run_bounded(&command, timeout).await;
+        let result = restart_and_verify(&shared, &plan, clear_state, &pools).await;
         {
             let mut memory = shared.memory();
             memory.kubelet.restarting = false;
@@ -29,6 +51,8 @@ pub(super) fn spawn_restart(
                     memory.kubelet.failure = None;
                 }
                 Err(message) => {
+                    // Not restarted for these pools: the failure's backoff decides.
+                    memory.kubelet.restarted_for = None;
                     let attempts = memory
                         .kubelet
                         .failure
@@ -49,7 +73,15 @@ pub(super) fn spawn_restart(
             Ok(()) => PendingEvent {
                 type_: EventType::Normal,
                 reason: "KubeletRestarted",
-                note: format!("ran {}", command.join(" ")),
+                note: format!(
+                    "ran {}{}; the kubelet reports the pools",
+                    command.join(" "),
+                    if clear_state {
+                        " after removing the Memory Manager checkpoint"
+                    } else {
+                        ""
+                    }
+                ),
             },
             Err(message) => {
                 warn!(%message, "kubelet restart failed");
@@ -63,6 +95,50 @@ pub(super) fn spawn_restart(
         queue_event(&events, &shared.metrics, event);
         shared.touch(true);
     });
+}
+
+/// The restart itself, verified: Ok once the Node reports every pool.
+async fn restart_and_verify(
+    shared: &Shared,
+    plan: &RestartPlan,
+    clear_state: bool,
+    pools: &BTreeMap<PageSize, u64>,
+) -> Result<(), String> {
+    if clear_state && let Some(root) = &plan.root_dir {
+        root.clear()?;
+    }
+    run_bounded(&plan.command, plan.timeout).await?;
+    // The status says KubeletRestarted while the kubelet comes back.
+    shared.memory().kubelet.restarted_for = Some(pools.clone());
+    shared.touch(true);
+    let deadline = Instant::now() + plan.ready_timeout;
+    loop {
+        let (reports, ready) = {
+            let memory = shared.memory();
+            let reports = memory.kubelet.capacity.as_ref().is_some_and(|capacity| {
+                pools.iter().all(|(&size, &pages)| {
+                    !hugepool_crds::kubelet::capacity_stale(capacity, size, pages)
+                })
+            });
+            (reports, memory.kubelet.node_ready.clone())
+        };
+        if reports {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            let want: Vec<String> = pools
+                .iter()
+                .map(|(size, pages)| format!("{pages} x {size}"))
+                .collect();
+            return Err(format!(
+                "the kubelet did not report {} within {:?} of its restart (the Node's Ready: {})",
+                want.join(", "),
+                plan.ready_timeout,
+                ready.as_deref().unwrap_or("not reported")
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Runs `command` to its end or kills it (and everything it started) after

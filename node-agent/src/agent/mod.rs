@@ -77,6 +77,10 @@ pub struct AgentConfig {
     pub kubelet_restart_command: Vec<String>,
     /// How long that command may run.
     pub kubelet_restart_timeout: Duration,
+    /// How long the kubelet has after the command to report the pools.
+    pub kubelet_ready_timeout: Duration,
+    /// The kubelet's root directory, for its Memory Manager checkpoint.
+    pub kubelet_root_dir: Option<crate::kubelet_state::KubeletRootDir>,
     /// `/dev/kmsg`, or `None` to not watch the kernel log.
     pub kmsg_path: Option<PathBuf>,
     /// Where the fitted write-cost models are kept across restarts.
@@ -94,6 +98,8 @@ impl AgentConfig {
             retry_interval: Duration::from_secs(300),
             kubelet_restart_command: Vec::new(),
             kubelet_restart_timeout: Duration::from_secs(120),
+            kubelet_ready_timeout: Duration::from_secs(120),
+            kubelet_root_dir: None,
             kmsg_path: None,
             model_file: None,
         }

@@ -513,8 +513,20 @@ impl ResizeLoop {
         let snapshot = KernelSnapshot::read_blocking(&self.kernel, &self.config.kernel_release)
             .await
             .ok()?;
+        let memory_manager = match self.config.kubelet_root_dir.clone() {
+            Some(root) => status::MemoryManagerView::from_read(
+                tokio::task::spawn_blocking(move || root.read())
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string())),
+            ),
+            None => status::MemoryManagerView::NotRead,
+        };
         let (pools, decision) = {
-            let memory = self.shared.memory();
+            let mut memory = self.shared.memory();
+            if memory.kubelet.memory_manager != memory_manager {
+                memory.kubelet.memory_manager = memory_manager;
+                self.shared.touch(true);
+            }
             let converged = memory
                 .targets
                 .iter()
@@ -532,8 +544,12 @@ impl ResizeLoop {
         super::kubelet::spawn_restart(
             Arc::clone(&self.shared),
             self.events.clone(),
-            self.config.kubelet_restart_command.clone(),
-            self.config.kubelet_restart_timeout,
+            super::kubelet::RestartPlan {
+                command: self.config.kubelet_restart_command.clone(),
+                timeout: self.config.kubelet_restart_timeout,
+                ready_timeout: self.config.kubelet_ready_timeout,
+                root_dir: self.config.kubelet_root_dir.clone(),
+            },
             pools,
         );
         None

@@ -75,8 +75,70 @@ pub struct KubeletView {
     pub failure: Option<RestartFailure>,
     /// This agent has no restart command (`--kubelet-restart-command=`).
     pub restarts_disabled: bool,
-    /// A restart command is running (on its own task).
+    /// A restart is running (on its own task): the command, then the wait
+    /// for the kubelet to report the pools.
     pub restarting: bool,
+    /// The kubelet's Memory Manager, from its checkpoint.
+    pub memory_manager: MemoryManagerView,
+    /// The Node's Ready condition as last seen (`True (KubeletReady: ...)`).
+    pub node_ready: Option<String>,
+}
+
+/// What the agent knows of the kubelet's Memory Manager
+/// (`crate::kubelet_state`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum MemoryManagerView {
+    /// No `--kubelet-root-dir`: not read.
+    #[default]
+    NotRead,
+    /// No checkpoint, or a policy that does not check hugepages at start.
+    NotChecking,
+    /// `Static`: the checkpoint must go before a restart; these pods hold
+    /// memory in it (a restart waits until they are gone).
+    Static(Vec<crate::kubelet_state::Assignment>),
+    /// The checkpoint could not be read; a restart waits.
+    Unreadable(String),
+}
+
+impl MemoryManagerView {
+    pub fn from_read(
+        read: Result<Option<crate::kubelet_state::MemoryManagerState>, String>,
+    ) -> Self {
+        match read {
+            Ok(Some(state)) if state.validates_hugepages() => Self::Static(state.assignments),
+            Ok(_) => Self::NotChecking,
+            Err(message) => Self::Unreadable(message),
+        }
+    }
+
+    /// Why a restart must wait, if it must.
+    pub fn holds_restart(&self) -> Option<String> {
+        match self {
+            Self::Static(assignments) if !assignments.is_empty() => {
+                let pods: Vec<String> = assignments
+                    .iter()
+                    .map(|a| {
+                        format!(
+                            "pod {} ({}: {})",
+                            a.pod_uid,
+                            a.containers.join(", "),
+                            a.resources.join(", ")
+                        )
+                    })
+                    .collect();
+                Some(format!(
+                    "not restarting the kubelet: its Static Memory Manager holds memory for {}, \
+                     and a kubelet restarted after a hugepage change refuses that saved state \
+                     (drain the pods, or restart the kubelet after they end)",
+                    pods.join(", ")
+                ))
+            }
+            Self::Unreadable(message) => Some(format!(
+                "not restarting the kubelet: its Memory Manager state is unreadable: {message}"
+            )),
+            _ => None,
+        }
+    }
 }
 
 /// A kubelet restart that failed (the command's exit, error or timeout).
@@ -512,9 +574,8 @@ fn kubelet_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Option<
     let capacity = memory.kubelet.capacity.as_ref()?;
     let mut stale = Vec::new();
     for (size, pages) in kubelet_pools(snapshot, memory) {
-        let pool_bytes = pages * size.bytes();
-        let kubelet_bytes = capacity.get(&size).copied().unwrap_or(0);
-        if pool_bytes != kubelet_bytes {
+        if hugepool_crds::kubelet::capacity_stale(capacity, size, pages) {
+            let kubelet_bytes = capacity.get(&size).copied().unwrap_or(0);
             stale.push(format!(
                 "{}: kubelet reports {} bytes ({} pages), the pool is {pages} pages",
                 size.resource_name(),
@@ -545,6 +606,13 @@ fn kubelet_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Option<
                 stale.join("; "),
                 failure.message
             ),
+        )
+    } else if let Some(held) = memory.kubelet.memory_manager.holds_restart() {
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            true,
+            Reason::MemoryManagerAssignments,
+            format!("{}; {held}", stale.join("; ")),
         )
     } else if memory.kubelet.restarted_for.as_ref() == Some(&kubelet_pools(snapshot, memory)) {
         ConditionUpdate::new(

@@ -69,7 +69,9 @@ pub(super) async fn watch_kubelet_capacity(api: Api<Node>, name: String, shared:
         match event {
             Ok(node) => {
                 let capacity = node_capacity(&node);
+                let ready = node_ready(&node);
                 let mut memory = shared.memory();
+                memory.kubelet.node_ready = ready;
                 if memory.kubelet.capacity.as_ref() != Some(&capacity) {
                     memory.kubelet.capacity = Some(capacity);
                     drop(memory);
@@ -81,18 +83,23 @@ pub(super) async fn watch_kubelet_capacity(api: Api<Node>, name: String, shared:
     }
 }
 
-/// `hugepages-<size>` capacities of a Node, in bytes.
+/// `hugepages-<size>` capacities of a Node, in bytes (none before the
+/// kubelet has reported any).
 pub fn node_capacity(node: &Node) -> BTreeMap<PageSize, u64> {
-    let Some(capacity) = node.status.as_ref().and_then(|s| s.capacity.as_ref()) else {
-        return BTreeMap::new();
-    };
-    capacity
-        .iter()
-        .filter_map(|(name, quantity)| {
-            let size: PageSize = name.strip_prefix("hugepages-")?.parse().ok()?;
-            Some((size, quantity::parse_bytes(&quantity.0).ok()?))
-        })
-        .collect()
+    hugepool_crds::kubelet::hugepage_capacity(node).unwrap_or_default()
+}
+
+/// The Node's Ready condition in a line: `True (KubeletReady: kubelet is
+/// posting ready status)`.
+fn node_ready(node: &Node) -> Option<String> {
+    let conditions = node.status.as_ref()?.conditions.as_ref()?;
+    let ready = conditions.iter().find(|c| c.type_ == "Ready")?;
+    Some(format!(
+        "{} ({}: {})",
+        ready.status,
+        ready.reason.as_deref().unwrap_or(""),
+        ready.message.as_deref().unwrap_or("")
+    ))
 }
 
 /// How often syslog(2) is read when `/dev/kmsg` cannot be opened.
