@@ -57,6 +57,7 @@ say "helm install hugepool charts/hugepool (images ghcr.io/hugepool-dev/hugepool
 "$helm" install hugepool charts/hugepool --namespace hugepool-system --create-namespace \
   --set apiServer.host="$api_host" --set apiServer.port="$api_port" \
   --set agent.kubeletRestart.enabled=true --set agent.kubeletRestart.command="$kubelet_restart" \
+  --set agent.kubeletRestart.rootDir="$dir/cp/node/kubelet" \
   --wait --timeout 5m >/dev/null
 "$kubectl" get pods -n hugepool-system -o wide
 

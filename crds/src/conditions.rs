@@ -69,7 +69,8 @@ api_enum! {
         EvictingPods, DrainTimeout, DrainComplete,
         // Pool: Available / Progressing / Degraded
         AllNodesConverged, NodesNotConverged, RollingOut, MaxUnavailableReached, Draining, Paused,
-        RolloutComplete, NodesStalled, AllocationFailed, Conflict, NoMatchingNodes, RolloutHalted,
+        RolloutComplete, NodesStalled, AllocationFailed, NodesFailed, Conflict, NoMatchingNodes,
+        RolloutHalted,
         KubeletCapacityStale,
         InvalidSpec, AsExpected,
     }

@@ -69,8 +69,9 @@ pub struct PageSizeTarget {
     /// The page size, such as 2Mi or 1Gi.
     #[schemars(regex(pattern = crate::pool::PAGE_SIZE_PATTERN), length(max = 8))]
     pub size: crate::PageSize,
-    /// Persistent pages the agent must reach now.
-    #[schemars(range(min = 0))]
+    /// Persistent pages the agent must reach now (at most 16777216, as a
+    /// pool's pages).
+    #[schemars(range(min = 0, max = 16777216))]
     pub pages: i64,
     /// Exact per-NUMA targets; absent means one write of the global file.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -54,10 +54,12 @@ const nodeLockPath = "/run/hugepool-controlplane-node.lock"
 // DIR/node.
 type node struct {
 	dir, name, images, apiURL string
-	ports                     ports
-	pki                       *pki
-	admin                     *http.Client
-	timeout                   time.Duration
+	// The kubelet's memoryManagerPolicy: None or Static.
+	memoryManager string
+	ports         ports
+	pki           *pki
+	admin         *http.Client
+	timeout       time.Duration
 
 	containerd *child
 	children   []*child // exiting ends `up`: containerd
@@ -462,8 +464,25 @@ syncFrequency: 10s
 fileCheckFrequency: 5s
 nodeStatusUpdateFrequency: 5s
 shutdownGracePeriod: 0s
-`, n.socket(), n.ports.Kubelet, n.ports.KubeletHealthz, n.pki.path(caName, "crt"), n.path("manifests"), n.path("pod-logs"))
+%[7]s`, n.socket(), n.ports.Kubelet, n.ports.KubeletHealthz, n.pki.path(caName, "crt"), n.path("manifests"), n.path("pod-logs"), n.memoryManagerConfig())
 	return writeFileAtomic(n.path("kubelet.yaml"), []byte(conf), 0o644)
+}
+
+// memoryManagerConfig is the kubelet configuration of a Static Memory
+// Manager, as the nodes that use hugepages most run it: Guaranteed pods get
+// memory and hugepages pinned to NUMA nodes, and the kubelet checks its
+// saved state against the machine when it starts. The kubelet requires the
+// reserved memory to equal kube-reserved + system-reserved + the hard
+// eviction threshold (100Mi here), on NUMA node 0.
+func (n *node) memoryManagerConfig() string {
+	if n.memoryManager != "Static" {
+		return ""
+	}
+	return `memoryManagerPolicy: Static
+reservedMemory: [{numaNode: 0, limits: {memory: 100Mi}}]
+topologyManagerPolicy: single-numa-node
+topologyManagerScope: container
+`
 }
 
 // sandboxImage is the pause image: hugepool-e2e from `make images`, named

@@ -57,6 +57,7 @@ func runUp(args []string) error {
 	fs.Var(&kcmExtra, "controller-manager-arg", "extra kube-controller-manager flag (repeatable)")
 	withNode := fs.Bool("node", false, "also run a kubelet and containerd on this machine (root), with kube-scheduler")
 	nodeName := fs.String("node-name", defaultNodeName(), "the Node's name (--node)")
+	memoryManager := fs.String("memory-manager", "None", "the kubelet's memoryManagerPolicy, None or Static (Static adds the Topology Manager, single-numa-node) (--node)")
 	images := fs.String("images", "", "import every *.tar OCI archive in this directory into the node's containerd (--node)")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -189,7 +190,10 @@ func runUp(args []string) error {
 
 	var n *node
 	if *withNode {
-		n = &node{dir: dir, name: *nodeName, images: *images, apiURL: apiURL, ports: pt, pki: p, admin: admin, timeout: *timeout}
+		if *memoryManager != "None" && *memoryManager != "Static" {
+			return fmt.Errorf("--memory-manager must be None or Static, not %q", *memoryManager)
+		}
+		n = &node{dir: dir, name: *nodeName, images: *images, memoryManager: *memoryManager, apiURL: apiURL, ports: pt, pki: p, admin: admin, timeout: *timeout}
 		unlockNode, err := n.prepare(phase)
 		if err != nil {
 			return err

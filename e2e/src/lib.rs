@@ -158,7 +158,19 @@ impl OwnedControlPlane {
     /// `controlplane up --node`: also a real kubelet and containerd on this
     /// machine (root), with the OCI archives in `images` imported.
     pub fn start_with_node(dir: &Path, images: &Path) -> Result<Self, E2eError> {
-        Self::start_with(dir, vec!["--node".into(), "--images".into(), images.into()])
+        Self::start_with_node_args(dir, images, &[])
+    }
+
+    /// A node with more `up` flags (`--memory-manager=Static`).
+    pub fn start_with_node_args(
+        dir: &Path,
+        images: &Path,
+        extra: &[&str],
+    ) -> Result<Self, E2eError> {
+        let mut args: Vec<std::ffi::OsString> =
+            vec!["--node".into(), "--images".into(), images.into()];
+        args.extend(extra.iter().map(std::ffi::OsString::from));
+        Self::start_with(dir, args)
     }
 
     fn start_with(dir: &Path, up_args: Vec<std::ffi::OsString>) -> Result<Self, E2eError> {

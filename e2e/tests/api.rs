@@ -573,6 +573,47 @@ async fn statuses_past_their_size_limits_are_refused() {
     delete_pool(&env.client, &name).await;
 }
 
+/// A HugePageNode's targets are bounded as a pool's pages are: the operator
+/// never writes more, and the server refuses it from anyone else.
+#[tokio::test]
+async fn node_targets_past_the_pool_maximum_are_refused() {
+    let Some(env) = setup().await else { return };
+    let name = unique_name("node-bound");
+    let nodes = Api::<HugePageNode>::all(env.client.clone());
+    let write = |pages: i64| {
+        let nodes = nodes.clone();
+        let name = name.clone();
+        async move {
+            let patch = json!({
+                "apiVersion": "hugepool.dev/v1alpha1",
+                "kind": "HugePageNode",
+                "metadata": {"name": name},
+                "spec": {"pageSizes": [{"size": "2Mi", "pages": pages, "pool": "p", "poolGeneration": 1}]},
+            });
+            nodes
+                .patch(
+                    &name,
+                    &PatchParams::apply("hugepool-operator").force(),
+                    &Patch::Apply(&patch),
+                )
+                .await
+                .map(|_| ())
+                .map_err(api_message)
+        }
+    };
+    write(16_777_216).await.expect("the maximum is stored");
+    let refused = write(16_777_217)
+        .await
+        .expect_err("one past the maximum was stored");
+    assert!(
+        refused.contains("spec.pageSizes[0].pages") && refused.contains("16777216"),
+        "{refused}"
+    );
+    let refused = write(-1).await.expect_err("a negative target was stored");
+    assert!(refused.contains("spec.pageSizes[0].pages"), "{refused}");
+    let _ = nodes.delete(&name, &Default::default()).await;
+}
+
 #[tokio::test]
 async fn status_is_written_only_through_the_status_subresource() {
     let Some(env) = setup().await else { return };

@@ -182,28 +182,32 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         agent["securityContext"], expected,
         "agent securityContext (docs/design.md, DaemonSet privileges)"
     );
-    assert_eq!(
-        agent["volumeMounts"],
-        json!([
-            {"name": "sys-hugepages", "mountPath": "/host/sys/kernel/mm/hugepages"},
-            {"name": "sys-node", "mountPath": "/host/sys/devices/system/node"},
-            {"name": "proc-sys-vm", "mountPath": "/host/proc/sys/vm"},
-            {"name": "proc-meminfo", "mountPath": "/host/proc/meminfo", "readOnly": true},
-            {"name": "run-hugepool", "mountPath": "/host/run/hugepool"},
-        ]),
-        "agent volumeMounts"
-    );
-    assert_eq!(
-        pod["volumes"],
-        json!([
-            {"name": "sys-hugepages", "hostPath": {"path": "/sys/kernel/mm/hugepages", "type": "Directory"}},
-            {"name": "sys-node", "hostPath": {"path": "/sys/devices/system/node", "type": "Directory"}},
-            {"name": "proc-sys-vm", "hostPath": {"path": "/proc/sys/vm", "type": "Directory"}},
-            {"name": "proc-meminfo", "hostPath": {"path": "/proc/meminfo", "type": "File"}},
-            {"name": "run-hugepool", "hostPath": {"path": "/run/hugepool", "type": "DirectoryOrCreate"}},
-        ]),
-        "agent hostPath volumes"
-    );
+    let mut mounts = json!([
+        {"name": "sys-hugepages", "mountPath": "/host/sys/kernel/mm/hugepages"},
+        {"name": "sys-node", "mountPath": "/host/sys/devices/system/node"},
+        {"name": "proc-sys-vm", "mountPath": "/host/proc/sys/vm"},
+        {"name": "proc-meminfo", "mountPath": "/host/proc/meminfo", "readOnly": true},
+        {"name": "run-hugepool", "mountPath": "/host/run/hugepool"},
+    ]);
+    let mut volumes = json!([
+        {"name": "sys-hugepages", "hostPath": {"path": "/sys/kernel/mm/hugepages", "type": "Directory"}},
+        {"name": "sys-node", "hostPath": {"path": "/sys/devices/system/node", "type": "Directory"}},
+        {"name": "proc-sys-vm", "hostPath": {"path": "/proc/sys/vm", "type": "Directory"}},
+        {"name": "proc-meminfo", "hostPath": {"path": "/proc/meminfo", "type": "File"}},
+        {"name": "run-hugepool", "hostPath": {"path": "/run/hugepool", "type": "DirectoryOrCreate"}},
+    ]);
+    if restart {
+        // The Memory Manager's checkpoint, removed before a restart.
+        mounts
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "kubelet-root", "mountPath": "/host/var/lib/kubelet"}));
+        volumes.as_array_mut().unwrap().push(
+            json!({"name": "kubelet-root", "hostPath": {"path": "/var/lib/kubelet", "type": "Directory"}}),
+        );
+    }
+    assert_eq!(agent["volumeMounts"], mounts, "agent volumeMounts");
+    assert_eq!(pod["volumes"], volumes, "agent hostPath volumes");
     let args: Vec<&str> = agent["args"]
         .as_array()
         .expect("args")
@@ -239,6 +243,17 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         &["--kubelet-restart-command="]
     };
     assert_eq!(restart_args, expected, "kubelet restart command");
+    let root_dir: Vec<&str> = args
+        .iter()
+        .filter(|a| a.starts_with("--kubelet-root-dir"))
+        .copied()
+        .collect();
+    let expected: &[&str] = if restart {
+        &["--kubelet-root-dir=/host/var/lib/kubelet"]
+    } else {
+        &[]
+    };
+    assert_eq!(root_dir, expected, "kubelet root dir only with restarts");
     for host in ["hostNetwork", "hostIPC"] {
         assert!(pod.get(host).is_none(), "{host} is not needed");
     }

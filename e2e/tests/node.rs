@@ -46,12 +46,19 @@ struct Node {
     /// How an agent restarts this node's kubelet (the harness's equivalent
     /// of `nsenter --target 1 ... systemctl restart kubelet`).
     kubelet_restart: String,
+    /// The kubelet's --root-dir (its Memory Manager checkpoint is there).
+    kubelet_root: PathBuf,
     saved_2mi: u64,
     _kernel: std::fs::File,
 }
 
 impl Node {
     fn start() -> Option<Node> {
+        Self::start_with(&[])
+    }
+
+    /// A node whose `controlplane up` gets `extra` flags too.
+    fn start_with(extra: &[&str]) -> Option<Node> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             return unavailable("containerd, the kubelet and the agent need root".into());
@@ -86,8 +93,8 @@ impl Node {
             .join("e2e")
             .join(format!("node-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let cp = OwnedControlPlane::start_with_node(&dir, &images)
-            .unwrap_or_else(|e| panic!("controlplane up --node: {e}"));
+        let cp = OwnedControlPlane::start_with_node_args(&dir, &images, extra)
+            .unwrap_or_else(|e| panic!("controlplane up --node {extra:?}: {e}"));
         let pod_apiserver = std::fs::read_to_string(dir.join("pod-apiserver"))
             .expect("controlplane wrote pod-apiserver");
         let (host, port) = pod_apiserver
@@ -105,6 +112,7 @@ impl Node {
             name,
             pod_apiserver: (host.to_string(), port.parse().expect("port")),
             kubelet_restart,
+            kubelet_root: dir.join("node").join("kubelet"),
             saved_2mi,
             _kernel: kernel,
         })
@@ -145,6 +153,10 @@ impl Node {
         let host = format!("apiServer.host={}", self.pod_apiserver.0);
         let port = format!("apiServer.port={}", self.pod_apiserver.1);
         let restart = format!("agent.kubeletRestart.command={}", self.kubelet_restart);
+        let root = format!(
+            "agent.kubeletRestart.rootDir={}",
+            self.kubelet_root.display()
+        );
         self.run(
             &self.helm,
             &[
@@ -162,6 +174,8 @@ impl Node {
                 "agent.kubeletRestart.enabled=true",
                 "--set",
                 &restart,
+                "--set",
+                &root,
                 "--wait",
                 "--timeout",
                 "5m",
@@ -1129,5 +1143,148 @@ async fn helm_uninstall_mid_drain_leaves_no_taint_and_no_stuck_finalizer() {
         read_sys("nr_hugepages"),
         pages_before,
         "uninstall leaves the pages"
+    );
+}
+
+/// The kubelet's Memory Manager checkpoint and the CPU Manager's, as files.
+fn kubelet_state(node: &Node, file: &str) -> Option<String> {
+    std::fs::read_to_string(node.kubelet_root.join(file)).ok()
+}
+
+/// A kubelet with the Static Memory Manager refuses to start on a
+/// checkpoint whose hugepages differ from the machine's: the agent removes
+/// it when no pod holds memory in it, so a resize with AfterResize ends with
+/// the kubelet Ready on the new capacity; while a Guaranteed pod holds an
+/// assignment the restart is held and the node names the pod. The CPU
+/// Manager's checkpoint never changes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_memory() {
+    let Some(node) = Node::start_with(&["--memory-manager=Static"]) else {
+        return;
+    };
+    let client = node.client().await;
+    let checkpoint = kubelet_state(&node, "memory_manager_state")
+        .expect("a Static Memory Manager writes its checkpoint at start");
+    assert!(
+        checkpoint.contains("\"policyName\":\"Static\""),
+        "{checkpoint}"
+    );
+    let cpu_before = kubelet_state(&node, "cpu_manager_state");
+    let first_kubelet = node.kubelet_pid();
+
+    // No pod holds memory: grown, checkpoint removed, kubelet restarted once
+    // and Ready with the new capacity (it would crash-loop on the old one).
+    node.with_pool(64, "2m").await;
+    assert_eq!(read_sys("nr_hugepages"), 64);
+    assert_eq!(node.kubelet_capacity_2mi(&client).await, "128Mi");
+    let restarted = node.kubelet_pid();
+    assert_ne!(restarted, first_kubelet, "the kubelet was restarted");
+    let (status, reason, _) = node_condition(&client, &node.name, "KubeletCapacityStale")
+        .await
+        .expect("KubeletCapacityStale");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "CapacityMatches")
+    );
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let ready = nodes
+        .get(&node.name)
+        .await
+        .expect("Node")
+        .status
+        .and_then(|s| s.conditions)
+        .and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"))
+        .map(|c| c.status);
+    assert_eq!(
+        ready.as_deref(),
+        Some("True"),
+        "the kubelet came back Ready"
+    );
+    let rewritten = kubelet_state(&node, "memory_manager_state").expect("a new checkpoint");
+    assert!(
+        rewritten.contains("134217728"),
+        "the new checkpoint has the 64 x 2Mi pool (134217728 bytes): {rewritten}"
+    );
+    assert_eq!(
+        kubelet_state(&node, "cpu_manager_state"),
+        cpu_before,
+        "the CPU Manager's checkpoint is left alone"
+    );
+
+    // A Guaranteed pod with a memory assignment: a grow is not followed by
+    // a restart, and the node names the pod.
+    node.start_holder("mm-holder", 8);
+    node.wait_in_use(64, 8).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let uid = pods
+        .get("mm-holder")
+        .await
+        .expect("holder pod")
+        .metadata
+        .uid
+        .expect("uid");
+    let assigned = kubelet_state(&node, "memory_manager_state").unwrap_or_default();
+    assert!(
+        assigned.contains(&uid),
+        "the holder has an assignment: {assigned}"
+    );
+    node.set_pool_pages(96);
+    let message = wait_for(
+        "the restart held for the holder",
+        Duration::from_secs(300),
+        || async {
+            match node_condition(&client, &node.name, "KubeletCapacityStale").await {
+                Some((status, reason, message))
+                    if status == "True" && reason == "MemoryManagerAssignments" =>
+                {
+                    Ok(message)
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(
+        message.contains(&uid) || message.contains("mm-holder"),
+        "{message}"
+    );
+    assert_eq!(read_sys("nr_hugepages"), 96, "the pool itself grew");
+    assert_eq!(
+        node.kubelet_pid(),
+        restarted,
+        "no restart while the pod holds memory"
+    );
+    assert_eq!(
+        read_sys("free_hugepages"),
+        96 - 8,
+        "the holder kept its pages"
+    );
+
+    // The pod gone (and its pod directory with it), the restart goes ahead.
+    pods.delete("mm-holder", &Default::default())
+        .await
+        .expect("delete holder");
+    wait_for(
+        "the kubelet reports 96 pages",
+        Duration::from_secs(300),
+        || async {
+            let capacity = node.kubelet_capacity_2mi(&client).await;
+            if capacity == "192Mi" {
+                Ok(())
+            } else {
+                Err(capacity)
+            }
+        },
+    )
+    .await;
+    assert_ne!(
+        node.kubelet_pid(),
+        restarted,
+        "restarted once the pod was gone"
+    );
+    assert_eq!(
+        kubelet_state(&node, "cpu_manager_state"),
+        cpu_before,
+        "the CPU Manager's checkpoint is left alone"
     );
 }

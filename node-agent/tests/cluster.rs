@@ -699,6 +699,21 @@ async fn memory_guard_stops_growth_and_reports_allocation_failed() {
         agent.metric(r#"hugepool_allocation_shortfall_pages{size="2Mi"}"#),
         Some((1024 - achieved) as f64)
     );
+    // A lower guard is tried at once, not after the retry interval (1 h here).
+    let mut lowered = entry(1024);
+    lowered.allocation.min_mem_available = "256Mi".to_string();
+    lowered.allocation.retries = 1;
+    apply_spec(&env.client, &name, vec![lowered]).await;
+    wait_for(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(90),
+        "1024 pages under the lower guard",
+        |o| converged_at(o, 1024),
+    )
+    .await;
+    assert_eq!(sysfs("nr_hugepages"), 1024);
     drop(agent);
     cleanup(&env.client, &name).await;
     drop(real);
@@ -842,7 +857,18 @@ async fn kubelet_capacity_stale_and_one_restart_per_converged_change() {
         },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await; // a few more agent passes
+    // The kubelet reports the new pool: no restart was due while it had not.
+    set_capacity(&env.client, &name, "64Mi").await;
+    wait_for_condition(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        NodeConditionType::KubeletCapacityStale,
+        "False",
+        "CapacityMatches",
+    )
+    .await;
     assert_eq!(calls(&calls_file), 2, "one restart per converged change");
     drop(agent);
     cleanup(&env.client, &name).await;
@@ -902,6 +928,70 @@ async fn a_failed_kubelet_restart_is_reported_and_retried_until_it_works() {
     )
     .await;
     assert_eq!(calls(&calls_file), 2, "one failure, one retry");
+    // The restart is done once the Node reports the pool.
+    set_capacity(&env.client, &name, "128Mi").await;
+    wait_for_condition(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        NodeConditionType::KubeletCapacityStale,
+        "False",
+        "CapacityMatches",
+    )
+    .await;
+    wait_for_event(&env.client, &name, "KubeletRestarted").await;
+    assert_eq!(calls(&calls_file), 2, "no restart after the Node reported");
+    drop(agent);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+#[tokio::test]
+async fn a_kubelet_that_does_not_report_the_pool_after_its_restart_is_a_failed_restart() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(2 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let dir = std::env::temp_dir().join(unique_name("kubelet-silent"));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The command works, but nothing ever updates the Node's capacity.
+    let (script, calls_file) = recording_script(&dir);
+    let name = unique_name("agent-kubelet-silent");
+    let mut restart = entry(64);
+    restart.kubelet_restart = KubeletRestart::AfterResize;
+    create_node(&env.client, &name, "0", vec![restart]).await;
+    let agent = AgentProcess::start(
+        &env.control_plane.kubeconfig,
+        &name,
+        &[
+            "--kubelet-restart-command",
+            script.to_str().unwrap(),
+            "--kubelet-ready-timeout",
+            "3s",
+        ],
+    );
+    let (failed, _) = wait_for_condition(
+        &env.client,
+        &name,
+        &agent,
+        Duration::from_secs(90),
+        NodeConditionType::KubeletCapacityStale,
+        "True",
+        "KubeletRestartFailed",
+    )
+    .await;
+    assert!(
+        failed
+            .message
+            .contains("the kubelet did not report 64 x 2Mi within 3s of its restart")
+            && failed.message.contains("attempt 1, next in 10s"),
+        "{}",
+        failed.message
+    );
+    wait_for_event(&env.client, &name, "KubeletRestartFailed").await;
+    assert!(calls(&calls_file) >= 1);
     drop(agent);
     cleanup(&env.client, &name).await;
     drop(real);
@@ -1081,17 +1171,17 @@ async fn sigterm_mid_resize_finishes_the_step_reports_and_exits_0() {
         |o| condition_is(o, NodeConditionType::Resizing, "True", "Growing"),
     )
     .await;
-    let started = Instant::now();
-    let status = agent.terminate(Duration::from_secs(10));
-    let took = started.elapsed();
+    // It stops after the write in flight, not at the end of the resize: the
+    // pool is left short of the target (the wait is room for a loaded
+    // machine, not the measure).
+    let status = agent.terminate(Duration::from_secs(60));
     assert!(
         status.is_some_and(|s| s.success()),
         "exit status {status:?}\n{}",
         agent.log_tail()
     );
-    assert!(took < Duration::from_secs(5), "took {took:?} to stop");
     let pool = sysfs("nr_hugepages");
-    assert!(pool > 0 && pool < 1600);
+    assert!(pool > 0 && pool < 1600, "stopped at {pool} of 1600");
     // The last status shows where the pool stopped, and that nothing runs.
     let object = Api::<HugePageNode>::all(env.client.clone())
         .get(&name)

@@ -35,7 +35,7 @@ use serde_json::json;
 use tokio::sync::{Mutex, watch};
 use tracing::{debug, info, instrument, warn};
 
-use crate::drain::{self, Eviction, EvictionBackoff};
+use crate::drain::{self, Eviction};
 use crate::error::{Error, Result};
 use crate::events;
 use crate::leader::{LeaderConfig, Leadership};
@@ -75,8 +75,8 @@ struct Written {
     pools: BTreeMap<String, (Arc<HugePagePool>, Instant)>,
     nodes: BTreeMap<String, (Arc<Node>, Instant)>,
     node_states: BTreeMap<String, (Arc<HugePageNode>, Instant)>,
-    /// Pods whose eviction a PodDisruptionBudget refused, by namespace/name.
-    evictions: BTreeMap<String, EvictionBackoff>,
+    /// Pods whose eviction a PodDisruptionBudget refused.
+    evictions: drain::Refusals,
     /// Pods evicted for each pool, not yet in its status.
     evicted: BTreeMap<String, Vec<EvictedPod>>,
 }
@@ -660,6 +660,7 @@ async fn carry_out_drain(
             })?
             .items
     };
+    written.evictions.prune(&name, &on_node);
     // Only the fewest pods whose own requests free what the shrink needs
     // (the agent's word alone drains nothing), never those eviction cannot
     // move; the condition names both.
@@ -749,19 +750,20 @@ async fn carry_out_drain(
         .collect();
     for pod in chosen {
         let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
         if written
             .evictions
-            .get(&key)
+            .get(&uid)
             .is_some_and(|b| b.next_try > now)
         {
             continue;
         }
         let outcome = drain::evict(&ctx.client, pod).await;
         ctx.metrics.count_eviction(&pool, outcome.metric_label());
-        let first_refusal = !written.evictions.contains_key(&key);
+        let first_refusal = written.evictions.get(&uid).is_none();
         match &outcome {
             Eviction::Evicted => {
-                written.evictions.remove(&key);
+                written.evictions.forget(&uid);
                 info!(node = %name, pod = %key, "evicted");
                 let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(pod, s)).sum();
                 written
@@ -780,9 +782,8 @@ async fn carry_out_drain(
                     });
             }
             Eviction::Blocked(message) | Eviction::Failed(message) => {
-                let backoff = EvictionBackoff::refused(written.evictions.get(&key), now);
+                let backoff = written.evictions.refused(&uid, &name, now);
                 debug!(node = %name, pod = %key, %message, attempts = backoff.attempts, "eviction refused");
-                written.evictions.insert(key.clone(), backoff);
             }
         }
         if matches!(outcome, Eviction::Evicted) || first_refusal {

@@ -1,6 +1,7 @@
 //! Drain helpers: which pods consume a page size, how long to wait before
 //! retrying an eviction a PodDisruptionBudget refused, and the eviction call.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use hugepool_crds::PageSize;
@@ -162,6 +163,21 @@ pub fn choose(pods: &[Pod], size: PageSize, must_free: u64) -> Selection<'_> {
         };
     }
     let mut candidates = hugepage_consumers(pods, &[size]);
+    // Only what eviction can move counts: when DaemonSet-owned or static
+    // pods hold the rest, evicting every other consumer would not let the
+    // shrink finish, so nobody is evicted.
+    let movable: u64 = candidates.iter().map(|p| pages_held(p, size)).sum();
+    if movable + going < must_free {
+        return Selection {
+            evict: Vec::new(),
+            unexplained: Some(format!(
+                "not evicting: evictable pods hold {} pages of {size} and {going} are being \
+                 freed, but {must_free} must be freed (the rest is held by pods that are never \
+                 evicted)",
+                movable
+            )),
+        };
+    }
     candidates.sort_by_key(|p| {
         let priority = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
         (
@@ -223,6 +239,51 @@ impl EvictionBackoff {
             .and_then(|wait| now.checked_add(wait).ok())
             .unwrap_or(now);
         Self { attempts, next_try }
+    }
+}
+
+/// Backoffs of refused evictions, by pod UID (a pod re-created under the
+/// same name starts over), each with the node it ran on, so that a node's
+/// pods that are gone are forgotten.
+#[derive(Debug, Default)]
+pub struct Refusals {
+    by_uid: BTreeMap<String, (String, EvictionBackoff)>,
+}
+
+impl Refusals {
+    pub fn get(&self, uid: &str) -> Option<&EvictionBackoff> {
+        self.by_uid.get(uid).map(|(_, backoff)| backoff)
+    }
+
+    /// Records a refusal at `now`; returns the new backoff.
+    pub fn refused(&mut self, uid: &str, node: &str, now: Timestamp) -> EvictionBackoff {
+        let backoff = EvictionBackoff::refused(self.get(uid), now);
+        self.by_uid
+            .insert(uid.to_string(), (node.to_string(), backoff.clone()));
+        backoff
+    }
+
+    pub fn forget(&mut self, uid: &str) {
+        self.by_uid.remove(uid);
+    }
+
+    /// Forgets the refusals of `node`'s pods that are not in `pods` (its
+    /// pods now; none when it is not draining).
+    pub fn prune(&mut self, node: &str, pods: &[Pod]) {
+        self.by_uid.retain(|uid, (on, _)| {
+            on != node
+                || pods
+                    .iter()
+                    .any(|p| p.metadata.uid.as_deref() == Some(uid.as_str()))
+        });
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_uid.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_uid.is_empty()
     }
 }
 
@@ -358,6 +419,36 @@ mod tests {
     }
 
     #[test]
+    fn refusals_are_kept_by_uid_and_forgotten_when_the_pod_is_gone() {
+        let now = Timestamp::UNIX_EPOCH;
+        let mut old = pod("db-0", &[("hugepages-2Mi", "4Mi")]);
+        old.metadata.uid = Some("uid-1".into());
+        let mut other = pod("db-1", &[("hugepages-2Mi", "4Mi")]);
+        other.metadata.uid = Some("uid-2".into());
+        let mut refusals = Refusals::default();
+        refusals.refused("uid-1", "n1", now);
+        assert_eq!(refusals.refused("uid-1", "n1", now).attempts, 2);
+        refusals.refused("uid-2", "n1", now);
+        refusals.refused("uid-9", "n2", now);
+        // db-0 re-created under its name has a new UID: no backoff inherited.
+        let mut recreated = pod("db-0", &[("hugepages-2Mi", "4Mi")]);
+        recreated.metadata.uid = Some("uid-3".into());
+        assert!(refusals.get("uid-3").is_none());
+        // n1 now runs the new db-0 and db-1: the old db-0 is forgotten, the
+        // other node's refusal stays.
+        refusals.prune("n1", &[recreated, other]);
+        assert!(refusals.get("uid-1").is_none());
+        assert_eq!(refusals.get("uid-2").map(|b| b.attempts), Some(1));
+        assert_eq!(refusals.get("uid-9").map(|b| b.attempts), Some(1));
+        // A node no longer draining forgets all of its own.
+        refusals.prune("n1", &[]);
+        assert_eq!(refusals.len(), 1);
+        refusals.forget("uid-9");
+        assert!(refusals.is_empty());
+        drop(old);
+    }
+
+    #[test]
     fn refused_evictions_back_off_exponentially_up_to_a_cap() {
         let now = Timestamp::UNIX_EPOCH;
         let mut backoff = EvictionBackoff::refused(None, now);
@@ -413,6 +504,36 @@ mod tests {
             why.contains("request 8 pages of 2Mi, but 100 must be freed"),
             "{why}"
         );
+    }
+
+    #[test]
+    fn a_drain_that_unevictable_pods_keep_from_finishing_evicts_nobody() {
+        let two_mi = PageSize::SIZE_2MI;
+        let mut daemon = pod("agent-x", &[("hugepages-2Mi", "64Mi")]); // 32 pages
+        daemon.metadata.owner_references = controlled_by("DaemonSet", "agent");
+        let mut mirror = pod("holder-vm", &[("hugepages-2Mi", "32Mi")]); // 16 pages
+        mirror.metadata.annotations =
+            Some([("kubernetes.io/config.mirror".to_string(), "abc".to_string())].into());
+        let pods = vec![
+            daemon,
+            mirror,
+            pod("dpdk-a", &[("hugepages-2Mi", "16Mi")]), // 8 pages
+            pod("dpdk-b", &[("hugepages-2Mi", "8Mi")]),  // 4 pages
+        ];
+        // The pods explain 60 pages, but only 12 can be moved: 20 cannot be
+        // freed by eviction, so nobody goes.
+        let selection = choose(&pods, two_mi, 20);
+        assert!(selection.evict.is_empty(), "{:?}", names(&selection));
+        let why = selection.unexplained.expect("a reason");
+        assert!(
+            why.contains(
+                "evictable pods hold 12 pages of 2Mi and 0 are being freed, but 20 must be freed"
+            ),
+            "{why}"
+        );
+        // 12 can: both evictable pods go, the others stay.
+        assert_eq!(names(&choose(&pods, two_mi, 12)), ["dpdk-a", "dpdk-b"]);
+        assert!(choose(&pods, two_mi, 12).unexplained.is_none());
     }
 
     #[test]

@@ -1255,10 +1255,18 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             ),
         )
     } else if counts.failed > 0 {
+        // The nodes' own reason when they share one (AllocationFailed,
+        // InvalidTarget, UnsupportedPageSize), NodesFailed when they differ.
+        let mut reasons = failed.iter().map(|f| f.reason.as_str());
+        let first = reasons.next();
+        let reason = match first.and_then(Reason::parse) {
+            Some(reason) if reasons.all(|r| Some(r) == first) => reason,
+            _ => Reason::NodesFailed,
+        };
         update(
             Degraded,
             true,
-            Reason::AllocationFailed,
+            reason,
             format!("{} nodes failed: {}", counts.failed, describe_failed()),
         )
     } else if !plan.stalled.is_empty() {

@@ -27,13 +27,20 @@ pub(super) fn spawn_restart(
     plan: RestartPlan,
     pools: BTreeMap<PageSize, u64>,
 ) {
-    let clear_state = {
+    let (clear_state, failed_before) = {
         let mut memory = shared.memory();
         memory.kubelet.restarting = true;
-        matches!(
+        let failed_before = memory
+            .kubelet
+            .failure
+            .as_ref()
+            .filter(|f| f.pools == pools)
+            .map_or(0, |f| f.attempts);
+        let clear_state = matches!(
             memory.kubelet.memory_manager,
             status::MemoryManagerView::Static(_)
-        )
+        );
+        (clear_state, failed_before)
     };
     let command = plan.command.clone();
     info!(
@@ -53,12 +60,7 @@ pub(super) fn spawn_restart(
                 Err(message) => {
                     // Not restarted for these pools: the failure's backoff decides.
                     memory.kubelet.restarted_for = None;
-                    let attempts = memory
-                        .kubelet
-                        .failure
-                        .as_ref()
-                        .filter(|f| f.pools == pools)
-                        .map_or(1, |f| f.attempts + 1);
+                    let attempts = failed_before + 1;
                     let backoff = restart_backoff(attempts);
                     memory.kubelet.failure = Some(status::RestartFailure {
                         pools,
@@ -108,8 +110,13 @@ async fn restart_and_verify(
         root.clear()?;
     }
     run_bounded(&plan.command, plan.timeout).await?;
-    // The status says KubeletRestarted while the kubelet comes back.
-    shared.memory().kubelet.restarted_for = Some(pools.clone());
+    // The status says KubeletRestarted while the kubelet comes back, not the
+    // failure of an attempt before this one (its count is kept by the caller).
+    {
+        let mut memory = shared.memory();
+        memory.kubelet.restarted_for = Some(pools.clone());
+        memory.kubelet.failure = None;
+    }
     shared.touch(true);
     let deadline = Instant::now() + plan.ready_timeout;
     loop {
@@ -141,11 +148,16 @@ async fn restart_and_verify(
     }
 }
 
+/// Bytes of a command's stderr kept (its end): a command that writes without
+/// end costs the agent no more than this.
+const STDERR_KEPT: usize = 4096;
+
 /// Runs `command` to its end or kills it (and everything it started) after
 /// `timeout`; the error says which happened, with the end of its stderr.
 pub(super) async fn run_bounded(command: &[String], timeout: Duration) -> Result<(), String> {
+    use tokio::io::AsyncReadExt;
     let shown = command.join(" ");
-    let child = tokio::process::Command::new(&command[0])
+    let mut child = tokio::process::Command::new(&command[0])
         .args(&command[1..])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
@@ -155,7 +167,26 @@ pub(super) async fn run_bounded(command: &[String], timeout: Duration) -> Result
         .spawn()
         .map_err(|err| format!("{shown}: {err}"))?;
     let group = child.id().and_then(|id| i32::try_from(id).ok());
-    match tokio::time::timeout(timeout, child.wait_with_output()).await {
+    let mut stderr = child.stderr.take();
+    // Reads stderr to its end, keeping only its last STDERR_KEPT bytes.
+    let tail = async move {
+        let mut kept: Vec<u8> = Vec::new();
+        let mut chunk = [0u8; 8192];
+        if let Some(stderr) = stderr.as_mut() {
+            while let Ok(n) = stderr.read(&mut chunk).await {
+                if n == 0 {
+                    break;
+                }
+                kept.extend_from_slice(&chunk[..n]);
+                if kept.len() > STDERR_KEPT {
+                    kept.drain(..kept.len() - STDERR_KEPT);
+                }
+            }
+        }
+        kept
+    };
+    let finished = async { tokio::join!(child.wait(), tail) };
+    match tokio::time::timeout(timeout, finished).await {
         Err(_) => {
             if let Some(group) = group {
                 // SAFETY: signals only the process group this call created.
@@ -165,15 +196,14 @@ pub(super) async fn run_bounded(command: &[String], timeout: Duration) -> Result
                 "{shown} did not finish within {timeout:?} and was killed"
             ))
         }
-        Ok(Err(err)) => Err(format!("{shown}: {err}")),
-        Ok(Ok(output)) if output.status.success() => Ok(()),
-        Ok(Ok(output)) => {
-            let stderr = String::from_utf8_lossy(&output.stderr);
+        Ok((Err(err), _)) => Err(format!("{shown}: {err}")),
+        Ok((Ok(status), _)) if status.success() => Ok(()),
+        Ok((Ok(status), kept)) => {
+            let stderr = String::from_utf8_lossy(&kept);
             let stderr = stderr.trim();
             let start = stderr.char_indices().rev().nth(299).map_or(0, |(i, _)| i);
             Err(format!(
-                "{shown} exited with {}: {}",
-                output.status,
+                "{shown} exited with {status}: {}",
                 &stderr[start..]
             ))
         }

@@ -31,7 +31,8 @@ pub fn settings_for(entry: &PageSizeTarget) -> Settings {
 }
 
 /// The engine targets of one entry: one per NUMA node when the entry lists
-/// them, otherwise one write of the size's global file.
+/// them, otherwise one write of the size's global file. For an entry in
+/// range (`status::out_of_range`): the resize loop never acts on another.
 pub fn targets_for(entry: &PageSizeTarget) -> Vec<Target> {
     let size = entry.size;
     match &entry.numa {
@@ -102,6 +103,9 @@ impl ResizeLoop {
             if !offered.contains(&size) {
                 continue; // reported as UnsupportedPageSize by the status
             }
+            if status::out_of_range(entry).is_some() {
+                continue; // reported as InvalidTarget by the status
+            }
             let targets = targets_for(entry);
             if targets
                 .iter()
@@ -127,7 +131,8 @@ impl ResizeLoop {
                     .sizes
                     .get(&size)
                     .and_then(|r| r.outcomes.get(&target.scope).cloned());
-                let retry_due = self.retry_due(size);
+                let retry_due =
+                    self.retry_due(size) || self.settings_changed(size, target.scope, entry);
                 match decide(target.pages, &observed, last.as_ref(), retry_due) {
                     Action::Idle => continue,
                     Action::WaitBlocked => {
@@ -228,6 +233,17 @@ impl ResizeLoop {
         );
         self.shared.touch(true);
         wait
+    }
+
+    /// Whether `entry`'s settings differ from those the last resize of this
+    /// file ended with.
+    fn settings_changed(&self, size: PageSize, scope: PoolScope, entry: &PageSizeTarget) -> bool {
+        let memory = self.shared.memory();
+        memory
+            .sizes
+            .get(&size)
+            .and_then(|r| r.ended_with.get(&scope))
+            .is_some_and(|ended| *ended != settings_for(entry))
     }
 
     fn retry_due(&self, size: PageSize) -> bool {
@@ -363,6 +379,10 @@ impl ResizeLoop {
         let outcome = match result {
             Ok(summary) => {
                 self.record_summary(&summary, target.scope, &span);
+                let settings = goal_tx.borrow().settings.clone();
+                if let Some(record) = self.shared.memory().sizes.get_mut(&size) {
+                    record.ended_with.insert(target.scope, settings);
+                }
                 Some(summary.outcome)
             }
             Err(err) => {

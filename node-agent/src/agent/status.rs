@@ -39,6 +39,10 @@ pub struct SizeRecord {
     /// How the last finished resize of each pool file (the global one, or a
     /// NUMA node's) ended, and for which target of that file.
     pub outcomes: BTreeMap<PoolScope, (u64, Outcome)>,
+    /// The settings each file's last finished resize ended with: a short
+    /// grow is tried again at once when they change (a lower
+    /// minMemAvailable, more retries), not only after the retry interval.
+    pub ended_with: BTreeMap<PoolScope, crate::resize::Settings>,
     pub last_resize: Option<ResizeSummary>,
     /// Stall of the running or last resize (cleared when a resize starts).
     pub stall: Option<StallRecord>,
@@ -200,9 +204,41 @@ pub enum Progress {
     },
 }
 
+/// Most pages one target may ask for (the CRDs' maximum: 32 TiB of 2Mi pages).
+pub const MAX_PAGES: i64 = 16_777_216;
+
+/// Why a target entry cannot be acted on whatever the machine: a page count
+/// or NUMA id out of range (the CRD schema refuses them; an agent never
+/// reads one as 0).
+pub fn out_of_range(entry: &PageSizeTarget) -> Option<String> {
+    let size = entry.size;
+    let bad_pages = |pages: i64| !(0..=MAX_PAGES).contains(&pages);
+    if bad_pages(entry.pages) {
+        return Some(format!(
+            "{size}: {} pages is out of range (0 to {MAX_PAGES})",
+            entry.pages
+        ));
+    }
+    for numa in entry.numa.iter().flatten() {
+        if numa.id < 0 {
+            return Some(format!("{size}: NUMA node {} is out of range", numa.id));
+        }
+        if bad_pages(numa.pages) {
+            return Some(format!(
+                "{size}: NUMA node {}: {} pages is out of range (0 to {MAX_PAGES})",
+                numa.id, numa.pages
+            ));
+        }
+    }
+    None
+}
+
 /// Compares one target entry with the kernel.
 pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
     let size = entry.size;
+    if let Some(why) = out_of_range(entry) {
+        return Progress::Invalid(why);
+    }
     let Some(sizes) = snapshot.size(size) else {
         let offered: Vec<String> = snapshot.sizes.iter().map(|s| s.size.to_string()).collect();
         return Progress::Unsupported(format!(
@@ -1182,6 +1218,44 @@ mod tests {
         let failed = cond(&status, NodeConditionType::AllocationFailed);
         assert_eq!(failed.status, "True");
         assert!(failed.message.contains("short 400"), "{}", failed.message);
+    }
+
+    #[test]
+    fn out_of_range_targets_are_invalid_not_read_as_zero() {
+        let snapshot = snapshot(64, 64, 0, 0);
+        let mut negative = target("2Mi", -1);
+        assert_eq!(
+            progress(&negative, &snapshot),
+            Progress::Invalid("2Mi: -1 pages is out of range (0 to 16777216)".into())
+        );
+        negative.pages = MAX_PAGES + 1;
+        assert!(matches!(
+            progress(&negative, &snapshot),
+            Progress::Invalid(_)
+        ));
+        let mut numa = target("2Mi", 64);
+        numa.numa = Some(vec![hugepool_crds::settings::NumaTarget {
+            id: -1,
+            pages: 64,
+        }]);
+        assert_eq!(
+            progress(&numa, &snapshot),
+            Progress::Invalid("2Mi: NUMA node -1 is out of range".into())
+        );
+        numa.numa = Some(vec![hugepool_crds::settings::NumaTarget {
+            id: 0,
+            pages: -5,
+        }]);
+        assert_eq!(
+            out_of_range(&numa).as_deref(),
+            Some("2Mi: NUMA node 0: -5 pages is out of range (0 to 16777216)")
+        );
+        let status = built(&snapshot, &memory(vec![numa]));
+        let converged = cond(&status, NodeConditionType::Converged);
+        assert_eq!(
+            (converged.status.as_str(), converged.reason.as_str()),
+            ("False", "InvalidTarget")
+        );
     }
 
     #[test]

@@ -196,7 +196,12 @@ pub fn split_syslog_line(line: &str) -> Option<(u32, Option<u64>, &str)> {
     let (stamp, message) = stamped.split_once(']')?;
     let (seconds, micros) = stamp.trim().split_once('.')?;
     let micros: u64 = format!("{micros:0<6}").get(..6)?.parse().ok()?;
-    let timestamp_us = seconds.parse::<u64>().ok()? * 1_000_000 + micros;
+    // A line that claims more seconds than fit is not a kernel's: no stamp.
+    let timestamp_us = seconds
+        .parse::<u64>()
+        .ok()?
+        .checked_mul(1_000_000)?
+        .checked_add(micros)?;
     Some((
         priority,
         Some(timestamp_us),
@@ -363,6 +368,17 @@ mod tests {
             Some((6, None, "no timestamp"))
         );
         assert_eq!(split_syslog_line("plain text"), None);
+        // At the bound of u64 microseconds, and one second past it.
+        let max_seconds = u64::MAX / 1_000_000;
+        let max_micros = u64::MAX % 1_000_000;
+        assert_eq!(
+            split_syslog_line(&format!("<6>[{max_seconds}.{max_micros:06}] edge")),
+            Some((6, Some(u64::MAX), "edge"))
+        );
+        assert_eq!(
+            split_syslog_line(&format!("<6>[{}.000000] past", max_seconds + 1)),
+            None
+        );
         let event = parse_syslog_line(
             "<3>[  125.000001] INFO: task khugepaged:89 blocked for more than 122 seconds.",
         )

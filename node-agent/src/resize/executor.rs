@@ -497,21 +497,51 @@ mod tests {
 
     #[tokio::test]
     async fn the_pause_runs_between_writes_and_not_after_the_last() {
+        // The first write runs past the 50 ms budget: the whole pause
+        // follows it before the next write, so the resize lasts at least
+        // that long (a lower bound, whatever the machine's speed).
         let kernel = sim(0.0, false);
         kernel.preset(MI2, PoolScope::Global, 300).unwrap();
-        // The first write runs past the 50 ms budget: the whole pause
-        // follows it. The writes after it are instant, and so are their
-        // pauses; none follows the last.
         kernel.hang_next_write(Duration::from_millis(60));
+        let pause = Duration::from_secs(1);
         let settings = Settings {
-            step_pause: Duration::from_secs(1),
+            step_pause: pause,
             ..scaled(1.0)
         };
-        let (summary, _) = resize(&kernel, 0, settings, Options::default()).await;
-        assert!(summary.steps >= 2, "{summary:?}");
+        let (summary, _) = resize(&kernel, 0, settings.clone(), Options::default()).await;
+        assert!(summary.reached() && summary.steps >= 2, "{summary:?}");
         assert!(
-            (1.06..1.95).contains(&summary.duration_seconds),
-            "one pause of 1 s, not two: {summary:?}"
+            summary.duration_seconds >= pause.as_secs_f64(),
+            "no pause between the writes: {summary:?}"
+        );
+
+        // The same slow write, made the last one (the target moves to where
+        // it left the pool): the resize returns without its pause.
+        kernel.preset(MI2, PoolScope::Global, 300).unwrap();
+        kernel.hang_next_write(Duration::from_millis(60));
+        let pause = Duration::from_secs(5);
+        let goal = Goal {
+            target: target(0),
+            settings: Settings {
+                step_pause: pause,
+                ..settings
+            },
+        };
+        let mut last_write = None;
+        let (summary, _) = resize_with(&kernel, goal, Options::default(), |event, goal| {
+            if let Event::Step(step) = event {
+                last_write = Some(Instant::now());
+                goal.send_modify(|g| g.target.pages = step.after);
+            }
+        })
+        .await;
+        let returned = Instant::now();
+        assert!(summary.reached() && summary.steps == 1, "{summary:?}");
+        let after_last = returned - last_write.expect("a write");
+        // Only a read of the simulated kernel runs here; a pause would be 5 s.
+        assert!(
+            after_last < pause,
+            "returned {after_last:?} after the last write: a pause followed it"
         );
     }
 

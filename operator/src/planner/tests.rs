@@ -167,6 +167,58 @@ fn one_failure_below_the_limit_degrades_but_the_rollout_goes_on() {
     );
 }
 
+/// What an agent reports for a target this machine cannot have.
+fn invalid_target(hpn: &mut HugePageNode) {
+    let mut status = hpn.status.clone().unwrap_or_default();
+    status.observed_generation = hpn.metadata.generation;
+    set_condition(
+        &mut status.conditions,
+        ConditionUpdate::new(
+            NodeConditionType::Converged,
+            false,
+            Reason::InvalidTarget,
+            "2Mi: NUMA node 3 not on this machine (it has 0)",
+        )
+        .generation(hpn.metadata.generation),
+        &Time(at(0)),
+    );
+    hpn.status = Some(status);
+}
+
+#[test]
+fn degraded_names_the_nodes_own_reason_and_a_mix_as_nodes_failed() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(3),
+    )];
+    let nodes = fleet(4, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    invalid_target(&mut hpns[0]);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Degraded),
+        ("True", "InvalidTarget")
+    );
+    fail_allocation(&mut hpns[1]);
+    let plan = run_plan(&pools, &nodes, &hpns, 2);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Degraded),
+        ("True", "NodesFailed")
+    );
+    let degraded = find_condition(
+        &plan.pools["dpdk"].status.conditions,
+        PoolConditionType::Degraded,
+    )
+    .unwrap();
+    assert!(
+        degraded.message.contains("w-00 (InvalidTarget")
+            && degraded.message.contains("w-01 (AllocationFailed"),
+        "{}",
+        degraded.message
+    );
+}
+
 #[test]
 fn older_pool_wins_a_conflict_and_the_newer_touches_nothing() {
     let pools = vec![

@@ -733,10 +733,16 @@ impl RolloutWatch {
             .clone()
     }
 
-    /// Asserts no view had more than the limit changing and returns the
-    /// record.
+    /// Asserts that the watch saw nodes changing, and no view with more
+    /// than the limit changing; returns the record.
     pub fn assert_bounded(&self) -> RolloutRecord {
         let record = self.record();
+        // A watch that saw nothing change proves no bound.
+        assert!(
+            record.max_changing.values().any(|&nodes| nodes > 0),
+            "the rollout watch saw no node changing in {} views: nothing was checked",
+            record.views
+        );
         assert!(
             record.violations.is_empty(),
             "more than maxUnavailable nodes changing at once: {:?}",
