@@ -844,19 +844,15 @@ async fn set_drain_taint(
 }
 
 /// Pages of `size` that must come back before the node's shrink can
-/// finish: what its agent reports in use and reserved, above the target.
+/// finish (`planner::pages_to_free`: node-wide, or per NUMA node).
 fn must_free(node_state: Option<&HugePageNode>, plan: &NodePlan, size: PageSize) -> u64 {
-    let target = plan
-        .spec
-        .page_sizes
-        .iter()
-        .find(|e| e.size == size)
-        .map_or(0, |e| e.pages.max(0) as u64);
-    let held = node_state
+    let Some(entry) = plan.spec.page_sizes.iter().find(|e| e.size == size) else {
+        return 0;
+    };
+    node_state
         .and_then(|s| s.status.as_ref())
         .and_then(|s| s.page_sizes.iter().find(|r| r.size == size))
-        .map_or(0, |r| (r.in_use.max(0) + r.reserved.max(0)) as u64);
-    held.saturating_sub(target)
+        .map_or(0, |reported| crate::planner::pages_to_free(reported, entry))
 }
 
 /// The merge patch that sets the Node's taints with or without

@@ -189,6 +189,19 @@ pub fn entry_state(node_state: &HugePageNode, entry: &PageSizeTarget) -> EntrySt
             message: format!("{}: {}", failed.reason, failed.message),
         };
     }
+    // A kubelet that did not come back after its restart fails the node as
+    // a shortfall does: it keeps its rollout slot, so that failures halt the
+    // rollout at maxUnavailable and no more kubelets are restarted for it.
+    if let Some(stale) = find_condition(&status.conditions, NodeConditionType::KubeletCapacityStale)
+        && stale.status == "True"
+        && stale.reason == Reason::KubeletRestartFailed.as_str()
+        && current(stale)
+    {
+        return EntryState::Failed {
+            reason: Reason::KubeletRestartFailed.to_string(),
+            message: stale.message.clone(),
+        };
+    }
     if let Some(converged) = find_condition(&status.conditions, NodeConditionType::Converged)
         && converged.status == "False"
         && current(converged)
@@ -935,8 +948,34 @@ fn kubelet_capacity_stale(node: Option<&Node>, size: PageSize, pages: i64) -> bo
         })
 }
 
+/// Pages of `entry`'s size that must come back before its shrink can
+/// finish: what the node has in use and reserved above the target, or, with
+/// per-NUMA targets, what each NUMA node has in use (its total less its
+/// free pages) above its own target, summed; whichever is more. A shrink
+/// held up on one NUMA node counts although the node-wide total fits.
+pub fn pages_to_free(
+    reported: &hugepool_crds::node::PageSizeStatus,
+    entry: &PageSizeTarget,
+) -> u64 {
+    let positive = |n: i64| u64::try_from(n).unwrap_or(0);
+    let node_wide =
+        positive(reported.in_use.max(0) + reported.reserved.max(0) - entry.pages.max(0));
+    let per_numa: u64 = entry
+        .numa
+        .iter()
+        .flatten()
+        .filter_map(|target| {
+            let numa = reported.numa.iter().find(|n| n.id == target.id)?;
+            let in_use = (numa.total - numa.free).max(0);
+            Some(positive(in_use - target.pages.max(0)))
+        })
+        .sum();
+    node_wide.max(per_numa)
+}
+
 /// Whether the agent reports that `entry`'s shrink is held up by pages in
-/// use (the kernel keeps them as surplus).
+/// use (the kernel keeps them as surplus, or the agent stops at the pages in
+/// use, node-wide or on one NUMA node).
 fn shrink_blocked(state: &HugePageNode, entry: &PageSizeTarget) -> bool {
     let Some(status) = &state.status else {
         return false;
@@ -945,7 +984,7 @@ fn shrink_blocked(state: &HugePageNode, entry: &PageSizeTarget) -> bool {
         && status
             .page_sizes
             .iter()
-            .any(|r| r.size == entry.size && (r.surplus > 0 || r.in_use + r.reserved > entry.pages))
+            .any(|r| r.size == entry.size && (r.surplus > 0 || pages_to_free(r, entry) > 0))
 }
 
 /// The drain state of one node: drain while an IfNeeded pool's shrink is

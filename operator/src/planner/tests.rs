@@ -220,6 +220,59 @@ fn degraded_names_the_nodes_own_reason_and_a_mix_as_nodes_failed() {
 }
 
 #[test]
+fn a_failed_kubelet_restart_holds_its_slot_and_halts_further_restarts() {
+    let mut restarting = pool("dpdk", 0, "dpdk", "2Mi", 64);
+    restarting.spec.kubelet.restart = hugepool_crds::settings::KubeletRestart::AfterResize;
+    let pools = vec![with_max_unavailable(restarting, IntOrString::Int(1))];
+    let nodes = fleet(3, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    // The kernel reached the target, but the kubelet did not come back.
+    converge(&mut hpns[0]);
+    let mut status = hpns[0].status.clone().unwrap();
+    set_condition(
+        &mut status.conditions,
+        ConditionUpdate::new(
+            NodeConditionType::KubeletCapacityStale,
+            true,
+            Reason::KubeletRestartFailed,
+            "the kubelet did not report 64 x 2Mi within 2m of its restart",
+        )
+        .generation(hpns[0].metadata.generation),
+        &Time(at(0)),
+    );
+    hpns[0].status = Some(status);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    let pool_plan = &plan.pools["dpdk"];
+    assert!(pool_plan.admitted.is_empty(), "{:?}", pool_plan.admitted);
+    assert_eq!(pool_plan.status.nodes.failed, 1);
+    assert_eq!(
+        pool_plan.status.failed_nodes[0].reason,
+        "KubeletRestartFailed"
+    );
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Degraded),
+        ("True", "RolloutHalted")
+    );
+    // Once it reports the pool, the rollout goes on.
+    converge(&mut hpns[0]);
+    let mut status = hpns[0].status.clone().unwrap();
+    set_condition(
+        &mut status.conditions,
+        ConditionUpdate::new(
+            NodeConditionType::KubeletCapacityStale,
+            false,
+            Reason::CapacityMatches,
+            "kubelet capacity matches the pools",
+        ),
+        &Time(at(1)),
+    );
+    hpns[0].status = Some(status);
+    let plan = run_plan(&pools, &nodes, &hpns, 2);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-01"]);
+}
+
+#[test]
 fn older_pool_wins_a_conflict_and_the_newer_touches_nothing() {
     let pools = vec![
         pool("newer", 10, "b", "2Mi", 32),
@@ -663,6 +716,80 @@ fn blocked_shrink(policy: DrainPolicy) -> (Vec<HugePagePool>, Vec<Node>, Vec<Hug
         &Time(at(0)),
     );
     (pools, nodes, hpns)
+}
+
+#[test]
+fn a_shrink_blocked_on_one_numa_node_drains_what_that_node_holds() {
+    // Targets 100 + 100; 150 pages in use on NUMA node 0, none on node 1.
+    // Node-wide 150 in use fit the 200 pages, so only the NUMA counts show
+    // the shrink cannot finish.
+    let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 200)];
+    pools[0].spec.numa = Some(NumaSpec {
+        policy: NumaPolicy::Explicit,
+        nodes: Some(vec![
+            NumaTarget { id: 0, pages: 100 },
+            NumaTarget { id: 1, pages: 100 },
+        ]),
+    });
+    pools[0].spec.drain.policy = DrainPolicy::IfNeeded;
+    pools[0].spec.drain.timeout = "1m".into();
+    let nodes = fleet(1, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    let entry = hpns[0].spec.page_sizes[0].clone();
+    assert_eq!(entry.numa.as_ref().map(Vec::len), Some(2), "{entry:?}");
+    let generation = hpns[0].metadata.generation;
+    let status = status_of(&mut hpns[0]);
+    status.observed_generation = generation;
+    status.page_sizes = vec![PageSizeStatus {
+        size: PageSize::SIZE_2MI,
+        target: Some(entry.pages),
+        total: 250,
+        free: 100,
+        in_use: 150,
+        numa: vec![
+            NumaStatus {
+                id: 0,
+                total: 150,
+                free: 0,
+                surplus: 0,
+            },
+            NumaStatus {
+                id: 1,
+                total: 100,
+                free: 100,
+                surplus: 0,
+            },
+        ],
+        ..PageSizeStatus::empty(PageSize::SIZE_2MI)
+    }];
+    set_condition(
+        &mut status.conditions,
+        ConditionUpdate::new(
+            NodeConditionType::ShrinkBlocked,
+            true,
+            Reason::PagesInUse,
+            "",
+        )
+        .generation(generation),
+        &Time(at(0)),
+    );
+    let reported = hpns[0].status.as_ref().unwrap().page_sizes[0].clone();
+    assert_eq!(
+        pages_to_free(&reported, &entry),
+        50,
+        "NUMA node 0's 150 - 100"
+    );
+    let plan = run_plan(&pools, &nodes, &hpns, 10);
+    let drain = &plan.nodes["w-00"].drain;
+    assert!(drain.taint, "{drain:?}");
+    assert_eq!(drain.evict, [PageSize::SIZE_2MI]);
+    assert_eq!(drain.deadline, Some(at(70)));
+    // Without NUMA targets the same node is not blocked: 150 fit in 250.
+    let mut global = entry.clone();
+    global.numa = None;
+    global.pages = 250;
+    assert_eq!(pages_to_free(&reported, &global), 0);
 }
 
 #[test]
