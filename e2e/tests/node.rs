@@ -112,7 +112,9 @@ impl Node {
             name,
             pod_apiserver: (host.to_string(), port.parse().expect("port")),
             kubelet_restart,
-            kubelet_root: dir.join("node").join("kubelet"),
+            // A hostPath must not contain "..", as repo() does.
+            kubelet_root: std::fs::canonicalize(dir.join("node").join("kubelet"))
+                .expect("the kubelet's root dir"),
             saved_2mi,
             _kernel: kernel,
         })
