@@ -16,6 +16,9 @@
 //! Environment: HUGEPOOL_FRAGMENT_PAGES (default 6144), HUGEPOOL_FRAGMENT_REPS
 //! (default 5).
 
+#[path = "common/raw.rs"]
+mod raw;
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs::File;
@@ -833,7 +836,6 @@ fn save_raw(
     table: &str,
 ) -> Result<PathBuf, String> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let runs: Vec<serde_json::Value> = results
         .iter()
         .flat_map(|(strategy, runs)| {
@@ -874,11 +876,9 @@ fn save_raw(
         "table": table,
         "runs": runs,
     });
-    let path = dir.join(format!("fragment-{}.json", now.strftime("%Y%m%dT%H%M%SZ")));
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(&document).expect("JSON"),
+    raw::write(
+        &dir,
+        &format!("fragment-{}.json", now.strftime("%Y%m%dT%H%M%SZ")),
+        &document,
     )
-    .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(path)
 }

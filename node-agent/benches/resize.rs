@@ -18,6 +18,9 @@
 //! Environment: HUGEPOOL_BENCH_REPS (default 5), HUGEPOOL_BENCH_PAGES
 //! (default 8192), HUGEPOOL_BENCH_1GI_PAGES, HUGEPOOL_BENCH_MIN_WRITES.
 
+#[path = "common/raw.rs"]
+mod raw;
+
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -786,7 +789,6 @@ fn interleaved(runs: &[Run]) -> Vec<&Run> {
 
 fn save_raw(results: &[(Key, Vec<Run>)], reps: usize, table: &str) -> Result<PathBuf, String> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let runs: Vec<serde_json::Value> = results
         .iter()
         .flat_map(|((size, hvo, direction, strategy), runs)| {
@@ -819,11 +821,9 @@ fn save_raw(results: &[(Key, Vec<Run>)], reps: usize, table: &str) -> Result<Pat
         "table": table,
         "runs": runs,
     });
-    let path = dir.join(format!("resize-{}.json", now.strftime("%Y%m%dT%H%M%SZ")));
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(&document).expect("JSON"),
+    raw::write(
+        &dir,
+        &format!("resize-{}.json", now.strftime("%Y%m%dT%H%M%SZ")),
+        &document,
     )
-    .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(path)
 }
