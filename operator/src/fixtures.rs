@@ -109,22 +109,29 @@ pub fn converge(hpn: &mut HugePageNode) {
     hpn.status = Some(status);
 }
 
-/// What an agent reports when growth stopped short at this generation.
-pub fn fail_allocation(hpn: &mut HugePageNode) {
+/// An agent's report of `update` for `hpn`'s current generation.
+pub fn report(hpn: &mut HugePageNode, update: ConditionUpdate) {
     let mut status = hpn.status.clone().unwrap_or_default();
     status.observed_generation = hpn.metadata.generation;
     set_condition(
         &mut status.conditions,
+        update.generation(hpn.metadata.generation),
+        &Time(at(0)),
+    );
+    hpn.status = Some(status);
+}
+
+/// What an agent reports when growth stopped short at this generation.
+pub fn fail_allocation(hpn: &mut HugePageNode) {
+    report(
+        hpn,
         ConditionUpdate::new(
             NodeConditionType::AllocationFailed,
             true,
             Reason::Fragmented,
             "achieved 10 of 64 pages",
-        )
-        .generation(hpn.metadata.generation),
-        &Time(at(0)),
+        ),
     );
-    hpn.status = Some(status);
 }
 
 /// Writes a plan's HugePageNode specs back as the API server would.

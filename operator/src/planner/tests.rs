@@ -169,20 +169,15 @@ fn one_failure_below_the_limit_degrades_but_the_rollout_goes_on() {
 
 /// What an agent reports for a target this machine cannot have.
 fn invalid_target(hpn: &mut HugePageNode) {
-    let mut status = hpn.status.clone().unwrap_or_default();
-    status.observed_generation = hpn.metadata.generation;
-    set_condition(
-        &mut status.conditions,
+    report(
+        hpn,
         ConditionUpdate::new(
             NodeConditionType::Converged,
             false,
             Reason::InvalidTarget,
             "2Mi: NUMA node 3 not on this machine (it has 0)",
-        )
-        .generation(hpn.metadata.generation),
-        &Time(at(0)),
+        ),
     );
-    hpn.status = Some(status);
 }
 
 #[test]
@@ -229,19 +224,15 @@ fn a_failed_kubelet_restart_holds_its_slot_and_halts_further_restarts() {
     apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
     // The kernel reached the target, but the kubelet did not come back.
     converge(&mut hpns[0]);
-    let mut status = hpns[0].status.clone().unwrap();
-    set_condition(
-        &mut status.conditions,
+    report(
+        &mut hpns[0],
         ConditionUpdate::new(
             NodeConditionType::KubeletCapacityStale,
             true,
             Reason::KubeletRestartFailed,
             "the kubelet did not report 64 x 2Mi within 2m of its restart",
-        )
-        .generation(hpns[0].metadata.generation),
-        &Time(at(0)),
+        ),
     );
-    hpns[0].status = Some(status);
     let plan = run_plan(&pools, &nodes, &hpns, 1);
     let pool_plan = &plan.pools["dpdk"];
     assert!(pool_plan.admitted.is_empty(), "{:?}", pool_plan.admitted);
@@ -256,18 +247,15 @@ fn a_failed_kubelet_restart_holds_its_slot_and_halts_further_restarts() {
     );
     // Once it reports the pool, the rollout goes on.
     converge(&mut hpns[0]);
-    let mut status = hpns[0].status.clone().unwrap();
-    set_condition(
-        &mut status.conditions,
+    report(
+        &mut hpns[0],
         ConditionUpdate::new(
             NodeConditionType::KubeletCapacityStale,
             false,
             Reason::CapacityMatches,
             "kubelet capacity matches the pools",
         ),
-        &Time(at(1)),
     );
-    hpns[0].status = Some(status);
     let plan = run_plan(&pools, &nodes, &hpns, 2);
     assert_eq!(plan.pools["dpdk"].admitted, ["w-01"]);
 }
