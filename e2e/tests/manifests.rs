@@ -319,7 +319,7 @@ fn rbac_is_the_designs_list() {
         json!([rule(
             "coordination.k8s.io",
             "leases",
-            &["get", "create", "patch"]
+            &["get", "list", "watch", "create", "patch"]
         )])
     );
     assert_eq!(

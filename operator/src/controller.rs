@@ -32,13 +32,13 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
-use tokio::sync::{Mutex, watch};
+use tokio::sync::Mutex;
 use tracing::{debug, info, instrument, warn};
 
 use crate::drain::{self, Eviction};
 use crate::error::{Error, Result};
 use crate::events;
-use crate::leader::{LeaderConfig, Leadership};
+use crate::leader::{Fence, LeaderConfig, Leadership};
 use crate::metrics::{Health, Metrics};
 use crate::planner::{self, DrainPlan, NodePlan, Plan, PlanInput};
 
@@ -190,7 +190,8 @@ pub struct Context {
     pub node_states: Store<HugePageNode>,
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
-    pub is_leader: watch::Receiver<bool>,
+    /// Asked before every write (see `leader`).
+    pub leader: Fence,
     pub ready: Arc<AtomicBool>,
     pub config: Config,
     /// The clock; tests pass a fixed one.
@@ -206,7 +207,7 @@ impl Context {
         nodes: Store<Node>,
         node_states: Store<HugePageNode>,
         metrics: Arc<Metrics>,
-        is_leader: watch::Receiver<bool>,
+        leader: Fence,
         ready: Arc<AtomicBool>,
         config: Config,
     ) -> Self {
@@ -221,7 +222,7 @@ impl Context {
             nodes,
             node_states,
             metrics,
-            is_leader,
+            leader,
             ready,
             config,
             now: Timestamp::now,
@@ -294,7 +295,7 @@ pub fn node_spec_clear(node: &Node, with_owner: bool) -> serde_json::Value {
 /// Reconciles one pool: plans the cluster, writes what changed.
 #[instrument(skip(pool, ctx), fields(pool = %pool.name_any()))]
 pub async fn reconcile(pool: Arc<HugePagePool>, ctx: Arc<Context>) -> Result<Action> {
-    if !*ctx.is_leader.borrow() {
+    if !ctx.leader.open() {
         return Ok(Action::await_change());
     }
     if !ctx.ready.load(Ordering::Relaxed) {
@@ -334,6 +335,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     if pool.metadata.deletion_timestamp.is_none()
         && !pool.finalizers().iter().any(|f| f == POOL_FINALIZER)
     {
+        fenced(ctx)?;
         let updated = add_finalizer(&pools_api, &pool).await?;
         written.pools.insert(
             name.to_string(),
@@ -433,7 +435,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     // Then the drains, in node order (they are few, and evictions must be
     // paced).
     for (node_name, node_plan) in &plan.nodes {
-        if !*ctx.is_leader.borrow() {
+        if !ctx.leader.open() {
             return Ok(Action::await_change());
         }
         let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
@@ -442,6 +444,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         let node_state = drain_states.get(node_name.as_str()).map(Arc::as_ref);
         match carry_out_drain(ctx, node, node_state, node_plan, now, &mut written).await {
             Ok(still_evicting) => evicting |= still_evicting,
+            Err(Error::NotLeader) => return Ok(Action::await_change()),
             Err(err) => {
                 warn!(node = %node_name, error = %err, "node not updated");
                 node_error.get_or_insert(err);
@@ -457,6 +460,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
     let evicted = written.evicted.get(name).cloned().unwrap_or_default();
     status.record_evictions(evicted);
     if status != old_status {
+        fenced(ctx)?;
         let updated = pools_api
             .patch_status(
                 name,
@@ -491,6 +495,7 @@ async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
         return Err(err);
     }
     if pool_plan.remove_finalizer && pool.finalizers().iter().any(|f| f == POOL_FINALIZER) {
+        fenced(ctx)?;
         remove_finalizer(&pools_api, &pool).await?;
         written.pools.remove(name);
         written.evicted.remove(name);
@@ -592,7 +597,7 @@ async fn write_node_spec(
 ) -> (String, Result<HugePageNode>) {
     let name = node.name_any();
     // A replica that lost the Lease stops writing at once.
-    if !*ctx.is_leader.borrow() {
+    if !ctx.leader.open() {
         return (name, Err(Error::NotLeader));
     }
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
@@ -709,6 +714,7 @@ async fn carry_out_drain(
             .unwrap_or_default();
         let before = find_condition(&conditions, NodeConditionType::Draining).cloned();
         if set_condition(&mut conditions, update.clone(), &Time(now)) {
+            fenced(ctx)?;
             let Some(condition) = find_condition(&conditions, NodeConditionType::Draining) else {
                 return Ok(false);
             };
@@ -737,6 +743,7 @@ async fn carry_out_drain(
         }
     }
     if drain.taint != has_drain_taint(node) {
+        fenced(ctx)?;
         set_drain_taint(ctx, node, drain.taint, written).await?;
     }
     if drain.evict.is_empty() {
@@ -758,6 +765,9 @@ async fn carry_out_drain(
         {
             continue;
         }
+        // Evictions are slow (each a round trip, some refused): a replica
+        // paused or cut off mid-drain must not go on from its old plan.
+        fenced(ctx)?;
         let outcome = drain::evict(&ctx.client, pod).await;
         ctx.metrics.count_eviction(&pool, outcome.metric_label());
         let first_refusal = written.evictions.get(&uid).is_none();
@@ -795,6 +805,15 @@ async fn carry_out_drain(
         }
     }
     Ok(true)
+}
+
+/// Err(NotLeader) unless this replica may write now (see `leader::Fence`).
+fn fenced(ctx: &Context) -> Result<()> {
+    if ctx.leader.open() {
+        Ok(())
+    } else {
+        Err(Error::NotLeader)
+    }
 }
 
 /// Adds or removes `hugepool.dev/draining:NoSchedule`, leaving other taints
@@ -985,7 +1004,7 @@ pub async fn run(
         nodes.clone(),
         node_states.clone(),
         metrics.clone(),
-        is_leader.clone(),
+        leadership.fence(),
         ready.clone(),
         config,
     ));

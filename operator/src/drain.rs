@@ -7,7 +7,7 @@ use std::time::Duration;
 use hugepool_crds::PageSize;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Pod, ResourceRequirements};
-use kube::api::{Api, EvictParams};
+use kube::api::{Api, DeleteParams, EvictParams, Preconditions};
 use kube::{Client, ResourceExt};
 
 /// First wait after a refused eviction; it doubles up to [`MAX_BACKOFF`].
@@ -312,7 +312,19 @@ impl Eviction {
 pub async fn evict(client: &Client, pod: &Pod) -> Eviction {
     let namespace = pod.namespace().unwrap_or_default();
     let api: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-    match api.evict(&pod.name_any(), &EvictParams::default()).await {
+    // Only the pod the plan saw: a pod re-created under its name since is
+    // another pod (the server answers 409, a refusal retried later).
+    let params = EvictParams {
+        delete_options: Some(DeleteParams {
+            preconditions: pod.metadata.uid.clone().map(|uid| Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        }),
+        ..EvictParams::default()
+    };
+    match api.evict(&pod.name_any(), &params).await {
         Ok(_) => Eviction::Evicted,
         Err(kube::Error::Api(status)) if status.code == 404 => Eviction::Evicted,
         Err(kube::Error::Api(status)) if status.code == 429 => Eviction::Blocked(status.message),

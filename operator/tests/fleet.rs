@@ -1037,6 +1037,154 @@ async fn a_replica_that_loses_the_lease_drops_its_pool_metrics() {
     support::delete_namespace(&client, &scope).await;
 }
 
+/// Refuses every renewal of `namespace`'s Leases by `identity` (a
+/// ValidatingAdmissionPolicy on the real apiserver), as a leader cut off
+/// from the apiserver, or paused past its Lease, would fail to renew; other
+/// writes pass. Returns the policy's name (the binding shares it).
+async fn refuse_renewals(client: &kube::Client, namespace: &str, identity: &str) -> String {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let name = format!("{namespace}-refuse-renewals");
+    let held_by = |object: &str| {
+        format!("has({object}.spec.holderIdentity) && {object}.spec.holderIdentity == '{identity}'")
+    };
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": ["coordination.k8s.io"],
+                "apiVersions": ["v1"],
+                "operations": ["UPDATE"],
+                "resources": ["leases"],
+            }]},
+            "validations": [{
+                "expression": format!("!({} && {})", held_by("oldObject"), held_by("object")),
+                "message": "renewals refused by the test",
+            }],
+        },
+    }))
+    .expect("policy");
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": namespace,
+            }}},
+        },
+    }))
+    .expect("binding");
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .create(&PostParams::default(), &policy)
+        .await
+        .expect("create the policy");
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("create the binding");
+    name
+}
+
+/// Undoes `refuse_renewals`.
+async fn allow_renewals(client: &kube::Client, name: &str) {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await
+        .expect("delete the binding");
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await
+        .expect("delete the policy");
+}
+
+/// A leader whose renewals fail stops writing once its last renewal runs
+/// out, although nobody else has taken the Lease (the Lease manager alone
+/// would go on believing it leads, and writing, for as long as renewals
+/// fail); renewals back, it leads and writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_renewals_fail_stops_writing_when_its_lease_runs_out() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(&env, "fence", FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&fleet.client, &scope).await;
+    let lease = "hugepool-operator".to_string();
+    let identity = format!("{scope}-replica");
+    let addr = format!("127.0.0.1:{}", hugepool_e2e::free_port());
+    fleet
+        .start_operator_serving(
+            Some(LeaderConfig {
+                namespace: scope.clone(),
+                lease_name: lease.clone(),
+                identity: identity.clone(),
+                duration: Duration::from_secs(3),
+                grace: Duration::from_secs(1),
+            }),
+            Some(addr.parse().expect("address")),
+        )
+        .await;
+    let leading = |value: u8| {
+        let addr = addr.clone();
+        move || {
+            let addr = addr.clone();
+            async move {
+                let text = hugepool_e2e::http_get(&addr, "/metrics")?;
+                text.contains(&format!("\nhugepool_leader {value}\n"))
+                    .then_some(())
+                    .ok_or(text)
+            }
+        }
+    };
+    wait_for("the replica leads", Duration::from_secs(60), leading(1)).await;
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(2)))
+        .await;
+    let names = fleet.node_names();
+    fleet.wait_kernels(&names, 64, Duration::from_secs(60)).await;
+
+    let policy = refuse_renewals(&fleet.client, &scope, &identity).await;
+    wait_for(
+        "the leader fenced: its renewals refused, its Lease run out",
+        Duration::from_secs(60),
+        leading(0),
+    )
+    .await;
+    // Nobody took the Lease: only the fence stops this replica.
+    assert_eq!(
+        lease_holder(&fleet.client, &scope, &lease).await,
+        Some(identity.clone())
+    );
+    let generation = fleet.patch_pool(&pool, json!({"pages": 128})).await;
+    // A negative check: a fenced replica that wrote would do so at once.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for name in &names {
+        let spec = fleet.node_state(name).await.spec;
+        assert!(
+            spec.page_sizes.iter().all(|e| e.pages == 64),
+            "{name} written while fenced: {spec:?}"
+        );
+    }
+    assert_eq!(fleet.node(&names[0]).pages_2mi(), (64, 0));
+    assert_ne!(
+        fleet.pool(&pool).await.status.and_then(|s| s.observed_generation),
+        Some(generation),
+        "pool status written while fenced"
+    );
+
+    allow_renewals(&fleet.client, &policy).await;
+    wait_for("the replica leads again", Duration::from_secs(60), leading(1)).await;
+    fleet.wait_kernels(&names, 128, Duration::from_secs(60)).await;
+    let client = fleet.client.clone();
+    fleet.shutdown().await;
+    support::delete_namespace(&client, &scope).await;
+}
+
 /// Deleting a Release pool shrinks every node to 0 through the rollout
 /// before the pool object goes: whenever the pool is seen gone, every
 /// kernel is already at 0.

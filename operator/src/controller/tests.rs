@@ -432,7 +432,7 @@ fn harness(
         store_of(nodes),
         store_of(states),
         Arc::new(Metrics::default()),
-        leader_rx,
+        crate::leader::Fence::following(leader_rx),
         Arc::new(AtomicBool::new(true)),
         Config::default(),
     );
