@@ -1146,7 +1146,9 @@ async fn a_leader_whose_renewals_fail_stops_writing_when_its_lease_runs_out() {
         .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(2)))
         .await;
     let names = fleet.node_names();
-    fleet.wait_kernels(&names, 64, Duration::from_secs(60)).await;
+    fleet
+        .wait_kernels(&names, 64, Duration::from_secs(60))
+        .await;
 
     let policy = refuse_renewals(&fleet.client, &scope, &identity).await;
     wait_for(
@@ -1172,17 +1174,317 @@ async fn a_leader_whose_renewals_fail_stops_writing_when_its_lease_runs_out() {
     }
     assert_eq!(fleet.node(&names[0]).pages_2mi(), (64, 0));
     assert_ne!(
-        fleet.pool(&pool).await.status.and_then(|s| s.observed_generation),
+        fleet
+            .pool(&pool)
+            .await
+            .status
+            .and_then(|s| s.observed_generation),
         Some(generation),
         "pool status written while fenced"
     );
 
     allow_renewals(&fleet.client, &policy).await;
-    wait_for("the replica leads again", Duration::from_secs(60), leading(1)).await;
-    fleet.wait_kernels(&names, 128, Duration::from_secs(60)).await;
+    wait_for(
+        "the replica leads again",
+        Duration::from_secs(60),
+        leading(1),
+    )
+    .await;
+    fleet
+        .wait_kernels(&names, 128, Duration::from_secs(60))
+        .await;
     let client = fleet.client.clone();
     fleet.shutdown().await;
     support::delete_namespace(&client, &scope).await;
+}
+
+/// The operator's own binary as a process of its own, so that a test can
+/// pause it (SIGSTOP) as a frozen VM or a stalled runtime would.
+struct OperatorProcess {
+    child: std::process::Child,
+}
+
+impl OperatorProcess {
+    fn start(kubeconfig: &std::path::Path, log: &std::path::Path, args: &[&str]) -> Self {
+        let log = std::fs::File::create(log).expect("operator log");
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_hugepool-operator"))
+            .arg("run")
+            .args(args)
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "info")
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start hugepool-operator");
+        Self { child }
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        // SAFETY: signalling our own child.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "kill({signal})");
+    }
+}
+
+impl Drop for OperatorProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A leader paused (SIGSTOP) mid-rollout past its Lease: the other replica
+/// takes over and rolls a changed pool out; the old leader, resumed
+/// (SIGCONT) with its plan and caches of before the pause, writes nothing
+/// of that plan, and no view of the fleet ever has more than
+/// `maxUnavailable` nodes changing. Then, leading alone, it is paused past
+/// its Lease again and wakes with its renewals refused: it writes nothing
+/// until a renewal goes through (without the fence it wrote at once). On a
+/// control plane of the test's own, since the paused replica is the
+/// operator's binary, unscoped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_paused_past_its_lease_writes_nothing_of_its_old_plan_when_it_resumes() {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+
+    if setup().await.is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(hugepool_e2e::unique_name("paused-leader"));
+    let own = hugepool_e2e::OwnedControlPlane::start(&dir).expect("a private control plane");
+    let client = own.control_plane.client().await.expect("client");
+    hugepool_e2e::install_crds(client.clone())
+        .await
+        .expect("CRDs");
+    let env = hugepool_e2e::TestEnv {
+        control_plane: Box::leak(Box::new(hugepool_e2e::ControlPlane {
+            kubeconfig: own.control_plane.kubeconfig.clone(),
+        })),
+        client: client.clone(),
+    };
+    let mut fleet = Fleet::start(&env, "paused", FleetSpec::new(6).label(ROLE_LABEL, "dpdk")).await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&client, &scope).await;
+    let lease = "hugepool-operator";
+    let port = hugepool_e2e::free_port();
+    let paused = OperatorProcess::start(
+        &own.control_plane.kubeconfig,
+        &dir.join("paused-operator.log"),
+        &[
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--leader-elect",
+            "--lease-namespace",
+            &scope,
+            "--lease-name",
+            lease,
+            "--identity",
+            "paused",
+            "--lease-duration",
+            "3s",
+            "--lease-grace",
+            "1s",
+        ],
+    );
+    wait_for("the process leads", Duration::from_secs(60), || async {
+        match lease_holder(&client, &scope, lease).await.as_deref() {
+            Some("paused") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    fleet
+        .start_operator(Some(LeaderConfig {
+            namespace: scope.clone(),
+            lease_name: lease.into(),
+            identity: "survivor".into(),
+            duration: Duration::from_secs(3),
+            grace: Duration::from_secs(1),
+        }))
+        .await;
+
+    let mut watch = fleet.watch_rollout(2);
+    watch.synced().await;
+    let pool = format!("{scope}-pool");
+    // Slow steps, so that the rollout is under way at the pause.
+    let mut spec = pool_spec(&scope, "dpdk", 1024, json!(2));
+    spec["resize"]["stepPause"] = json!("200ms");
+    fleet.create_pool(&pool, spec).await;
+    wait_for("the rollout under way", Duration::from_secs(60), || async {
+        let nodes = status_of(&fleet.pool(&pool).await).nodes;
+        (nodes.converged >= 1)
+            .then_some(())
+            .ok_or(format!("{nodes:?}"))
+    })
+    .await;
+    paused.signal(libc::SIGSTOP);
+    wait_for(
+        "the other replica takes over",
+        Duration::from_secs(60),
+        || async {
+            match lease_holder(&client, &scope, lease).await.as_deref() {
+                Some("survivor") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    // A new plan the paused replica has not seen: every node at 512.
+    fleet.patch_pool(&pool, json!({"pages": 512})).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |p| {
+            let nodes = status_of(p).nodes;
+            (nodes.converged == 6)
+                .then_some(())
+                .ok_or(format!("{nodes:?}"))
+        })
+        .await;
+    let names = fleet.node_names();
+    fleet
+        .wait_kernels(&names, 512, Duration::from_secs(10))
+        .await;
+
+    // Every HugePageNode spec written from now on.
+    let seen = Arc::new(Mutex::new(Vec::<(String, i64)>::new()));
+    let recorder = {
+        let seen = seen.clone();
+        let events = watcher(
+            Api::<HugePageNode>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .applied_objects();
+        tokio::spawn(async move {
+            let mut events = std::pin::pin!(events);
+            while let Some(Ok(state)) = events.next().await {
+                for entry in &state.spec.page_sizes {
+                    seen.lock()
+                        .expect("seen")
+                        .push((state.name_any(), entry.pages));
+                }
+            }
+        })
+    };
+    paused.signal(libc::SIGCONT);
+    wait_for(
+        "the resumed replica knows it follows",
+        Duration::from_secs(60),
+        || async {
+            let text = hugepool_e2e::http_get(&format!("127.0.0.1:{port}"), "/metrics")?;
+            text.contains("\nhugepool_leader 0\n")
+                .then_some(())
+                .ok_or(text)
+        },
+    )
+    .await;
+    // A negative check: a stale write comes within moments of the wake-up.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    recorder.abort();
+    let stale: Vec<(String, i64)> = seen
+        .lock()
+        .expect("seen")
+        .iter()
+        .filter(|(_, pages)| *pages != 512)
+        .cloned()
+        .collect();
+    assert!(stale.is_empty(), "written from the old plan: {stale:?}");
+    assert_eq!(
+        lease_holder(&client, &scope, lease).await.as_deref(),
+        Some("survivor")
+    );
+    fleet
+        .wait_kernels(&names, 512, Duration::from_secs(10))
+        .await;
+    watch.assert_bounded();
+    drop(watch);
+
+    // Now the process leads alone (the other replica stopped gives the
+    // Lease up), is paused past its Lease again and wakes unable to renew:
+    // its Lease manager, still the holder, goes on saying "leader"; the
+    // fence alone keeps it from writing.
+    fleet.take_operator(0).stop().await;
+    wait_for(
+        "the process leads again",
+        Duration::from_secs(60),
+        || async {
+            match lease_holder(&client, &scope, lease).await.as_deref() {
+                Some("paused") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let leader_metric = |value: u8| {
+        move || async move {
+            let text = hugepool_e2e::http_get(&format!("127.0.0.1:{port}"), "/metrics")?;
+            text.contains(&format!("\nhugepool_leader {value}\n"))
+                .then_some(())
+                .ok_or(text)
+        }
+    };
+    wait_for(
+        "the process says it leads",
+        Duration::from_secs(60),
+        leader_metric(1),
+    )
+    .await;
+    paused.signal(libc::SIGSTOP);
+    let policy = refuse_renewals(&client, &scope, "paused").await;
+    let expired = |lease: Option<Lease>| {
+        lease
+            .and_then(|l| l.spec)
+            .and_then(|s| s.renew_time.zip(s.lease_duration_seconds))
+            .is_some_and(|(renewed, seconds)| {
+                renewed.0 + jiff::SignedDuration::from_secs(seconds.into()) < jiff::Timestamp::now()
+            })
+    };
+    let leases = Api::<Lease>::namespaced(client.clone(), &scope);
+    wait_for(
+        "the paused process's Lease runs out",
+        Duration::from_secs(60),
+        || async {
+            let current = leases.get_opt(lease).await.map_err(|e| e.to_string())?;
+            expired(current.clone())
+                .then_some(())
+                .ok_or(format!("{current:?}"))
+        },
+    )
+    .await;
+    fleet.patch_pool(&pool, json!({"pages": 256})).await;
+    paused.signal(libc::SIGCONT);
+    wait_for(
+        "the woken process fenced",
+        Duration::from_secs(60),
+        leader_metric(0),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for name in &names {
+        let spec = fleet.node_state(name).await.spec;
+        assert!(
+            spec.page_sizes.iter().all(|e| e.pages == 512),
+            "{name} written by a replica whose Lease ran out: {spec:?}"
+        );
+    }
+    assert_eq!(
+        lease_holder(&client, &scope, lease).await.as_deref(),
+        Some("paused"),
+        "nobody else took the Lease"
+    );
+    allow_renewals(&client, &policy).await;
+    wait_for(
+        "the process leads once it renews",
+        Duration::from_secs(60),
+        leader_metric(1),
+    )
+    .await;
+    fleet
+        .wait_kernels(&names, 256, Duration::from_secs(120))
+        .await;
+    drop(paused);
+    fleet.shutdown().await;
+    drop(own);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Deleting a Release pool shrinks every node to 0 through the rollout
