@@ -571,6 +571,83 @@ async fn blocked_shrink_drains_hugepage_consumers_under_taint() {
     fleet.shutdown().await;
 }
 
+/// A shrink blocked on one NUMA node only drains: 150 pages in use on NUMA
+/// node 0 of a node whose targets go from 200 + 200 to 100 + 100 (node-wide
+/// the 150 fit in 200; NUMA node 0's 100 cannot hold them). The consumer is
+/// evicted under the taint, its pages come back, and each NUMA node reaches
+/// its own target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shrink_blocked_on_one_numa_node_drains_its_consumer() {
+    let Some(env) = setup().await else { return };
+    let spec = FleetSpec::new(1)
+        .label(ROLE_LABEL, "dpdk")
+        .numa_nodes(0..1, &[4 * support::GIB, 4 * support::GIB]);
+    let mut fleet = Fleet::start(&env, "numa-drain", spec).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    let explicit = |per_node: i64| {
+        let mut spec = pool_spec(&scope, "dpdk", 2 * per_node, json!(1));
+        spec["numa"] = json!({
+            "policy": "Explicit",
+            "nodes": [{"id": 0, "pages": per_node}, {"id": 1, "pages": per_node}],
+        });
+        spec["drain"] = json!({"policy": "IfNeeded", "timeout": "60s"});
+        spec
+    };
+    fleet.create_pool(&pool, explicit(200)).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    let node = fleet.node_name(0);
+    assert_eq!(fleet.node(&node).numa_pages_2mi(), [(0, 200), (1, 200)]);
+    assert_eq!(
+        fleet
+            .node(&node)
+            .kernel
+            .hold_pages(MI2, 0, 150)
+            .expect("hold"),
+        150
+    );
+    support::create_namespace(&fleet.client, &scope).await;
+    support::run_pod(
+        &fleet.client,
+        &scope,
+        support::pod("consumer", &node, "dpdk", Some("300Mi")),
+    )
+    .await;
+    let (kubelet, kubelet_task) =
+        play_kubelet(&fleet, &scope, vec![("consumer".into(), node.clone(), 150)]);
+
+    let mut shrink = explicit(100);
+    shrink.as_object_mut().expect("spec").remove("nodeSelector");
+    fleet.patch_pool(&pool, shrink).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(90), |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 1 && status.pages.current == 200)
+                .then_some(())
+                .ok_or(format!("{:?} {:?}", status.nodes, status.pages))
+        })
+        .await;
+    let evicted = kubelet
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .evicted
+        .clone();
+    assert_eq!(
+        evicted,
+        vec![("consumer".to_string(), true)],
+        "evicted under the taint"
+    );
+    assert_eq!(fleet.node(&node).numa_pages_2mi(), [(0, 100), (1, 100)]);
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}
+
 /// A drain evicts the fewest pods that free what the shrink needs: of three
 /// consumers (8, 32 and 16 pages) a shrink that must free 30 pages evicts
 /// only the 32-page one; pages no pod's requests explain evict nothing.
