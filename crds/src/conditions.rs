@@ -35,7 +35,7 @@ api_enum! {
     /// Conditions on a HugePageNode; all agent-owned except Draining.
     NodeConditionType {
         Converged, Resizing, Stalled, AllocationFailed, ShrinkBlocked, KubeletCapacityStale,
-        KernelLogUnavailable, Draining,
+        KernelLogUnavailable, Restoring, Draining,
     }
 }
 
@@ -65,6 +65,8 @@ api_enum! {
         MemoryManagerAssignments,
         // KernelLogUnavailable
         KernelLogUnreadable, KernelLogDisabled, KernelLogWatched,
+        // Restoring
+        PoolsShortAtStart, PoolsReady,
         // Draining
         EvictingPods, DrainTimeout, DrainComplete,
         // Pool: Available / Progressing / Degraded

@@ -30,6 +30,11 @@ pub const OPERATOR_MANAGER: &str = "hugepool-operator";
 pub const AGENT_MANAGER: &str = "hugepool-agent";
 /// Taint the operator puts on a node while it evicts hugepage consumers.
 pub const DRAINING_TAINT: &str = "hugepool.dev/draining";
+/// Taint that keeps ordinary pods off a node whose pools are not back yet
+/// (a reboot, a new node): the agent says `Restoring`, the operator taints,
+/// and removes the taint once the pools are at target and the kubelet
+/// reports them. Node images may register kubelets with it.
+pub const NOT_READY_TAINT: &str = "hugepool.dev/not-ready";
 /// Finalizer that lets a `Release` pool shrink its nodes before it goes.
 pub const POOL_FINALIZER: &str = "hugepool.dev/release";
 

@@ -134,7 +134,7 @@ pub struct HugePageNodeStatus {
     #[x_kube(merge_strategy = ListMerge::Map(vec!["size".into()]))]
     pub page_sizes: Vec<PageSizeStatus>,
     /// Converged, Resizing, Stalled, AllocationFailed, ShrinkBlocked,
-    /// KubeletCapacityStale, KernelLogUnavailable (agent) and Draining
+    /// KubeletCapacityStale, KernelLogUnavailable, Restoring (agent) and Draining
     /// (operator): docs/design.md, "Conditions". At most 16, each message
     /// at most 1024 characters.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

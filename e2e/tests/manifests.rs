@@ -1269,7 +1269,9 @@ async fn the_operator_may_only_set_its_taint_and_report_its_own_events() {
         (node.metadata.resource_version.unwrap_or_default(), taints)
     };
     let with = |mut taints: Vec<Value>, extra: Vec<Value>, version: String| {
-        taints.retain(|t| t["key"] != "hugepool.dev/draining");
+        taints.retain(|t| {
+            t["key"] != "hugepool.dev/draining" && t["key"] != "hugepool.dev/not-ready"
+        });
         taints.extend(extra);
         json!({"metadata": {"resourceVersion": version}, "spec": {"taints": taints}})
     };
@@ -1323,9 +1325,10 @@ async fn the_operator_may_only_set_its_taint_and_report_its_own_events() {
             }
         }
     };
-    retried(vec![draining.clone()])
+    let not_ready = json!({"key": "hugepool.dev/not-ready", "effect": "NoSchedule"});
+    retried(vec![draining.clone(), not_ready])
         .await
-        .expect("the operator adds its taint");
+        .expect("the operator adds its taints");
     let (_, taints) = current().await;
     let listed = keys(&taints);
     assert!(
@@ -1333,14 +1336,15 @@ async fn the_operator_may_only_set_its_taint_and_report_its_own_events() {
         "{listed:?}"
     );
     assert!(
-        listed.contains(&"hugepool.dev/draining:NoSchedule".to_string()),
+        listed.contains(&"hugepool.dev/draining:NoSchedule".to_string())
+            && listed.contains(&"hugepool.dev/not-ready:NoSchedule".to_string()),
         "{listed:?}"
     );
     retried(vec![])
         .await
-        .expect("the operator removes its taint");
+        .expect("the operator removes its taints");
     // Anything else is refused, each with the policy's message.
-    let only_its_taint = "only its own hugepool.dev/draining:NoSchedule taint";
+    let only_its_taint = "only its own hugepool.dev/draining:NoSchedule and hugepool.dev/not-ready:NoSchedule taints";
     let (_, before) = current().await;
     let without_gpu: Vec<Value> = before
         .iter()
@@ -1362,6 +1366,14 @@ async fn the_operator_may_only_set_its_taint_and_report_its_own_events() {
             with(
                 before.clone(),
                 vec![json!({"key": "hugepool.dev/draining", "effect": "NoExecute"})],
+                String::new(),
+            ),
+            only_its_taint,
+        ),
+        (
+            with(
+                before.clone(),
+                vec![json!({"key": "hugepool.dev/not-ready", "effect": "NoExecute"})],
                 String::new(),
             ),
             only_its_taint,

@@ -248,10 +248,14 @@ fn node_reference(node: &Node) -> ObjectReference {
 }
 
 pub(crate) fn has_drain_taint(node: &Node) -> bool {
+    has_taint(node, hugepool_crds::DRAINING_TAINT)
+}
+
+pub(crate) fn has_taint(node: &Node, key: &str) -> bool {
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == hugepool_crds::DRAINING_TAINT))
+        .is_some_and(|t| t.iter().any(|t| t.key == key))
 }
 
 /// The HugePageNode is owned by its Node (so it goes with it).
@@ -742,9 +746,16 @@ async fn carry_out_drain(
             }
         }
     }
-    if drain.taint != has_drain_taint(node) {
+    let taints = [
+        (hugepool_crds::DRAINING_TAINT, drain.taint),
+        (hugepool_crds::NOT_READY_TAINT, plan.not_ready_taint),
+    ];
+    if taints
+        .iter()
+        .any(|&(key, want)| has_taint(node, key) != want)
+    {
         fenced(ctx)?;
-        set_drain_taint(ctx, node, drain.taint, written).await?;
+        set_taints(ctx, node, &taints, written).await?;
     }
     if drain.evict.is_empty() {
         return Ok(false);
@@ -818,10 +829,10 @@ fn fenced(ctx: &Context) -> Result<()> {
 
 /// Adds or removes `hugepool.dev/draining:NoSchedule`, leaving other taints
 /// alone; the resourceVersion makes a concurrent change fail and retry.
-async fn set_drain_taint(
+async fn set_taints(
     ctx: &Context,
     node: &Node,
-    taint: bool,
+    taints: &[(&str, bool)],
     written: &mut Written,
 ) -> Result<()> {
     let name = node.name_any();
@@ -834,7 +845,7 @@ async fn set_drain_taint(
         .patch(
             &name,
             &PatchParams::default(),
-            &Patch::Merge(taint_patch(node, taint)),
+            &Patch::Merge(taints_patch(node, taints)),
         )
         .await
     {
@@ -846,14 +857,14 @@ async fn set_drain_taint(
             api.patch(
                 &name,
                 &PatchParams::default(),
-                &Patch::Merge(taint_patch(&fresh, taint)),
+                &Patch::Merge(taints_patch(&fresh, taints)),
             )
             .await
             .map_err(error)?
         }
         Err(source) => return Err(error(source)),
     };
-    info!(node = %name, taint, "draining taint updated");
+    info!(node = %name, ?taints, "taints updated");
     let mut updated = updated;
     slim_node(&mut updated);
     written
@@ -874,28 +885,38 @@ fn must_free(node_state: Option<&HugePageNode>, plan: &NodePlan, size: PageSize)
         .map_or(0, |reported| crate::planner::pages_to_free(reported, entry))
 }
 
-/// The merge patch that sets the Node's taints with or without
-/// `hugepool.dev/draining:NoSchedule`. Taints are one atomic list, so the
-/// patch names the resourceVersion it was computed from.
-pub fn taint_patch(node: &Node, taint: bool) -> serde_json::Value {
+/// The merge patch that sets the Node's taints so that each of ours in
+/// `wanted` (key, present) is there or not, `NoSchedule`, other taints left
+/// alone. Taints are one atomic list, so the patch names the
+/// resourceVersion it was computed from.
+pub fn taints_patch(node: &Node, wanted: &[(&str, bool)]) -> serde_json::Value {
     let mut taints: Vec<Taint> = node
         .spec
         .as_ref()
         .and_then(|s| s.taints.clone())
         .unwrap_or_default();
-    taints.retain(|t| t.key != hugepool_crds::DRAINING_TAINT);
-    if taint {
-        taints.push(Taint {
-            key: hugepool_crds::DRAINING_TAINT.into(),
-            effect: "NoSchedule".into(),
-            value: None,
-            time_added: None,
-        });
+    for &(key, present) in wanted {
+        let had = taints.iter().any(|t| t.key == key);
+        if had && !present {
+            taints.retain(|t| t.key != key);
+        } else if present && !had {
+            taints.push(Taint {
+                key: key.into(),
+                effect: "NoSchedule".into(),
+                value: None,
+                time_added: None,
+            });
+        }
     }
     json!({
         "metadata": {"resourceVersion": node.resource_version()},
         "spec": {"taints": taints},
     })
+}
+
+/// [`taints_patch`] for `hugepool.dev/draining` alone.
+pub fn taint_patch(node: &Node, taint: bool) -> serde_json::Value {
+    taints_patch(node, &[(hugepool_crds::DRAINING_TAINT, taint)])
 }
 
 /// Pools that care about a node: those selecting it and those with an

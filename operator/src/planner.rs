@@ -74,6 +74,9 @@ pub struct NodePlan {
     /// The HugePageNode is missing or its spec differs from `spec`.
     pub spec_changed: bool,
     pub drain: DrainPlan,
+    /// Whether `hugepool.dev/not-ready:NoSchedule` should be on the Node
+    /// (see [`not_ready_taint`]).
+    pub not_ready_taint: bool,
 }
 
 /// The drain state a node should be in (policy IfNeeded, docs/design.md).
@@ -609,10 +612,19 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         let spec = HugePageNodeSpec {
             page_sizes: entries,
         };
+        let node = nodes.get(node_name).copied();
         if state.is_none() && spec.page_sizes.is_empty() && !owned_sizes.contains_key(node_name) {
+            // No pool wants this node: a not-ready taint it was registered
+            // with has nothing to wait for.
+            if node.is_some_and(|n| has_taint(n, hugepool_crds::NOT_READY_TAINT)) {
+                plan.nodes
+                    .insert(node_name.to_string(), NodePlan::default());
+            }
             continue;
         }
         let spec_changed = state.is_none_or(|s| s.spec != spec);
+        let owned = owned_sizes.get(node_name).map_or(&[][..], Vec::as_slice);
+        let not_ready_taint = not_ready_taint(node, state, &spec, spec_changed, owned);
         let drain = plan_drain(state, &spec, &rules, input.now);
         if let Some(deadline) = drain.deadline {
             plan.next_deadline = Some(plan.next_deadline.map_or(deadline, |d| d.min(deadline)));
@@ -623,6 +635,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
                 spec,
                 spec_changed,
                 drain,
+                not_ready_taint,
             },
         );
     }
@@ -933,6 +946,48 @@ fn settle_pool(
             .collect(),
     };
     (pool_plan, decisions)
+}
+
+fn has_taint(node: &Node, key: &str) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == key))
+}
+
+/// Whether ordinary pods must be kept off the node: its agent says its
+/// pools were short when it started (`Restoring`: a reboot, a new node), or
+/// the node has the taint (the operator's, or the kubelet's
+/// `--register-with-taints`) and is not ready yet. Ready: every size a pool
+/// owns on it has its entry written, the agent has seen that spec and
+/// reached each entry, and the kubelet reports each pool.
+fn not_ready_taint(
+    node: Option<&Node>,
+    state: Option<&HugePageNode>,
+    spec: &HugePageNodeSpec,
+    spec_changed: bool,
+    owned: &[PageSize],
+) -> bool {
+    let restoring = state
+        .and_then(|s| s.status.as_ref())
+        .is_some_and(|s| is_true(&s.conditions, NodeConditionType::Restoring));
+    if restoring {
+        return true;
+    }
+    let Some(node) = node.filter(|n| has_taint(n, hugepool_crds::NOT_READY_TAINT)) else {
+        return false;
+    };
+    let ready = state.is_some_and(|state| {
+        !spec_changed
+            && owned
+                .iter()
+                .all(|size| spec.page_sizes.iter().any(|e| e.size == *size))
+            && spec.page_sizes.iter().all(|entry| {
+                entry_state(state, entry) == EntryState::Converged
+                    && !kubelet_capacity_stale(Some(node), entry.size, entry.pages)
+            })
+    });
+    !ready
 }
 
 /// Whether the Node's kubelet misreports `pages` of `size`, by the rule the

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use hugepool_crds::{DRAINING_TAINT, HugePagePool, POOL_FINALIZER};
+use hugepool_crds::{DRAINING_TAINT, HugePagePool, NOT_READY_TAINT, POOL_FINALIZER};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -19,7 +19,7 @@ use serde_json::json;
 use tokio::time::Instant;
 use tracing::info;
 
-use crate::controller::{has_drain_taint, release_patch, taint_patch};
+use crate::controller::{has_drain_taint, has_taint, release_patch, taints_patch};
 
 /// What to stop and how long to wait for it.
 #[derive(Clone, Debug)]
@@ -75,7 +75,7 @@ pub async fn uninstall(client: Client, config: &UninstallConfig) -> Result<Repor
         .await
         .map_err(api_error("listing Nodes"))?
     {
-        if has_drain_taint(&node) {
+        if has_drain_taint(&node) || has_taint(&node, NOT_READY_TAINT) {
             let name = node.name_any();
             untaint(&nodes, node).await?;
             report.untainted.push(name);
@@ -209,13 +209,14 @@ where
 async fn untaint(nodes: &Api<Node>, node: Node) -> Result<(), UninstallError> {
     let name = node.name_any();
     patch_fresh(nodes, node, |n| {
-        has_drain_taint(n).then(|| taint_patch(n, false))
+        (has_drain_taint(n) || has_taint(n, NOT_READY_TAINT))
+            .then(|| taints_patch(n, &[(DRAINING_TAINT, false), (NOT_READY_TAINT, false)]))
     })
     .await
     .map_err(api_error(format!(
-        "removing {DRAINING_TAINT} from Node {name}"
+        "removing {DRAINING_TAINT} and {NOT_READY_TAINT} from Node {name}"
     )))?;
-    info!(node = %name, "uninstall: draining taint removed");
+    info!(node = %name, "uninstall: hugepool taints removed");
     Ok(())
 }
 

@@ -215,6 +215,29 @@ pub async fn run(
         }
     }
 
+    // What the pools are as the agent starts: short of their targets after
+    // a reboot or on a new node (`Restoring`, and the operator taints).
+    let first = spec_rx.borrow().clone();
+    if let Some(object) = first {
+        let targets = object.spec.page_sizes.clone();
+        let reader = Arc::clone(&kernel);
+        let sizes: Vec<PageSize> = targets.iter().map(|e| e.size).collect();
+        let pools = tokio::task::spawn_blocking(move || {
+            sizes
+                .into_iter()
+                .filter_map(|size| Some((size, reader.pool(size).ok()?.persistent())))
+                .collect::<BTreeMap<_, _>>()
+        })
+        .await
+        .unwrap_or_default();
+        let short = status::short_at_start(&targets, &pools);
+        if !short.is_empty() {
+            info!(?short, "pools short of their targets at start: restoring");
+        }
+        shared.memory().restoring = short;
+        shared.touch(true);
+    }
+
     let mut models = config
         .model_file
         .as_deref()

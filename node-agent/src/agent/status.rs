@@ -163,6 +163,10 @@ pub struct AgentMemory {
     pub sizes: BTreeMap<PageSize, SizeRecord>,
     pub kubelet: KubeletView,
     pub kernel_log: KernelLogState,
+    /// Sizes whose pool was short of its target when the agent started (a
+    /// reboot, a new node), with that target: `Restoring` until the pool is
+    /// back and the kubelet reports it.
+    pub restoring: BTreeMap<PageSize, u64>,
 }
 
 /// Whether the agent reads the kernel log, where lockups, RCU stalls and hung
@@ -566,10 +570,82 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
         updates.push(update);
     }
     updates.push(kernel_log_condition(&memory.kernel_log));
+    updates.push(restoring_condition(snapshot, memory));
     updates
         .into_iter()
         .map(|u| u.generation(generation))
         .collect()
+}
+
+/// The sizes of `targets` whose pool is short of its target in `pools`
+/// (persistent pages by size): what a reboot or a new node looks like to an
+/// agent that starts.
+pub fn short_at_start(
+    targets: &[PageSizeTarget],
+    pools: &BTreeMap<PageSize, u64>,
+) -> BTreeMap<PageSize, u64> {
+    targets
+        .iter()
+        .filter_map(|entry| {
+            let wanted = u64::try_from(entry.pages).ok()?;
+            let have = *pools.get(&entry.size)?;
+            (have < wanted).then_some((entry.size, wanted))
+        })
+        .collect()
+}
+
+/// Drops from `memory.restoring` what is settled: the size's target changed
+/// or went (a rollout, not a restore, from then on), or its pool is at the
+/// target with no surplus and the kubelet reports it.
+pub fn settle_restoring(snapshot: &KernelSnapshot, memory: &mut AgentMemory) {
+    let AgentMemory {
+        restoring,
+        targets,
+        kubelet,
+        ..
+    } = memory;
+    restoring.retain(|size, pages| {
+        let same_target = targets
+            .iter()
+            .any(|e| e.size == *size && u64::try_from(e.pages).ok() == Some(*pages));
+        let back = snapshot
+            .size(*size)
+            .is_some_and(|s| s.pool.persistent() == *pages && s.pool.surplus == 0);
+        let reported = kubelet.capacity.as_ref().is_some_and(|capacity| {
+            !hugepool_crds::kubelet::capacity_stale(capacity, *size, *pages)
+        });
+        same_target && !(back && reported)
+    });
+}
+
+fn restoring_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> ConditionUpdate {
+    if memory.restoring.is_empty() {
+        return ConditionUpdate::new(
+            Type::Restoring,
+            false,
+            Reason::PoolsReady,
+            "no pool was short of its target when the agent started, or each is back and the kubelet reports it",
+        );
+    }
+    let parts: Vec<String> = memory
+        .restoring
+        .iter()
+        .map(|(size, pages)| {
+            let have = snapshot.size(*size).map_or(0, |s| s.pool.persistent());
+            format!("{size}: {have} of {pages} pages")
+        })
+        .collect();
+    ConditionUpdate::new(
+        Type::Restoring,
+        true,
+        Reason::PoolsShortAtStart,
+        format!(
+            "short of target when the agent started (a reboot or a new node): {}; ordinary pods \
+             are kept off ({}) until the pools are back and the kubelet reports them",
+            parts.join("; "),
+            hugepool_crds::NOT_READY_TAINT
+        ),
+    )
 }
 
 fn kernel_log_condition(state: &KernelLogState) -> ConditionUpdate {
@@ -778,6 +854,65 @@ mod tests {
 
     fn cond(status: &HugePageNodeStatus, t: NodeConditionType) -> &Condition {
         find_condition(&status.conditions, t).unwrap_or_else(|| panic!("no {t} condition"))
+    }
+
+    #[test]
+    fn a_pool_short_at_start_is_restoring_until_it_is_back_and_the_kubelet_reports_it() {
+        let mi2 = PageSize::SIZE_2MI;
+        let targets = vec![target("2Mi", 64), target("1Gi", 0)];
+        // A reboot: the kernel's pool empty, the target still 64.
+        let short = short_at_start(
+            &targets,
+            &BTreeMap::from([(mi2, 0), (PageSize::SIZE_1GI, 0)]),
+        );
+        assert_eq!(short, BTreeMap::from([(mi2, 64)]));
+        // An agent restarted on a converged node restores nothing.
+        assert!(short_at_start(&targets, &BTreeMap::from([(mi2, 64)])).is_empty());
+
+        let mut memory = memory(targets);
+        memory.restoring = short;
+        memory.kubelet.capacity = Some(BTreeMap::from([(mi2, 0)]));
+        let empty = snapshot(0, 0, 0, 0);
+        settle_restoring(&empty, &mut memory);
+        let restoring = built(&empty, &memory);
+        let condition = cond(&restoring, NodeConditionType::Restoring);
+        assert_eq!(
+            (condition.status.as_str(), condition.reason.as_str()),
+            ("True", "PoolsShortAtStart")
+        );
+        assert!(
+            condition.message.contains("2Mi: 0 of 64 pages")
+                && condition.message.contains("hugepool.dev/not-ready"),
+            "{}",
+            condition.message
+        );
+        // Back in the kernel, but the kubelet still reports 0: still restoring.
+        let back = snapshot(64, 64, 0, 0);
+        settle_restoring(&back, &mut memory);
+        assert_eq!(memory.restoring, BTreeMap::from([(mi2, 64)]));
+        assert_eq!(
+            cond(&built(&back, &memory), NodeConditionType::Restoring).status,
+            "True"
+        );
+        // The kubelet reports it: settled for good.
+        memory.kubelet.capacity = Some(BTreeMap::from([(mi2, 64 * mi2.bytes())]));
+        settle_restoring(&back, &mut memory);
+        assert!(memory.restoring.is_empty());
+        let ready = built(&back, &memory);
+        let condition = cond(&ready, NodeConditionType::Restoring);
+        assert_eq!(
+            (condition.status.as_str(), condition.reason.as_str()),
+            ("False", "PoolsReady")
+        );
+    }
+
+    #[test]
+    fn a_new_target_ends_a_restore_it_is_a_rollout_from_then_on() {
+        let mi2 = PageSize::SIZE_2MI;
+        let mut memory = memory(vec![target("2Mi", 128)]);
+        memory.restoring = BTreeMap::from([(mi2, 64)]);
+        settle_restoring(&snapshot(0, 0, 0, 0), &mut memory);
+        assert!(memory.restoring.is_empty());
     }
 
     #[test]

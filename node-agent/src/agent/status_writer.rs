@@ -67,7 +67,11 @@ pub(super) async fn write_status(
                 continue;
             }
         };
-        let memory = shared.memory().clone();
+        let memory = {
+            let mut memory = shared.memory();
+            status::settle_restoring(&snapshot, &mut memory);
+            memory.clone()
+        };
         update_gauges(&shared.metrics, &snapshot, &memory);
         let now = Time(jiff::Timestamp::now());
         let status = status::build(&snapshot, &memory, &mut conditions, &now);

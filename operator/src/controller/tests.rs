@@ -642,7 +642,7 @@ fn node_spec_apply_names_the_node_as_owner() {
     let plan = NodePlan {
         spec: hugepool_crds::HugePageNodeSpec::default(),
         spec_changed: true,
-        drain: Default::default(),
+        ..NodePlan::default()
     };
     let body = node_spec_apply(&node, &plan);
     assert_eq!(body["apiVersion"], "hugepool.dev/v1alpha1");

@@ -1414,3 +1414,98 @@ fn the_right_total_in_the_wrong_numa_split_is_not_converged() {
     ];
     assert_eq!(entry_state(&state, &target), EntryState::InFlight);
 }
+
+fn with_taint(mut node: Node, key: &str) -> Node {
+    node.spec
+        .get_or_insert_with(Default::default)
+        .taints
+        .get_or_insert_with(Vec::new)
+        .push(k8s_openapi::api::core::v1::Taint {
+            key: key.into(),
+            effect: "NoSchedule".into(),
+            ..Default::default()
+        });
+    node
+}
+
+fn with_capacity_2mi(mut node: Node, bytes: u64) -> Node {
+    node.status
+        .get_or_insert_with(Default::default)
+        .capacity
+        .get_or_insert_with(BTreeMap::new)
+        .insert(
+            "hugepages-2Mi".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity(bytes.to_string()),
+        );
+    node
+}
+
+fn restoring(hpn: &mut HugePageNode, status: bool) {
+    let reason = if status {
+        Reason::PoolsShortAtStart
+    } else {
+        Reason::PoolsReady
+    };
+    report(
+        hpn,
+        ConditionUpdate::new(NodeConditionType::Restoring, status, reason, ""),
+    );
+}
+
+#[test]
+fn a_node_restoring_its_pools_is_tainted_until_they_are_back_and_the_kubelet_reports_them() {
+    let pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    let mut nodes = vec![with_capacity_2mi(node("w-00", &["dpdk"]), 64 << 21)];
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    converge(&mut hpns[0]);
+    restoring(&mut hpns[0], false);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert!(!plan.nodes["w-00"].not_ready_taint, "a converged node");
+
+    // Rebooted: the agent found the pool short; the kubelet reports 0.
+    nodes[0] = with_capacity_2mi(node("w-00", &["dpdk"]), 0);
+    restoring(&mut hpns[0], true);
+    let plan = run_plan(&pools, &nodes, &hpns, 2);
+    assert!(plan.nodes["w-00"].not_ready_taint);
+    nodes[0] = with_taint(nodes[0].clone(), hugepool_crds::NOT_READY_TAINT);
+
+    // The pool is back but the kubelet still reports 0: the taint stays,
+    // even once the agent no longer says Restoring.
+    converge(&mut hpns[0]);
+    restoring(&mut hpns[0], false);
+    let plan = run_plan(&pools, &nodes, &hpns, 3);
+    assert!(plan.nodes["w-00"].not_ready_taint, "capacity still stale");
+
+    // The kubelet reports the pool: the taint goes.
+    nodes[0] = with_taint(
+        with_capacity_2mi(node("w-00", &["dpdk"]), 64 << 21),
+        hugepool_crds::NOT_READY_TAINT,
+    );
+    let plan = run_plan(&pools, &nodes, &hpns, 4);
+    assert!(!plan.nodes["w-00"].not_ready_taint);
+}
+
+#[test]
+fn a_node_registered_with_the_taint_keeps_it_until_its_pool_is_written_and_reached() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(1),
+    )];
+    let taint = hugepool_crds::NOT_READY_TAINT;
+    // w-00 takes the rollout's one slot; w-01 (a new node, registered with
+    // the taint) waits for admission and keeps it.
+    let nodes = vec![
+        node("w-00", &["dpdk"]),
+        with_taint(with_capacity_2mi(node("w-01", &["dpdk"]), 0), taint),
+    ];
+    let mut hpns = vec![hpn("w-01", 1, vec![])];
+    converge(&mut hpns[0]);
+    let plan = run_plan(&pools, &nodes, &hpns, 0);
+    assert_eq!(plan.pools["dpdk"].admitted, ["w-00"]);
+    assert!(plan.nodes["w-01"].not_ready_taint, "pending admission");
+    // A node no pool selects has nothing to wait for.
+    let lone = vec![with_taint(node("w-09", &["web"]), taint)];
+    let plan = run_plan(&pools, &lone, &[], 0);
+    assert_eq!(plan.nodes["w-09"], NodePlan::default());
+}
