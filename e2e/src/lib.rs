@@ -224,7 +224,14 @@ impl OwnedControlPlane {
     }
 
     pub fn restart(&mut self) -> Result<(), E2eError> {
+        self.restart_after(|| {})
+    }
+
+    /// Stops everything (with `--node`: the kubelet, containerd and every
+    /// pod process, as a reboot would), runs `between`, starts again.
+    pub fn restart_after(&mut self, between: impl FnOnce()) -> Result<(), E2eError> {
         self.stop();
+        between();
         let args: Vec<&std::ffi::OsStr> = self.up_args.iter().map(|a| a.as_os_str()).collect();
         self.child = Some(spawn_up(&self.dir, &args)?);
         wait_ready(&self.dir, Duration::from_secs(300))

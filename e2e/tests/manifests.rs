@@ -286,6 +286,42 @@ fn agent_daemonset_has_exactly_the_designed_privileges() {
     }
 }
 
+/// Boot mode adds one writable hostPath (the boot file's directory) and
+/// the flag that names the file; off by default (the committed manifests
+/// have neither: `assert_agent_privileges` checks the whole list).
+#[test]
+fn the_boot_file_is_one_more_mount_only_when_enabled() {
+    let Some(helm) = helm() else { return };
+    let docs = documents(&helm_template(
+        &helm,
+        &[
+            "--set",
+            "agent.bootFile.enabled=true",
+            "--set",
+            "agent.bootFile.hostDir=/var/lib/hp",
+        ],
+    ));
+    let pod = &find(&docs, "DaemonSet", "hugepool-agent")["spec"]["template"]["spec"];
+    let agent = &pod["containers"][0];
+    assert_eq!(
+        agent["volumeMounts"].as_array().expect("mounts").last(),
+        Some(&json!({"name": "boot-file", "mountPath": "/host/var/lib/hugepool"}))
+    );
+    assert_eq!(
+        pod["volumes"].as_array().expect("volumes").last(),
+        Some(
+            &json!({"name": "boot-file", "hostPath": {"path": "/var/lib/hp", "type": "DirectoryOrCreate"}})
+        )
+    );
+    assert!(
+        agent["args"].as_array().expect("args").contains(&json!(
+            "--boot-file=/host/var/lib/hugepool/boot-targets.json"
+        )),
+        "{}",
+        agent["args"]
+    );
+}
+
 #[test]
 fn rbac_is_the_designs_list() {
     let docs = committed_manifests();
@@ -634,6 +670,18 @@ fn helm_uninstall_runs_the_operators_uninstall_first_and_deploy_has_no_hooks() {
             .contains(&json!({"key": "hugepool.dev/draining", "operator": "Exists", "effect": "NoSchedule"})),
         "the hook runs on a node being drained"
     );
+    for (kind, name) in [
+        ("Job", "hugepool-operator-uninstall"),
+        ("Deployment", "hugepool-operator"),
+    ] {
+        let tolerations = &find(&docs, kind, name)["spec"]["template"]["spec"]["tolerations"];
+        assert!(
+            tolerations.as_array().expect("tolerations").contains(
+                &json!({"key": "hugepool.dev/not-ready", "operator": "Exists", "effect": "NoSchedule"})
+            ),
+            "{kind} {name} runs on a node whose pools are not back (it removes that taint)"
+        );
+    }
     // Its pods are not the operator's: the operator Deployment's selector
     // must not match them, or the hook would wait for itself.
     let selector =

@@ -151,6 +151,11 @@ impl Node {
     }
 
     fn helm_install(&self) -> String {
+        self.helm_install_with(&[])
+    }
+
+    /// `helm install` with more `--set` values.
+    fn helm_install_with(&self, sets: &[&str]) -> String {
         let chart = repo().join("charts").join("hugepool");
         let host = format!("apiServer.host={}", self.pod_apiserver.0);
         let port = format!("apiServer.port={}", self.pod_apiserver.1);
@@ -178,10 +183,11 @@ impl Node {
                 &restart,
                 "--set",
                 &root,
-                "--wait",
-                "--timeout",
-                "5m",
-            ],
+            ]
+            .into_iter()
+            .chain(sets.iter().flat_map(|set| ["--set", *set]))
+            .chain(["--wait", "--timeout", "5m"])
+            .collect::<Vec<_>>(),
         )
     }
 }
@@ -417,7 +423,12 @@ impl Node {
     /// Installs the chart, labels the node and applies the pool
     /// `consumers-2mi` with kubelet restarts `restart`.
     fn with_pool_restarting(&self, pages: u32, drain_timeout: &str, restart: &str) {
-        self.helm_install();
+        self.with_pool_and(pages, drain_timeout, restart, &[]);
+    }
+
+    /// As `with_pool_restarting`, the chart installed with `sets` too.
+    fn with_pool_and(&self, pages: u32, drain_timeout: &str, restart: &str, sets: &[&str]) {
+        self.helm_install_with(sets);
         self.kubectl(&["label", "node", &self.name, "hugepool.dev/demo=true"]);
         self.apply(&format!(
             r#"
@@ -1289,4 +1300,314 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         cpu_before,
         "the CPU Manager's checkpoint is left alone"
     );
+}
+
+fn node_tainted(node: &k8s_openapi::api::core::v1::Node, key: &str) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == key))
+}
+
+/// A node that comes back with its pool short of its target (a reboot as
+/// the agent sees it: the kernel's pool emptied, the kubelet and the agent
+/// restarted) keeps ordinary pods off under `hugepool.dev/not-ready` until
+/// the pool is back and the kubelet reports it; then they schedule. The
+/// pool's memory guard holds the restore back while the test looks, so the
+/// window is a state to wait for, not a race.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_back_with_its_pool_short_keeps_ordinary_pods_off_until_the_pool_is_back() {
+    let Some(node) = Node::start() else {
+        return;
+    };
+    let client = node.client().await;
+    node.with_pool(64, "2m").await;
+    assert_eq!(node.kubelet_capacity_2mi(&client).await, "128Mi");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let tainted = || async {
+        let current = nodes.get(&node.name).await.map_err(|e| e.to_string())?;
+        Ok::<bool, String>(node_tainted(&current, hugepool_crds::NOT_READY_TAINT))
+    };
+    assert!(!tainted().await.expect("Node"), "a converged node");
+    // No memory is ever enough: growth waits for the guard to come down.
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "consumers-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"allocation":{"minMemAvailable":"100Ti"}}}"#,
+    ]);
+    node.wait_available("consumers-2mi");
+
+    // The "reboot": the pool gone behind everyone's back, the kubelet
+    // restarted (it registers 0 pages), the agent started anew.
+    std::fs::write(Path::new(SYSFS_2MI).join("nr_hugepages"), "0").expect("empty the pool");
+    let restart = Command::new("sh")
+        .args(["-c", &node.kubelet_restart])
+        .output()
+        .expect("restart the kubelet");
+    assert!(restart.status.success(), "{restart:?}");
+    wait_for(
+        "the kubelet reports the emptied pool",
+        Duration::from_secs(300),
+        || async {
+            let capacity = node.kubelet_capacity_2mi(&client).await;
+            (capacity == "0").then_some(()).ok_or(capacity)
+        },
+    )
+    .await;
+    node.kubectl(&[
+        "delete",
+        "pod",
+        "-n",
+        NAMESPACE,
+        "-l",
+        "app.kubernetes.io/component=agent",
+        "--wait=false",
+    ]);
+    let message = wait_for(
+        "the new agent reports Restoring",
+        Duration::from_secs(300),
+        || async {
+            match node_condition(&client, &node.name, "Restoring").await {
+                Some((status, _, message)) if status == "True" => Ok(message),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(message.contains("2Mi: 0 of 64 pages"), "{message}");
+    wait_for("the not-ready taint", Duration::from_secs(120), || async {
+        if tainted().await? {
+            Ok(())
+        } else {
+            Err("not tainted".to_string())
+        }
+    })
+    .await;
+
+    // An ordinary pod (no hugepages, no tolerations) stays Pending.
+    node.apply(&format!(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: ordinary, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: main
+    image: localhost/hugepool-e2e:{version}
+    resources:
+      limits: {{memory: 32Mi, cpu: 50m}}
+"#,
+        version = env!("CARGO_PKG_VERSION"),
+    ));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let unschedulable = wait_for(
+        "the ordinary pod refused by the scheduler",
+        Duration::from_secs(120),
+        || async {
+            let pod = pods.get("ordinary").await.map_err(|e| e.to_string())?;
+            let status = pod.status.clone().unwrap_or_default();
+            status
+                .conditions
+                .unwrap_or_default()
+                .into_iter()
+                .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+                .and_then(|c| c.message)
+                .ok_or(format!("{:?}", pod.spec.and_then(|s| s.node_name)))
+        },
+    )
+    .await;
+    assert!(
+        unschedulable.contains(hugepool_crds::NOT_READY_TAINT),
+        "{unschedulable}"
+    );
+    assert_eq!(read_sys("nr_hugepages"), 0, "the guard holds the restore");
+
+    // The guard down: the pool comes back, the agent restarts the kubelet
+    // (AfterResize), the taint goes and the pod schedules.
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "consumers-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"allocation":{"minMemAvailable":"100Mi"}}}"#,
+    ]);
+    wait_for(
+        "the ordinary pod scheduled",
+        Duration::from_secs(300),
+        || async {
+            let pod = pods.get("ordinary").await.map_err(|e| e.to_string())?;
+            pod.spec
+                .and_then(|s| s.node_name)
+                .map(|_| ())
+                .ok_or("pending".to_string())
+        },
+    )
+    .await;
+    assert_eq!(
+        read_sys("nr_hugepages"),
+        64,
+        "scheduled only once the pool was back"
+    );
+    assert_eq!(
+        node.kubelet_capacity_2mi(&client).await,
+        "128Mi",
+        "and the kubelet reported it"
+    );
+    assert!(!tainted().await.expect("Node"), "the taint is gone");
+    let (status, reason, _) = node_condition(&client, &node.name, "Restoring")
+        .await
+        .expect("Restoring");
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "PoolsReady"));
+    pods.delete("ordinary", &Default::default())
+        .await
+        .expect("delete the pod");
+}
+
+/// Boot mode (docs/design.md, "Reboots and new nodes"): the agent keeps the
+/// node's converged targets in a host file; after a "reboot" (the whole node
+/// stopped, the kernel's pool emptied) `hugepool-agent boot` runs before the
+/// kubelet starts, as its systemd unit would, so the kubelet registers the
+/// pool at once: no Restoring, no taint, no kubelet restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn boot_mode_gives_a_rebooted_node_its_pool_before_the_kubelet_starts() {
+    let Some(mut node) = Node::start() else {
+        return;
+    };
+    let client = node.client().await;
+    let boot_dir = node.cp.dir.join("host-var-lib-hugepool");
+    std::fs::create_dir_all(&boot_dir).expect("boot dir");
+    let boot_dir = std::fs::canonicalize(&boot_dir).expect("canonical boot dir");
+    let boot_file = boot_dir.join("boot-targets.json");
+    let host_dir = format!("agent.bootFile.hostDir={}", boot_dir.display());
+    node.with_pool_and(
+        64,
+        "2m",
+        "AfterResize",
+        &["agent.bootFile.enabled=true", &host_dir],
+    );
+    node.wait_available("consumers-2mi");
+    let saved = wait_for(
+        "the agent keeps the converged targets",
+        Duration::from_secs(120),
+        || async {
+            let text = std::fs::read_to_string(&boot_file).map_err(|e| e.to_string())?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("{e}: {text}"))?;
+            (json["pageSizes"][0]["pages"] == 64)
+                .then_some(json)
+                .ok_or(text)
+        },
+    )
+    .await;
+    assert_eq!(saved["node"], node.name.as_str());
+    assert_eq!(saved["pageSizes"][0]["size"], "2Mi");
+
+    // The reboot: everything of the node stops (pods too), the kernel's pool
+    // is gone; the boot unit runs before the kubelet.
+    let agent = repo().join("target/x86_64-unknown-linux-musl/release/hugepool-agent");
+    let mut stopped_at = None;
+    let mut boot_output = None;
+    let name = node.name.clone();
+    node.cp
+        .restart_after(|| {
+            stopped_at = Some(jiff::Timestamp::now());
+            std::fs::write(Path::new(SYSFS_2MI).join("nr_hugepages"), "0").expect("empty the pool");
+            assert_eq!(read_sys("nr_hugepages"), 0);
+            boot_output = Some(
+                Command::new(&agent)
+                    .args(["boot", "--boot-file"])
+                    .arg(&boot_file)
+                    .args(["--node-name", &name])
+                    .output()
+                    .expect("run hugepool-agent boot"),
+            );
+        })
+        .expect("the node starts again");
+    let stopped_at = stopped_at.expect("stopped");
+    let boot = boot_output.expect("boot ran");
+    let stdout = String::from_utf8_lossy(&boot.stdout);
+    assert!(boot.status.success(), "{boot:?}");
+    assert!(
+        stdout.contains("2Mi: 0 -> 64 of 64 pages (reached)"),
+        "{stdout}"
+    );
+    let kubelet = node.kubelet_pid();
+
+    // The new kubelet's first report has the pool.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let capacity = wait_for(
+        "a heartbeat of the new kubelet",
+        Duration::from_secs(300),
+        || async {
+            let current = nodes.get(&node.name).await.map_err(|e| e.to_string())?;
+            let status = current.status.unwrap_or_default();
+            let beat = status
+                .conditions
+                .unwrap_or_default()
+                .into_iter()
+                .find(|c| c.type_ == "Ready" && c.status == "True")
+                .and_then(|c| c.last_heartbeat_time)
+                .ok_or("not Ready")?;
+            if beat.0 <= stopped_at {
+                return Err(format!("last heartbeat {} is the old kubelet's", beat.0));
+            }
+            Ok(status
+                .capacity
+                .and_then(|c| c.get("hugepages-2Mi").map(|q| q.0.clone()))
+                .unwrap_or_default())
+        },
+    )
+    .await;
+    assert_eq!(
+        capacity, "128Mi",
+        "the kubelet registered the pool at start"
+    );
+
+    // The new agent found the pool at its target: nothing to restore.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    wait_for(
+        "the agent started again and Ready",
+        Duration::from_secs(300),
+        || async {
+            let list = pods
+                .list(&ListParams::default().labels("app.kubernetes.io/component=agent"))
+                .await
+                .map_err(|e| e.to_string())?;
+            let pod = list.items.into_iter().next().ok_or("no agent pod")?;
+            let status = pod.status.unwrap_or_default();
+            let started = status
+                .container_statuses
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|c| c.state?.running?.started_at)
+                .any(|t| t.0 > stopped_at);
+            let ready = status
+                .conditions
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            (started && ready)
+                .then_some(())
+                .ok_or(format!("started after the reboot {started}, ready {ready}"))
+        },
+    )
+    .await;
+    node.wait_available("consumers-2mi");
+    let (status, reason, message) = node_condition(&client, &node.name, "Restoring")
+        .await
+        .expect("Restoring");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "PoolsReady"),
+        "{message}"
+    );
+    let current = nodes.get(&node.name).await.expect("Node");
+    assert!(!node_tainted(&current, hugepool_crds::NOT_READY_TAINT));
+    assert_eq!(read_sys("nr_hugepages"), 64);
+    assert_eq!(node.kubelet_pid(), kubelet, "no kubelet restart was needed");
 }

@@ -67,6 +67,61 @@ pub enum Command {
     Resize(ResizeArgs),
     /// Run as the node agent: converge this node's HugePageNode and report.
     Run(RunArgs),
+    /// Before the kubelet starts (a systemd unit): apply the targets the
+    /// agent last converged to, from its boot file.
+    Boot(BootArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BootArgs {
+    /// The file `run --boot-file` keeps (on the host).
+    #[arg(long, value_name = "PATH", default_value_os_t = crate::boot::default_path())]
+    pub boot_file: PathBuf,
+    /// Refuse a file written for another node (default: this host's name).
+    #[arg(long)]
+    pub node_name: Option<String>,
+}
+
+/// `hugepool-agent boot`: applies the boot file; Reached when every pool is
+/// at its target, Short when one is not, Error when the file cannot be read.
+/// A missing file (a node that never converged) applies nothing.
+pub async fn boot(
+    args: &BootArgs,
+    kernel: Arc<dyn Kernel>,
+    out: &mut (dyn Write + Send),
+) -> Result<Exit> {
+    let say = |out: &mut (dyn Write + Send), line: String| {
+        writeln!(out, "{line}").map_err(|source| Error::Write {
+            path: PathBuf::from("stdout"),
+            value: "boot report".into(),
+            source,
+        })
+    };
+    if !args.boot_file.exists() {
+        say(
+            out,
+            format!(
+                "{}: no boot file; nothing to apply",
+                args.boot_file.display()
+            ),
+        )?;
+        return Ok(Exit::Reached);
+    }
+    let node = args.node_name.clone().or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_lowercase())
+    });
+    let targets = crate::boot::load(&args.boot_file, node.as_deref())?;
+    let applied = crate::boot::apply(kernel, &targets).await?;
+    let mut exit = Exit::Reached;
+    for pool in applied {
+        if !pool.reached {
+            exit = Exit::Short;
+        }
+        say(out, pool.line)?;
+    }
+    Ok(exit)
 }
 
 pub use hugepool_runtime::LogFormat;
@@ -140,6 +195,11 @@ pub struct RunArgs {
     /// under /run/hugepool): read at start, written after every resize.
     #[arg(long, value_name = "PATH")]
     pub model_file: Option<PathBuf>,
+    /// Keep the targets each time the node converges in this file on the
+    /// host, for `hugepool-agent boot` before the kubelet starts after a
+    /// reboot (the chart: agent.bootFile).
+    #[arg(long, value_name = "PATH", env = "HUGEPOOL_BOOT_FILE")]
+    pub boot_file: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -158,6 +218,7 @@ impl RunArgs {
             .map(crate::kubelet_state::KubeletRootDir);
         config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
         config.model_file = self.model_file.clone();
+        config.boot_file = self.boot_file.clone();
         config
     }
 }
@@ -525,7 +586,7 @@ mod tests {
         all.extend_from_slice(args);
         match parse(&all).unwrap().command {
             Command::Resize(args) => args,
-            Command::Run(_) => unreachable!("parsed a resize command line"),
+            Command::Run(_) | Command::Boot(_) => unreachable!("parsed a resize command line"),
         }
     }
 
@@ -534,7 +595,7 @@ mod tests {
         all.extend_from_slice(args);
         match parse(&all)?.command {
             Command::Run(args) => Ok(args),
-            Command::Resize(_) => unreachable!("parsed a run command line"),
+            Command::Resize(_) | Command::Boot(_) => unreachable!("parsed a run command line"),
         }
     }
 

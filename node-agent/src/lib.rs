@@ -6,9 +6,12 @@
 //!   the kernel's own records) and the release (`kernel::release`).
 //! - [`resize`]: the budgeted resize engine (the algorithm is in
 //!   `resize/planner.rs`).
+//! - [`boot`]: the last converged targets kept on the host, applied before
+//!   the kubelet starts (`hugepool-agent boot`).
 //! - [`cli`]: the command line of the `hugepool-agent` binary.
 
 pub mod agent;
+pub mod boot;
 pub mod cli;
 pub mod error;
 pub mod kernel;

@@ -41,6 +41,7 @@ fn init_logging(command: &Command) {
     match command {
         Command::Resize(_) => hugepool_runtime::init_logging(LogFormat::Text, "warn"),
         Command::Run(args) => hugepool_runtime::init_logging(args.log_format, "info"),
+        Command::Boot(_) => hugepool_runtime::init_logging(LogFormat::Text, "warn"),
     }
 }
 
@@ -54,6 +55,14 @@ fn run(cli: Cli) -> anyhow::Result<Exit> {
                 .build()?;
             runtime.block_on(run_agent(&cli.kernel, args))?;
             Ok(Exit::Reached)
+        }
+        Command::Boot(args) => {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let kernel = Arc::new(cli.kernel.sysfs());
+            let mut stdout = std::io::stdout();
+            Ok(runtime.block_on(cli::boot(args, kernel, &mut stdout))?)
         }
         Command::Resize(args) => {
             // One thread for the engine; kernel writes go to tokio's blocking pool.

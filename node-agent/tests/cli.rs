@@ -172,3 +172,69 @@ fn growth_the_memory_guard_forbids_exits_2() {
     assert_eq!(report["outcome"]["reason"], "MemoryGuard");
     assert_eq!(fake.read(GLOBAL_2MI), "0\n");
 }
+
+fn boot_file(dir: &Path, node: &str, pages: i64, min_mem_available: &str) -> std::path::PathBuf {
+    let path = dir.join("boot-targets.json");
+    let targets = serde_json::json!({
+        "version": 1,
+        "node": node,
+        "pageSizes": [{
+            "size": "2Mi",
+            "pages": pages,
+            "pool": "p",
+            "poolGeneration": 3,
+            "allocation": {"minMemAvailable": min_mem_available},
+        }],
+    });
+    std::fs::write(&path, targets.to_string()).unwrap();
+    path
+}
+
+#[test]
+fn boot_applies_the_file_of_its_own_node_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeSysfs::single_size_no_numa(&dir.path().join("tree"));
+    let file = boot_file(dir.path(), "worker-1", 300, "1Gi");
+    let boot = |node: &str, file: &Path| {
+        agent(
+            &fake,
+            &[
+                "boot",
+                "--boot-file",
+                file.to_str().unwrap(),
+                "--node-name",
+                node,
+            ],
+        )
+    };
+
+    // Another node's file (a disk moved): refused, the pool untouched.
+    let refused = boot("worker-2", &file);
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("worker-1"), "{stderr}");
+    assert_eq!(fake.read(GLOBAL_2MI), "0\n");
+
+    // No file (a node that never converged): nothing to apply, success.
+    let missing = boot("worker-1", &dir.path().join("absent.json"));
+    assert_eq!(missing.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&missing.stdout).contains("no boot file"));
+    assert_eq!(fake.read(GLOBAL_2MI), "0\n");
+
+    let applied = boot("worker-1", &file);
+    let stdout = String::from_utf8_lossy(&applied.stdout);
+    assert_eq!(applied.status.code(), Some(0), "{stdout}");
+    assert_eq!(fake.read(GLOBAL_2MI), "300\n");
+    assert!(
+        stdout.contains("2Mi: 0 -> 300 of 300 pages (reached)"),
+        "{stdout}"
+    );
+
+    // A target the memory guard forbids: short, exit 2, as `resize`.
+    let guarded = boot_file(dir.path(), "worker-1", 400, "1Ti");
+    let short = boot("worker-1", &guarded);
+    let stdout = String::from_utf8_lossy(&short.stdout);
+    assert_eq!(short.status.code(), Some(2), "{stdout}");
+    assert!(stdout.contains("2Mi: 300 -> 300 of 400 pages"), "{stdout}");
+    assert_eq!(fake.read(GLOBAL_2MI), "300\n");
+}

@@ -85,6 +85,9 @@ pub struct AgentConfig {
     pub kmsg_path: Option<PathBuf>,
     /// Where the fitted write-cost models are kept across restarts.
     pub model_file: Option<PathBuf>,
+    /// Where the targets are kept each time the node converges, for
+    /// `hugepool-agent boot` (crate::boot).
+    pub boot_file: Option<PathBuf>,
 }
 
 impl AgentConfig {
@@ -102,6 +105,7 @@ impl AgentConfig {
             kubelet_root_dir: None,
             kmsg_path: None,
             model_file: None,
+            boot_file: None,
         }
     }
 }

@@ -38,6 +38,8 @@ pub(super) async fn write_status(
     let mut backoff = Duration::from_millis(250);
     let mut kernel_backoff = Duration::from_millis(250);
     let mut retry = false;
+    // What the boot file holds now (None: not written by this agent yet).
+    let mut saved_for_boot: Option<Vec<PageSizeTarget>> = None;
     loop {
         let stopping = *done.borrow();
         if !stopping && !retry {
@@ -75,6 +77,15 @@ pub(super) async fn write_status(
         update_gauges(&shared.metrics, &snapshot, &memory);
         let now = Time(jiff::Timestamp::now());
         let status = status::build(&snapshot, &memory, &mut conditions, &now);
+        if let Some(path) = &config.boot_file {
+            keep_for_boot(
+                path,
+                &config.node_name,
+                &status,
+                &memory,
+                &mut saved_for_boot,
+            );
+        }
         let has_object = memory.generation.is_some();
         let changed = last_sent.as_ref().map(significant) != Some(significant(&status));
         if has_object && changed {
@@ -114,6 +125,34 @@ pub(super) async fn write_status(
         if *done.borrow() {
             return;
         }
+    }
+}
+
+/// Writes the targets to the boot file when the node has converged on
+/// them and the file does not hold them yet (crate::boot).
+fn keep_for_boot(
+    path: &std::path::Path,
+    node: &str,
+    status: &HugePageNodeStatus,
+    memory: &AgentMemory,
+    saved: &mut Option<Vec<PageSizeTarget>>,
+) {
+    let converged = memory.generation.is_some()
+        && status.observed_generation == memory.generation
+        && hugepool_crds::conditions::is_true(
+            &status.conditions,
+            hugepool_crds::NodeConditionType::Converged,
+        );
+    if !converged || saved.as_ref() == Some(&memory.targets) {
+        return;
+    }
+    let targets = crate::boot::BootTargets::new(node, memory.targets.clone());
+    match crate::boot::save(path, &targets) {
+        Ok(()) => {
+            info!(path = %path.display(), entries = memory.targets.len(), "boot targets saved");
+            *saved = Some(memory.targets.clone());
+        }
+        Err(err) => warn!(error = %err, "cannot save the boot targets"),
     }
 }
 
