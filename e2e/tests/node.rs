@@ -1420,10 +1420,22 @@ spec:
         },
     )
     .await;
+    // The scheduler does not name the taint: the node carries only ours.
     assert!(
-        unschedulable.contains(hugepool_crds::NOT_READY_TAINT),
+        unschedulable.contains("untolerated taint"),
         "{unschedulable}"
     );
+    let keys: Vec<String> = nodes
+        .get(&node.name)
+        .await
+        .expect("Node")
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| t.key)
+        .collect();
+    assert_eq!(keys, [hugepool_crds::NOT_READY_TAINT]);
     assert_eq!(read_sys("nr_hugepages"), 0, "the guard holds the restore");
 
     // The guard down: the pool comes back, the agent restarts the kubelet
@@ -1533,7 +1545,7 @@ async fn boot_mode_gives_a_rebooted_node_its_pool_before_the_kubelet_starts() {
     let stdout = String::from_utf8_lossy(&boot.stdout);
     assert!(boot.status.success(), "{boot:?}");
     assert!(
-        stdout.contains("2Mi: 0 -> 64 of 64 pages (reached)"),
+        stdout.contains(": 0 -> 64 of 64 pages (reached)"),
         "{stdout}"
     );
     let kubelet = node.kubelet_pid();
