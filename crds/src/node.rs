@@ -93,6 +93,21 @@ pub struct PageSizeTarget {
 }
 
 impl PageSizeTarget {
+    /// `pages` of `size`, one global write, every setting at its default,
+    /// of no pool yet.
+    pub fn new(size: crate::PageSize, pages: i64) -> Self {
+        Self {
+            size,
+            pages,
+            numa: None,
+            pool: String::new(),
+            pool_generation: 0,
+            resize: ResizeSettings::default(),
+            allocation: AllocationSettings::default(),
+            kubelet_restart: KubeletRestart::default(),
+        }
+    }
+
     /// Whether `reported` (what the kernel holds of this size) is this
     /// target reached: the one definition the operator, the agent and the
     /// tests share. The size's persistent pool is `pages` with no surplus

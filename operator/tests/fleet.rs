@@ -1037,22 +1037,11 @@ async fn a_replica_that_loses_the_lease_drops_its_pool_metrics() {
         .node_memory(0, 2 * support::GIB);
     let mut fleet = Fleet::start(&env, "lease-metrics", spec).await;
     let scope = fleet.scope.clone();
-    support::create_namespace(&fleet.client, &scope).await;
-    let lease = "hugepool-operator".to_string();
-    let identity = format!("{scope}-replica");
-    let addr = format!("127.0.0.1:{}", hugepool_e2e::free_port());
-    fleet
-        .start_operator_serving(
-            Some(LeaderConfig {
-                namespace: scope.clone(),
-                lease_name: lease.clone(),
-                identity: identity.clone(),
-                duration: Duration::from_secs(3),
-                grace: Duration::from_secs(1),
-            }),
-            Some(addr.parse().expect("address")),
-        )
-        .await;
+    let support::LeadingReplica {
+        lease,
+        identity,
+        addr,
+    } = fleet.start_leading_replica().await;
     let pool = format!("{scope}-pool");
     fleet
         .create_pool(&pool, pool_spec(&scope, "dpdk", 1024, json!(3)))
@@ -1189,22 +1178,11 @@ async fn a_leader_whose_renewals_fail_stops_writing_when_its_lease_runs_out() {
     let Some(env) = setup().await else { return };
     let mut fleet = Fleet::start(&env, "fence", FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
     let scope = fleet.scope.clone();
-    support::create_namespace(&fleet.client, &scope).await;
-    let lease = "hugepool-operator".to_string();
-    let identity = format!("{scope}-replica");
-    let addr = format!("127.0.0.1:{}", hugepool_e2e::free_port());
-    fleet
-        .start_operator_serving(
-            Some(LeaderConfig {
-                namespace: scope.clone(),
-                lease_name: lease.clone(),
-                identity: identity.clone(),
-                duration: Duration::from_secs(3),
-                grace: Duration::from_secs(1),
-            }),
-            Some(addr.parse().expect("address")),
-        )
-        .await;
+    let support::LeadingReplica {
+        lease,
+        identity,
+        addr,
+    } = fleet.start_leading_replica().await;
     let leading = |value: u8| {
         let addr = addr.clone();
         move || {

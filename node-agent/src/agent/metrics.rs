@@ -458,14 +458,10 @@ mod tests {
 
     fn target(size: PageSize, pages: i64, numa: Option<Vec<NumaTarget>>) -> PageSizeTarget {
         PageSizeTarget {
-            size,
-            pages,
             numa,
             pool: "pool".into(),
             pool_generation: 1,
-            resize: Default::default(),
-            allocation: Default::default(),
-            kubelet_restart: Default::default(),
+            ..PageSizeTarget::new(size, pages)
         }
     }
 

@@ -291,14 +291,9 @@ mod tests {
 
     fn entry(pages: i64) -> PageSizeTarget {
         PageSizeTarget {
-            size: PageSize::SIZE_2MI,
-            pages,
-            numa: None,
             pool: "p".into(),
             pool_generation: 1,
-            resize: Default::default(),
-            allocation: Default::default(),
-            kubelet_restart: Default::default(),
+            ..PageSizeTarget::new(PageSize::SIZE_2MI, pages)
         }
     }
 

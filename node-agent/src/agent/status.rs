@@ -828,14 +828,9 @@ mod tests {
 
     fn target(size: &str, pages: i64) -> PageSizeTarget {
         PageSizeTarget {
-            size: size.parse().unwrap(),
-            pages,
-            numa: None,
             pool: "p".into(),
             pool_generation: 1,
-            resize: Default::default(),
-            allocation: Default::default(),
-            kubelet_restart: Default::default(),
+            ..PageSizeTarget::new(size.parse().unwrap(), pages)
         }
     }
 

@@ -1380,17 +1380,13 @@ fn a_pool_is_not_available_while_a_kubelet_reports_the_old_capacity() {
 #[test]
 fn the_right_total_in_the_wrong_numa_split_is_not_converged() {
     let target = PageSizeTarget {
-        size: PageSize::SIZE_2MI,
-        pages: 1024,
         numa: Some(vec![
             NumaTarget { id: 0, pages: 512 },
             NumaTarget { id: 1, pages: 512 },
         ]),
         pool: "p".into(),
         pool_generation: 1,
-        resize: Default::default(),
-        allocation: Default::default(),
-        kubelet_restart: Default::default(),
+        ..PageSizeTarget::new(PageSize::SIZE_2MI, 1024)
     };
     let mut state = hpn("w-00", 1, vec![target.clone()]);
     converge(&mut state);

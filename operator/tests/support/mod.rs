@@ -290,6 +290,29 @@ impl Fleet {
         self.start_operator_serving(leader, None).await
     }
 
+    /// Starts the one replica of the scope's namespace (created here), with
+    /// leader election on a 3 s Lease (1 s grace) and /metrics on a free
+    /// port.
+    pub async fn start_leading_replica(&mut self) -> LeadingReplica {
+        create_namespace(&self.client, &self.scope).await;
+        let replica = LeadingReplica {
+            lease: "hugepool-operator".to_string(),
+            identity: format!("{}-replica", self.scope),
+            addr: format!("127.0.0.1:{}", hugepool_e2e::free_port()),
+        };
+        let leader = LeaderConfig {
+            namespace: self.scope.clone(),
+            lease_name: replica.lease.clone(),
+            identity: replica.identity.clone(),
+            duration: Duration::from_secs(3),
+            grace: Duration::from_secs(1),
+        };
+        let listen = replica.addr.parse().expect("address");
+        self.start_operator_serving(Some(leader), Some(listen))
+            .await;
+        replica
+    }
+
     /// Starts an operator replica that serves /metrics on `listen`.
     pub async fn start_operator_serving(
         &mut self,
@@ -759,6 +782,14 @@ impl Drop for RolloutWatch {
 }
 
 /// Creates a namespace (for pods, PDBs or a Lease).
+/// What `Fleet::start_leading_replica` started: its Lease's name, its
+/// identity and where it serves /metrics.
+pub struct LeadingReplica {
+    pub lease: String,
+    pub identity: String,
+    pub addr: String,
+}
+
 pub async fn create_namespace(client: &Client, name: &str) {
     let namespace: Namespace = serde_json::from_value(json!({
         "apiVersion": "v1",
