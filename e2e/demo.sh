@@ -50,13 +50,11 @@ sed -n 's/^controlplane: /  /p' "$dir/controlplane.log"
 export KUBECONFIG="$dir/cp/kubeconfig"
 node="$("$kubectl" get nodes -o jsonpath='{.items[0].metadata.name}')"
 IFS=: read -r api_host api_port <"$dir/cp/pod-apiserver"
-# How the agent restarts this node's kubelet (a real node: systemctl via nsenter).
-kubelet_restart="$(cat "$dir/cp/kubelet-restart-command")"
 
 say "helm install hugepool charts/hugepool (images ghcr.io/hugepool-dev/hugepool-{operator,agent}:$(sed -n 's/^appVersion: "\(.*\)"/\1/p' charts/hugepool/Chart.yaml))"
 "$helm" install hugepool charts/hugepool --namespace hugepool-system --create-namespace \
   --set apiServer.host="$api_host" --set apiServer.port="$api_port" \
-  --set agent.kubeletRestart.enabled=true --set agent.kubeletRestart.command="$kubelet_restart" \
+  --set agent.kubeletRestart.enabled=true \
   --set agent.kubeletRestart.rootDir="$dir/cp/node/kubelet" \
   --wait --timeout 5m >/dev/null
 "$kubectl" get pods -n hugepool-system -o wide

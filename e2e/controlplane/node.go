@@ -13,7 +13,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -30,6 +29,8 @@ var nodePackages = map[string]string{
 	"/usr/lib/cni/loopback":            "containernetworking-plugins",
 	"/usr/sbin/ip":                     "iproute2",
 	"/usr/bin/mount":                   "mount",
+	"/usr/bin/nsenter":                 "util-linux",
+	"/lib/systemd/systemd":             "systemd",
 }
 
 // The pod network: a bridge in this machine's network namespace. Pods reach
@@ -41,9 +42,6 @@ const (
 	podGateway = "10.88.0.1"
 	// DIR/pod-apiserver holds host:port of the apiserver as pods reach it.
 	podAPIServerFile = "pod-apiserver"
-	// kubeletRestartFile holds the command an agent with hostPID runs to
-	// restart this node's kubelet (the chart's agent.kubeletRestart.command).
-	kubeletRestartFile = "kubelet-restart-command"
 )
 
 // One node at a time on a machine: its pods live in the kubepods cgroups and
@@ -61,16 +59,10 @@ type node struct {
 	admin         *http.Client
 	timeout       time.Duration
 
-	containerd *child
-	children   []*child // exiting ends `up`: containerd
-
-	// The kubelet is supervised as systemd would (Restart=always): when it
-	// exits, it is started again, and DIR/node/kubelet.pid names the current
-	// one. Killing it is how a test restarts the kubelet.
-	mu           sync.Mutex
-	kubelet      *child
-	stopping     bool
-	startKubelet func() (*child, error)
+	// systemd, PID 1 of the node's namespaces (systemd.go); it runs
+	// containerd.service and kubelet.service.
+	init     *child
+	children []*child // exiting ends `up`: the init
 }
 
 func defaultNodeName() string {
@@ -156,17 +148,37 @@ func (n *node) start(ctx context.Context, phase func(string, ...any)) error {
 	if err := n.writeContainerdConfig(); err != nil {
 		return err
 	}
-	c, err := startProcess(n.dir, "containerd", "/usr/bin/containerd",
-		[]string{"containerd", "--config", n.path("containerd.toml")})
+	nodeCert, err := n.pki.ensureNodeCert(n.name)
 	if err != nil {
 		return err
 	}
-	n.containerd = c
-	n.children = append(n.children, c)
-	if err := c.waitUntil(ctx, n.timeout, func(context.Context) error { _, err := n.ctr("version"); return err }); err != nil {
-		return fmt.Errorf("containerd: %w\n%s", err, c.logTail(30))
+	kubeconfig := n.path("kubelet.kubeconfig")
+	if err := n.pki.writeKubeconfig(kubeconfig, n.apiURL, nodeCert); err != nil {
+		return err
 	}
-	phase("containerd ready on %s", n.socket())
+	if err := n.writeKubeletConfig(); err != nil {
+		return err
+	}
+	kubeletBin, err := siblingBinary("kubelet")
+	if err != nil {
+		return err
+	}
+	if err := n.writeUnits([]string{kubeletBin,
+		"--config=" + n.path("kubelet.yaml"),
+		"--kubeconfig=" + kubeconfig,
+		"--root-dir=" + n.path("kubelet"),
+		"--hostname-override=" + n.name,
+	}); err != nil {
+		return err
+	}
+	if err := n.startInit(ctx); err != nil {
+		return err
+	}
+	phase("systemd is PID 1 of the node (pid %d here; %s, %s)", n.init.cmd.Process.Pid, n.path("systemctl"), n.path("journalctl"))
+	if err := n.init.waitUntil(ctx, n.timeout, func(context.Context) error { _, err := n.ctr("version"); return err }); err != nil {
+		return fmt.Errorf("containerd: %w\n%s", err, n.journalTail("containerd", 30))
+	}
+	phase("containerd.service ready on %s", n.socket())
 
 	if n.images != "" {
 		archives, err := filepath.Glob(filepath.Join(n.images, "*.tar"))
@@ -185,128 +197,29 @@ func (n *node) start(ctx context.Context, phase func(string, ...any)) error {
 		}
 	}
 
-	nodeCert, err := n.pki.ensureNodeCert(n.name)
-	if err != nil {
-		return err
+	if out, err := n.systemctl(ctx, "start", "kubelet.service"); err != nil {
+		return fmt.Errorf("systemctl start kubelet: %v: %s\n%s", err, out, n.journalTail("kubelet", 40))
 	}
-	kubeconfig := n.path("kubelet.kubeconfig")
-	if err := n.pki.writeKubeconfig(kubeconfig, n.apiURL, nodeCert); err != nil {
-		return err
-	}
-	if err := n.writeKubeletConfig(); err != nil {
-		return err
-	}
-	kubeletBin, err := siblingBinary("kubelet")
-	if err != nil {
-		return err
-	}
-	n.startKubelet = func() (*child, error) {
-		k, err := startProcess(n.dir, "kubelet", kubeletBin, []string{"kubelet",
-			"--config=" + n.path("kubelet.yaml"),
-			"--kubeconfig=" + kubeconfig,
-			"--root-dir=" + n.path("kubelet"),
-			"--hostname-override=" + n.name,
-		})
-		if err != nil {
-			return nil, err
-		}
-		pid := fmt.Sprintf("%d\n", k.cmd.Process.Pid)
-		return k, writeFileAtomic(n.path("kubelet.pid"), []byte(pid), 0o644)
-	}
-	k, err := n.startKubelet()
-	if err != nil {
-		return err
-	}
-	n.kubelet = k
-	go n.superviseKubelet(phase)
 	nodeURL := n.apiURL + "/api/v1/nodes/" + n.name
-	if err := k.waitUntil(ctx, n.timeout, n.nodeReady(nodeURL)); err != nil {
-		return fmt.Errorf("kubelet: %w\n%s", err, k.logTail(40))
+	if err := n.init.waitUntil(ctx, n.timeout, n.nodeReady(nodeURL)); err != nil {
+		return fmt.Errorf("kubelet: %w\n%s", err, n.journalTail("kubelet", 40))
 	}
-	phase("node %s Ready (kubelet on 127.0.0.1:%d)", n.name, n.ports.Kubelet)
-	if err := n.writeKubeletRestart(); err != nil {
-		return err
-	}
+	phase("node %s Ready (kubelet.service, on 127.0.0.1:%d)", n.name, n.ports.Kubelet)
 	podAPI := fmt.Sprintf("%s:%d\n", podGateway, n.ports.APIServer)
 	return writeFileAtomic(filepath.Join(n.dir, podAPIServerFile), []byte(podAPI), 0o644)
 }
 
-// writeKubeletRestart writes the restart mechanism of this node. A real node
-// restarts its kubelet with `nsenter --target 1 ... systemctl restart
-// kubelet`: into the namespaces of the process that supervises the kubelet,
-// then ask it. Here that process is this one (the VM's PID 1 refuses
-// setns even to root), so the command enters this process's namespaces and
-// runs DIR/node/restart-kubelet, which stops the kubelet and waits until the
-// supervisor has started the next one, as `systemctl restart` returns once
-// the unit is started again.
-func (n *node) writeKubeletRestart() error {
-	script := fmt.Sprintf(`#!/bin/sh
-# Restarts the kubelet of the node in %[1]s (written by controlplane up --node).
-set -eu
-old=$(cat %[2]s)
-kill -TERM "$old"
-tries=0
-while [ "$(cat %[2]s)" = "$old" ]; do
-	tries=$((tries + 1))
-	if [ "$tries" -gt 600 ]; then
-		echo "the kubelet was not started again within 60 s" >&2
-		exit 1
-	fi
-	sleep 0.1
-done
-`, n.dir, n.path("kubelet.pid"))
-	if err := writeFileAtomic(n.path("restart-kubelet"), []byte(script), 0o755); err != nil {
-		return err
-	}
-	command := fmt.Sprintf("nsenter --target %d --mount --uts --ipc --net --pid -- %s\n",
-		os.Getpid(), n.path("restart-kubelet"))
-	return writeFileAtomic(filepath.Join(n.dir, kubeletRestartFile), []byte(command), 0o644)
-}
-
-// superviseKubelet starts the kubelet again whenever it exits, a second
-// after (systemd's RestartSec), until the node stops.
-func (n *node) superviseKubelet(phase func(string, ...any)) {
-	for {
-		n.mu.Lock()
-		k := n.kubelet
-		n.mu.Unlock()
-		<-k.done
-		time.Sleep(time.Second)
-		n.mu.Lock()
-		if n.stopping {
-			n.mu.Unlock()
-			return
-		}
-		next, err := n.startKubelet()
-		if err != nil {
-			n.mu.Unlock()
-			phase("kubelet could not be restarted: %v", err)
-			return
-		}
-		n.kubelet = next
-		n.mu.Unlock()
-		phase("kubelet exited (%v) and was restarted", k.err)
-	}
-}
-
-// stop ends the kubelet, then every pod process and containerd shim of this
-// node (containers outlive both the kubelet and containerd), then containerd.
+// stop stops the kubelet, ends the node's systemd and with it every process
+// of its namespaces (containerd, shims, pods), then removes what a node
+// that was not stopped this way left: pod processes and mounts.
 func (n *node) stop(phase func(string, ...any)) {
-	n.mu.Lock()
-	n.stopping = true
-	k := n.kubelet
-	n.mu.Unlock()
-	if k != nil {
-		k.stop(30 * time.Second)
+	if n.init == nil {
+		return
 	}
+	n.stopInit()
 	killed := killPods(n.socket())
-	if n.containerd != nil {
-		n.containerd.stop(30 * time.Second)
-	}
 	unmounted := unmountUnder(n.path())
-	if k != nil || n.containerd != nil {
-		phase("node stopped (%d pod and shim processes killed, %d mounts removed)", killed, unmounted)
-	}
+	phase("node stopped (%d pod and shim processes left to kill, %d mounts removed)", killed, unmounted)
 }
 
 // unmountUnder detaches every mount below dir (pod volumes, container root

@@ -405,6 +405,11 @@ func startChild(dir, name string, args []string) (*child, error) {
 // startProcess starts path with argv (argv[0] included), logging to
 // DIR/logs/NAME.log.
 func startProcess(dir, name, path string, argv []string) (*child, error) {
+	return startProcessIn(dir, name, path, argv, 0)
+}
+
+// startProcessIn is startProcess in the new namespaces of cloneflags.
+func startProcessIn(dir, name, path string, argv []string, cloneflags uintptr) (*child, error) {
 	logPath := filepath.Join(dir, "logs", name+".log")
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
@@ -421,8 +426,9 @@ func startProcess(dir, name, path string, argv []string) (*child, error) {
 		SysProcAttr: &syscall.SysProcAttr{
 			// Dies with us even on SIGKILL; its own process group so a
 			// terminal's Ctrl-C reaches only us and we stop children in order.
-			Pdeathsig: syscall.SIGKILL,
-			Setpgid:   true,
+			Pdeathsig:  syscall.SIGKILL,
+			Setpgid:    true,
+			Cloneflags: cloneflags,
 		},
 	}
 	if err := cmd.Start(); err != nil {

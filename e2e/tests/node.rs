@@ -43,9 +43,9 @@ struct Node {
     helm: PathBuf,
     name: String,
     pod_apiserver: (String, u16),
-    /// How an agent restarts this node's kubelet (the harness's equivalent
-    /// of `nsenter --target 1 ... systemctl restart kubelet`).
-    kubelet_restart: String,
+    /// `systemctl` of the node's systemd (its PID 1, which runs
+    /// kubelet.service), run from this machine.
+    systemctl: PathBuf,
     /// The kubelet's --root-dir (its Memory Manager checkpoint is there).
     kubelet_root: PathBuf,
     saved_2mi: u64,
@@ -101,17 +101,13 @@ impl Node {
             .trim()
             .rsplit_once(':')
             .expect("pod-apiserver is host:port");
-        let kubelet_restart = std::fs::read_to_string(dir.join("kubelet-restart-command"))
-            .expect("controlplane wrote kubelet-restart-command")
-            .trim()
-            .to_string();
         let name = node_name();
         Some(Node {
             cp,
             helm,
             name,
             pod_apiserver: (host.to_string(), port.parse().expect("port")),
-            kubelet_restart,
+            systemctl: dir.join("node").join("systemctl"),
             // A hostPath must not contain "..", as repo() does.
             kubelet_root: std::fs::canonicalize(dir.join("node").join("kubelet"))
                 .expect("the kubelet's root dir"),
@@ -159,7 +155,6 @@ impl Node {
         let chart = repo().join("charts").join("hugepool");
         let host = format!("apiServer.host={}", self.pod_apiserver.0);
         let port = format!("apiServer.port={}", self.pod_apiserver.1);
-        let restart = format!("agent.kubeletRestart.command={}", self.kubelet_restart);
         let root = format!(
             "agent.kubeletRestart.rootDir={}",
             self.kubelet_root.display()
@@ -177,10 +172,10 @@ impl Node {
                 &host,
                 "--set",
                 &port,
+                // The agent's own restart command: nsenter into the node's
+                // PID 1 (its systemd), systemctl restart kubelet.
                 "--set",
                 "agent.kubeletRestart.enabled=true",
-                "--set",
-                &restart,
                 "--set",
                 &root,
             ]
@@ -300,7 +295,7 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
     );
 
     // The example pool, applied as a user would.
-    let kubelet_before = node.kubelet_pid();
+    let kubelet_before = node.kubelet_run();
     node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
     node.kubectl(&[
         "apply",
@@ -320,9 +315,52 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
     // the node's restart command (the example's kubelet.restart is
     // AfterResize), and it reports the pool.
     assert_ne!(
-        node.kubelet_pid(),
+        node.kubelet_run(),
         kubelet_before,
         "the agent restarted the kubelet"
+    );
+    // It did so with the agent's default command, through the node's
+    // systemd (its PID 1 as the agent's hostPID sees it), and said so.
+    let notes = wait_for(
+        "the KubeletRestarted Event",
+        Duration::from_secs(120),
+        || async {
+            let notes = node.kubectl(&[
+                "get",
+                "events",
+                "--all-namespaces",
+                "--field-selector",
+                "reason=KubeletRestarted",
+                "-o",
+                "jsonpath={.items[*].message}",
+            ]);
+            (!notes.trim().is_empty())
+                .then_some(notes.clone())
+                .ok_or(notes)
+        },
+    )
+    .await;
+    assert!(
+        notes.contains(
+            "ran nsenter --target 1 --mount --uts --ipc --net --pid -- systemctl restart kubelet"
+        ),
+        "{notes}"
+    );
+    let journal = Command::new(node.cp.dir.join("node").join("journalctl"))
+        .args(["--unit", "kubelet", "--no-pager", "--output", "cat"])
+        .output()
+        .expect("journalctl");
+    let journal = String::from_utf8_lossy(&journal.stdout);
+    assert!(
+        journal.contains("Stopping kubelet.service")
+            || journal.contains("Stopping kubelet of the hugepool test node"),
+        "systemd stopped the kubelet unit: {}",
+        journal
+            .lines()
+            .rev()
+            .take(20)
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     assert_eq!(node.kubelet_capacity_2mi(&client).await, "512Mi");
     let hpns: Api<HugePageNode> = Api::all(client.clone());
@@ -462,13 +500,22 @@ spec:
             .unwrap_or_default()
     }
 
-    /// The pid of the kubelet the harness runs now.
-    fn kubelet_pid(&self) -> String {
-        let pid_file = self.cp.dir.join("node").join("kubelet.pid");
-        std::fs::read_to_string(&pid_file)
-            .expect("kubelet.pid")
-            .trim()
-            .to_string()
+    /// `systemctl` of the node's systemd; panics with its output when it fails.
+    fn systemctl(&self, args: &[&str]) -> String {
+        let out = Command::new(&self.systemctl)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", self.systemctl.display()));
+        assert!(out.status.success(), "systemctl {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Which run of kubelet.service this is: systemd gives every start of a
+    /// unit a new InvocationID.
+    fn kubelet_run(&self) -> String {
+        let id = self.systemctl(&["show", "--property=InvocationID", "--value", "kubelet"]);
+        assert!(!id.is_empty(), "kubelet.service has run");
+        id
     }
 
     /// Waits until the 2Mi pool is `total` pages of which `in_use` are held.
@@ -620,7 +667,7 @@ async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it(
 
     // With AfterResize the agent restarts the kubelet itself, through the
     // node's restart command, and the pool becomes Available.
-    let kubelet_before = node.kubelet_pid();
+    let kubelet_before = node.kubelet_run();
     node.kubectl(&[
         "patch",
         "hugepagepool",
@@ -632,7 +679,7 @@ async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it(
     node.wait_available("consumers-2mi");
     assert_eq!(node.kubelet_capacity_2mi(&client).await, "128Mi");
     assert_ne!(
-        node.kubelet_pid(),
+        node.kubelet_run(),
         kubelet_before,
         "the agent restarted the kubelet"
     );
@@ -1183,14 +1230,14 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         "{checkpoint}"
     );
     let cpu_before = kubelet_state(&node, "cpu_manager_state");
-    let first_kubelet = node.kubelet_pid();
+    let first_kubelet = node.kubelet_run();
 
     // No pod holds memory: grown, checkpoint removed, kubelet restarted once
     // and Ready with the new capacity (it would crash-loop on the old one).
     node.with_pool(64, "2m").await;
     assert_eq!(read_sys("nr_hugepages"), 64);
     assert_eq!(node.kubelet_capacity_2mi(&client).await, "128Mi");
-    let restarted = node.kubelet_pid();
+    let restarted = node.kubelet_run();
     assert_ne!(restarted, first_kubelet, "the kubelet was restarted");
     let (status, reason, _) = node_condition(&client, &node.name, "KubeletCapacityStale")
         .await
@@ -1263,7 +1310,7 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
     );
     assert_eq!(read_sys("nr_hugepages"), 96, "the pool itself grew");
     assert_eq!(
-        node.kubelet_pid(),
+        node.kubelet_run(),
         restarted,
         "no restart while the pod holds memory"
     );
@@ -1291,7 +1338,7 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
     )
     .await;
     assert_ne!(
-        node.kubelet_pid(),
+        node.kubelet_run(),
         restarted,
         "restarted once the pod was gone"
     );
@@ -1299,6 +1346,60 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         kubelet_state(&node, "cpu_manager_state"),
         cpu_before,
         "the CPU Manager's checkpoint is left alone"
+    );
+}
+
+/// systemd restarts a kubelet that cannot start (Restart=always), so the
+/// restart command succeeds; only the Node shows that it did not come back.
+#[tokio::test]
+async fn a_kubelet_that_does_not_come_back_is_a_failed_restart_with_its_last_error() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    let config = node.cp.dir.join("node").join("kubelet.yaml");
+    let good = std::fs::read_to_string(&config).expect("kubelet.yaml");
+    // The running kubelet read its config when it started: only the next
+    // one sees this.
+    std::fs::write(&config, format!("{good}\nport: [unclosed\n")).expect("break kubelet.yaml");
+    node.with_pool_and(
+        64,
+        "2m",
+        "AfterResize",
+        &["agent.kubeletRestart.readyTimeout=30s"],
+    );
+    let message = wait_for(
+        "KubeletRestartFailed on the node",
+        Duration::from_secs(300),
+        || async {
+            match node_condition(&client, &node.name, "KubeletCapacityStale").await {
+                Some((status, reason, message))
+                    if status == "True" && reason == "KubeletRestartFailed" =>
+                {
+                    Ok(message)
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(read_sys("nr_hugepages"), 64, "the pool itself was grown");
+    // The agent read the kubelet's journal through the node's systemd.
+    assert!(
+        message.contains("the kubelet did not report 64 x 2Mi within 30s of its restart")
+            && message.contains("the kubelet's last error: ")
+            && message.contains("failed to load kubelet config file"),
+        "{message}"
+    );
+    assert!(message.contains("attempt 1, next in 10s"), "{message}");
+    // Fixed, the next attempt brings it back with the pool.
+    std::fs::write(&config, good).expect("restore kubelet.yaml");
+    node.wait_available("consumers-2mi");
+    assert_eq!(node.kubelet_capacity_2mi(&client).await, "128Mi");
+    let (status, reason, _) = node_condition(&client, &node.name, "KubeletCapacityStale")
+        .await
+        .expect("KubeletCapacityStale");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "CapacityMatches")
     );
 }
 
@@ -1343,8 +1444,8 @@ async fn a_node_back_with_its_pool_short_keeps_ordinary_pods_off_until_the_pool_
     // The "reboot": the pool gone behind everyone's back, the kubelet
     // restarted (it registers 0 pages), the agent started anew.
     std::fs::write(Path::new(SYSFS_2MI).join("nr_hugepages"), "0").expect("empty the pool");
-    let restart = Command::new("sh")
-        .args(["-c", &node.kubelet_restart])
+    let restart = Command::new(&node.systemctl)
+        .args(["restart", "kubelet"])
         .output()
         .expect("restart the kubelet");
     assert!(restart.status.success(), "{restart:?}");
@@ -1548,7 +1649,7 @@ async fn boot_mode_gives_a_rebooted_node_its_pool_before_the_kubelet_starts() {
         stdout.contains(": 0 -> 64 of 64 pages (reached)"),
         "{stdout}"
     );
-    let kubelet = node.kubelet_pid();
+    let kubelet = node.kubelet_run();
 
     // The new kubelet's first report has the pool.
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
@@ -1621,5 +1722,5 @@ async fn boot_mode_gives_a_rebooted_node_its_pool_before_the_kubelet_starts() {
     let current = nodes.get(&node.name).await.expect("Node");
     assert!(!node_tainted(&current, hugepool_crds::NOT_READY_TAINT));
     assert_eq!(read_sys("nr_hugepages"), 64);
-    assert_eq!(node.kubelet_pid(), kubelet, "no kubelet restart was needed");
+    assert_eq!(node.kubelet_run(), kubelet, "no kubelet restart was needed");
 }

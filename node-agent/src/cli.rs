@@ -154,6 +154,15 @@ pub struct RunArgs {
         value_parser = parse_command
     )]
     pub kubelet_restart_command: CommandLine,
+    /// Command that prints the kubelet's recent log, split as a shell would;
+    /// a restart that fails names the last error in it. Empty: none.
+    #[arg(
+        long,
+        default_value = "nsenter --target 1 --mount --uts --ipc --net --pid -- journalctl --unit kubelet --lines 200 --no-pager --output cat",
+        env = "HUGEPOOL_KUBELET_LOG_COMMAND",
+        value_parser = parse_command
+    )]
+    pub kubelet_log_command: CommandLine,
     /// How long the kubelet-restart command may run before it is killed and
     /// counted as failed (failures are retried with backoff).
     #[arg(long, default_value = "2m", value_parser = hugepool_runtime::duration_arg)]
@@ -210,6 +219,7 @@ impl RunArgs {
         config.retry_interval = self.retry_interval;
         config.refresh_interval = self.refresh_interval;
         config.kubelet_restart_command = self.kubelet_restart_command.0.clone();
+        config.kubelet_log_command = self.kubelet_log_command.0.clone();
         config.kubelet_restart_timeout = self.kubelet_restart_timeout;
         config.kubelet_ready_timeout = self.kubelet_ready_timeout;
         config.kubelet_root_dir = self

@@ -958,6 +958,20 @@ async fn a_kubelet_that_does_not_report_the_pool_after_its_restart_is_a_failed_r
     std::fs::create_dir_all(&dir).unwrap();
     // The command works, but nothing ever updates the Node's capacity.
     let (script, calls_file) = recording_script(&dir);
+    // The kubelet's log, as journalctl prints it: its last error is named.
+    let log = dir.join("kubelet-log");
+    std::fs::write(
+        &log,
+        "#!/bin/sh\n\
+         echo 'I1204 11:40:01.000001  812 server.go:530] \"Kubelet version\"'\n\
+         echo 'E1204 11:40:02.000002  812 run.go:72] \"command failed\" err=\"the expected machine state is different from the real one\"'\n\
+         echo 'I1204 11:40:02.000003  812 server.go:700] \"Shutting down\"'\n",
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&log, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
     let name = unique_name("agent-kubelet-silent");
     let mut restart = entry(64);
     restart.kubelet_restart = KubeletRestart::AfterResize;
@@ -970,6 +984,8 @@ async fn a_kubelet_that_does_not_report_the_pool_after_its_restart_is_a_failed_r
             script.to_str().unwrap(),
             "--kubelet-ready-timeout",
             "3s",
+            "--kubelet-log-command",
+            log.to_str().unwrap(),
         ],
     );
     let (failed, _) = wait_for_condition(
@@ -986,6 +1002,10 @@ async fn a_kubelet_that_does_not_report_the_pool_after_its_restart_is_a_failed_r
         failed
             .message
             .contains("the kubelet did not report 64 x 2Mi within 3s of its restart")
+            && failed.message.contains(
+                "the kubelet's last error: E1204 11:40:02.000002  812 run.go:72] \"command failed\" \
+                 err=\"the expected machine state is different from the real one\""
+            )
             && failed.message.contains("attempt 1, next in 10s"),
         "{}",
         failed.message

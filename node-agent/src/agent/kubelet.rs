@@ -7,6 +7,9 @@ use super::*;
 #[derive(Clone, Debug)]
 pub(super) struct RestartPlan {
     pub command: Vec<String>,
+    /// Prints the kubelet's recent log (empty: none), read when it does not
+    /// come back.
+    pub log_command: Vec<String>,
     /// How long the command may run.
     pub timeout: Duration,
     /// How long the kubelet has after the command to report the pools.
@@ -137,8 +140,13 @@ async fn restart_and_verify(
                 .iter()
                 .map(|(size, pages)| format!("{pages} x {size}"))
                 .collect();
+            let last_error = match last_kubelet_error(&plan.log_command).await {
+                Ok(Some(line)) => format!("; the kubelet's last error: {line}"),
+                Ok(None) => String::new(),
+                Err(why) => format!("; its log could not be read: {why}"),
+            };
             return Err(format!(
-                "the kubelet did not report {} within {:?} of its restart (the Node's Ready: {})",
+                "the kubelet did not report {} within {:?} of its restart (the Node's Ready: {}){last_error}",
                 want.join(", "),
                 plan.ready_timeout,
                 ready.as_deref().unwrap_or("not reported")
@@ -146,6 +154,66 @@ async fn restart_and_verify(
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// How long the kubelet's log command may run.
+const LOG_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The last error in the kubelet's recent log (from `command`), if any.
+async fn last_kubelet_error(command: &[String]) -> Result<Option<String>, String> {
+    let Some((program, args)) = command.split_first() else {
+        return Ok(None);
+    };
+    let shown = command.join(" ");
+    let child = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|err| format!("{shown}: {err}"))?;
+    let group = child.id().and_then(|id| i32::try_from(id).ok());
+    match tokio::time::timeout(LOG_TIMEOUT, child.wait_with_output()).await {
+        Err(_) => {
+            if let Some(group) = group {
+                // SAFETY: signals only the process group this call created.
+                unsafe { libc::killpg(group, libc::SIGKILL) };
+            }
+            Err(format!("{shown} did not finish within {LOG_TIMEOUT:?}"))
+        }
+        Ok(Err(err)) => Err(format!("{shown}: {err}")),
+        Ok(Ok(output)) => Ok(last_error(&String::from_utf8_lossy(&output.stdout))),
+    }
+}
+
+/// Characters of a log line kept in a condition's message.
+const ERROR_KEPT: usize = 400;
+
+/// The last error line of a kubelet log: a klog error or fatal line
+/// (`E1204 11:38:19.123456 ...`), else the last line that names an error.
+pub(super) fn last_error(log: &str) -> Option<String> {
+    let klog_error = |line: &str| {
+        let bytes = line.as_bytes();
+        matches!(bytes.first(), Some(b'E' | b'F'))
+            && bytes
+                .get(1..5)
+                .is_some_and(|digits| digits.iter().all(u8::is_ascii_digit))
+    };
+    let lines = || {
+        log.lines()
+            .rev()
+            .map(str::trim)
+            .filter(|line| !line.is_empty())
+    };
+    let line = lines()
+        .find(|line| klog_error(line))
+        .or_else(|| lines().find(|line| line.to_ascii_lowercase().contains("err")))?;
+    Some(match line.char_indices().nth(ERROR_KEPT) {
+        Some((end, _)) => format!("{}...", &line[..end]),
+        None => line.to_string(),
+    })
 }
 
 /// Bytes of a command's stderr kept (its end): a command that writes without
@@ -215,4 +283,39 @@ pub(super) fn restart_backoff(attempts: u32) -> Duration {
     let base = Duration::from_secs(10);
     base.saturating_mul(1 << attempts.saturating_sub(1).min(6))
         .min(Duration::from_secs(600))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_error;
+
+    #[test]
+    fn the_last_error_of_a_kubelet_log_is_its_last_klog_error_line() {
+        let log = "\
+I1204 11:40:01.000001  812 server.go:530] \"Kubelet version\" kubeletVersion=\"v1.37.2\"
+E1204 11:40:01.000002  812 run.go:72] \"command failed\" err=\"first\"
+W1204 11:40:01.000003  812 server.go:610] \"no error here\"
+E1204 11:40:02.000004  812 run.go:72] \"command failed\" err=\"start memory manager error\"
+I1204 11:40:02.000005  812 server.go:700] \"Shutting down\"
+";
+        assert_eq!(
+            last_error(log).as_deref(),
+            Some(
+                "E1204 11:40:02.000004  812 run.go:72] \"command failed\" err=\"start memory manager error\""
+            )
+        );
+        // Without klog lines, the last line that names an error.
+        let plain = "starting\nError: failed to load kubelet config file\nexiting\n";
+        assert_eq!(
+            last_error(plain).as_deref(),
+            Some("Error: failed to load kubelet config file")
+        );
+        assert_eq!(last_error("I1204 fine\nall good\n"), None);
+        assert_eq!(last_error(""), None);
+        // A long line is cut, on a character boundary.
+        let long = format!("E1204 {}", "é".repeat(1000));
+        let kept = last_error(&long).expect("an error line");
+        assert_eq!(kept.chars().count(), 403);
+        assert!(kept.ends_with("..."));
+    }
 }

@@ -75,6 +75,8 @@ pub struct AgentConfig {
     pub retry_interval: Duration,
     /// Command that restarts kubelet; empty disables restarts.
     pub kubelet_restart_command: Vec<String>,
+    /// Command that prints the kubelet's recent log; empty: none.
+    pub kubelet_log_command: Vec<String>,
     /// How long that command may run.
     pub kubelet_restart_timeout: Duration,
     /// How long the kubelet has after the command to report the pools.
@@ -100,6 +102,7 @@ impl AgentConfig {
             blocked_poll: Duration::from_secs(2),
             retry_interval: Duration::from_secs(300),
             kubelet_restart_command: Vec::new(),
+            kubelet_log_command: Vec::new(),
             kubelet_restart_timeout: Duration::from_secs(120),
             kubelet_ready_timeout: Duration::from_secs(120),
             kubelet_root_dir: None,

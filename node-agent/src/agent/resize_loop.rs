@@ -566,6 +566,7 @@ impl ResizeLoop {
             self.events.clone(),
             super::kubelet::RestartPlan {
                 command: self.config.kubelet_restart_command.clone(),
+                log_command: self.config.kubelet_log_command.clone(),
                 timeout: self.config.kubelet_restart_timeout,
                 ready_timeout: self.config.kubelet_ready_timeout,
                 root_dir: self.config.kubelet_root_dir.clone(),
