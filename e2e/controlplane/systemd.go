@@ -118,8 +118,14 @@ exec env %[2]s /lib/systemd/systemd --unit=%[3]s
 }
 
 // writeInitTools writes DIR/node/systemctl and DIR/node/journalctl, which
-// run those commands against the node's systemd from this machine.
+// run those commands against the node's systemd from this machine, and
+// DIR/node/init.pid, its PID here: /proc/PID/root is the node's file system
+// as the kubelet and its pods see it (its /run is the node's own).
 func (n *node) writeInitTools() error {
+	pid := fmt.Sprintf("%d\n", n.init.cmd.Process.Pid)
+	if err := writeFileAtomic(n.path("init.pid"), []byte(pid), 0o644); err != nil {
+		return err
+	}
 	for _, tool := range []string{"systemctl", "journalctl"} {
 		script := fmt.Sprintf("#!/bin/sh\n# %s of the node in %s (written by controlplane up --node).\nexec %s -- %s \"$@\"\n",
 			tool, n.dir, strings.Join(n.enterInit(), " "), tool)

@@ -46,6 +46,9 @@ struct Node {
     /// `systemctl` of the node's systemd (its PID 1, which runs
     /// kubelet.service), run from this machine.
     systemctl: PathBuf,
+    /// The node's file system as its kubelet and pods see it (its systemd's
+    /// /proc/PID/root): the node's /run is its own tmpfs.
+    root: PathBuf,
     /// The kubelet's --root-dir (its Memory Manager checkpoint is there).
     kubelet_root: PathBuf,
     saved_2mi: u64,
@@ -108,6 +111,11 @@ impl Node {
             name,
             pod_apiserver: (host.to_string(), port.parse().expect("port")),
             systemctl: dir.join("node").join("systemctl"),
+            root: {
+                let pid = std::fs::read_to_string(dir.join("node").join("init.pid"))
+                    .expect("controlplane wrote init.pid");
+                PathBuf::from(format!("/proc/{}/root", pid.trim()))
+            },
             // A hostPath must not contain "..", as repo() does.
             kubelet_root: std::fs::canonicalize(dir.join("node").join("kubelet"))
                 .expect("the kubelet's root dir"),
@@ -860,7 +868,7 @@ async fn helm_upgrade_replaces_agent_and_operator_with_one_writer_at_a_time() {
 
     // Through the upgrade, sample the agent processes and the holders of
     // the writer lock on the host.
-    let sampler = LockSampler::start();
+    let sampler = LockSampler::start(&node.root.join("run/hugepool/agent.lock"));
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let leases: Api<Lease> = Api::namespaced(client.clone(), NAMESPACE);
     let lease_events = watcher(
@@ -958,12 +966,19 @@ async fn helm_upgrade_replaces_agent_and_operator_with_one_writer_at_a_time() {
         "{overlapped} of {} samples saw two agent processes at once",
         samples.len()
     );
-    let (alive, lock_holders) = samples.last().cloned().expect("samples");
+    let (alive, lock_holders) = samples.first().cloned().expect("samples");
     assert_eq!(
         (alive.len(), lock_holders.len()),
         (1, 1),
+        "one agent, holding the lock, before the upgrade"
+    );
+    let (new_alive, new_holders) = samples.last().cloned().expect("samples");
+    assert_eq!(
+        (new_alive.len(), new_holders.len()),
+        (1, 1),
         "one agent, holding the lock, after the upgrade"
     );
+    assert_ne!(alive, new_alive, "the upgrade replaced the agent process");
     let history = holders.lock().unwrap().clone();
     let leaders: Vec<&String> = history.iter().filter(|h| !h.is_empty()).collect();
     assert!(
@@ -991,10 +1006,11 @@ struct LockSampler {
 }
 
 impl LockSampler {
-    fn start() -> Self {
+    /// `lock`: the agents' writer lock, as this machine reaches it.
+    fn start(lock: &Path) -> Self {
         use std::os::unix::fs::MetadataExt;
-        let inode = std::fs::metadata("/run/hugepool/agent.lock")
-            .expect("the agent created its writer lock")
+        let inode = std::fs::metadata(lock)
+            .unwrap_or_else(|e| panic!("the agent created its writer lock {}: {e}", lock.display()))
             .ino();
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let flag = std::sync::Arc::clone(&stop);

@@ -237,11 +237,14 @@ pub async fn run(
         })
         .await
         .unwrap_or_default();
-        let short = status::short_at_start(&targets, &pools);
-        if !short.is_empty() {
-            info!(?short, "pools short of their targets at start: restoring");
+        let restoring = {
+            let mut memory = shared.memory();
+            status::start_restoring(&mut memory, object.metadata.generation, &targets, &pools);
+            memory.restoring.clone()
+        };
+        if !restoring.is_empty() {
+            info!(short = ?restoring, "pools short of their targets at start: restoring");
         }
-        shared.memory().restoring = short;
         shared.touch(true);
     }
 

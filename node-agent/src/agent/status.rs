@@ -594,6 +594,21 @@ pub fn short_at_start(
         .collect()
 }
 
+/// What the agent records as it starts, under one lock: its targets and the
+/// pools short of them. The status writer settles `restoring` against
+/// `targets` whenever it wakes, so the two must land together: recorded
+/// apart, a write in between would see no target and end the restore at once.
+pub fn start_restoring(
+    memory: &mut AgentMemory,
+    generation: Option<i64>,
+    targets: &[PageSizeTarget],
+    pools: &BTreeMap<PageSize, u64>,
+) {
+    memory.generation = generation;
+    memory.targets = targets.to_vec();
+    memory.restoring = short_at_start(targets, pools);
+}
+
 /// Drops from `memory.restoring` what is settled: the size's target changed
 /// or went (a rollout, not a restore, from then on), or its pool is at the
 /// target with no surplus and the kubelet reports it.
@@ -898,6 +913,28 @@ mod tests {
         assert_eq!(
             (condition.status.as_str(), condition.reason.as_str()),
             ("False", "PoolsReady")
+        );
+    }
+
+    #[test]
+    fn a_restore_recorded_at_start_survives_a_status_write_before_the_first_converge() {
+        let mi2 = PageSize::SIZE_2MI;
+        // As the agent starts its memory holds no targets yet.
+        let mut memory = AgentMemory::default();
+        start_restoring(
+            &mut memory,
+            Some(3),
+            &[target("2Mi", 64)],
+            &BTreeMap::from([(mi2, 0)]),
+        );
+        // The status writer wakes before the resize loop has run once.
+        let empty = snapshot(0, 0, 0, 0);
+        settle_restoring(&empty, &mut memory);
+        assert_eq!(memory.restoring, BTreeMap::from([(mi2, 64)]));
+        assert_eq!(memory.generation, Some(3));
+        assert_eq!(
+            cond(&built(&empty, &memory), NodeConditionType::Restoring).status,
+            "True"
         );
     }
 
