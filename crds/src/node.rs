@@ -157,6 +157,13 @@ pub struct HugePageNodeStatus {
     #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     #[x_kube(validation = Rule::new("self.all(c, size(c.message) <= 1024)").message("a condition message is at most 1024 characters"))]
     pub conditions: Vec<Condition>,
+    /// UIDs of the pods the kubelet's Static Memory Manager holds memory for
+    /// while a kubelet restart is needed and waits for them (condition
+    /// KubeletCapacityStale, reason MemoryManagerAssignments): the operator
+    /// drains them under the pool's drain policy. Empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128))]
+    pub memory_manager_pods: Vec<String>,
 }
 
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]

@@ -1287,8 +1287,16 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         "the CPU Manager's checkpoint is left alone"
     );
 
-    // A Guaranteed pod with a memory assignment: a grow is not followed by
-    // a restart, and the node names the pod.
+    // A Guaranteed pod with a memory assignment, and drain policy Never: a
+    // grow is not followed by a restart, and the node names the pod.
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "consumers-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"drain":{"policy":"Never","timeout":"2m"}}}"#,
+    ]);
     node.start_holder("mm-holder", 8);
     node.wait_in_use(64, 8).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
@@ -1324,6 +1332,16 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         message.contains(&uid) || message.contains("mm-holder"),
         "{message}"
     );
+    // The node lists the pod for the operator, which leaves it (Never).
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    let listed = hpns
+        .get(&node.name)
+        .await
+        .expect("HugePageNode")
+        .status
+        .map(|s| s.memory_manager_pods)
+        .unwrap_or_default();
+    assert_eq!(listed, std::slice::from_ref(&uid), "status.memoryManagerPods");
     assert_eq!(read_sys("nr_hugepages"), 96, "the pool itself grew");
     assert_eq!(
         node.kubelet_run(),
@@ -1335,11 +1353,21 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         96 - 8,
         "the holder kept its pages"
     );
+    assert!(
+        pods.get_opt("mm-holder").await.expect("get").is_some(),
+        "drain policy Never evicts nobody"
+    );
 
-    // The pod gone (and its pod directory with it), the restart goes ahead.
-    pods.delete("mm-holder", &Default::default())
-        .await
-        .expect("delete holder");
+    // Drain policy IfNeeded: the operator evicts the pod, the agent then
+    // removes the checkpoint and restarts the kubelet, which reports 96.
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "consumers-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"drain":{"policy":"IfNeeded"}}}"#,
+    ]);
     wait_for(
         "the kubelet reports 96 pages",
         Duration::from_secs(300),
@@ -1353,11 +1381,39 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         },
     )
     .await;
+    assert!(
+        pods.get_opt("mm-holder")
+            .await
+            .expect("get")
+            .is_none_or(|p| p.metadata.uid.as_ref() != Some(&uid)),
+        "the operator evicted the holder"
+    );
     assert_ne!(
         node.kubelet_run(),
         restarted,
         "restarted once the pod was gone"
     );
+    let pool: Api<HugePagePool> = Api::all(client.clone());
+    let evicted = pool
+        .get("consumers-2mi")
+        .await
+        .expect("pool")
+        .status
+        .map(|s| s.evicted_pods)
+        .unwrap_or_default();
+    assert!(
+        evicted
+            .iter()
+            .any(|e| e.pod == "default/mm-holder" && e.reason.contains("Static Memory Manager")),
+        "the pool records the eviction and why: {evicted:?}"
+    );
+    wait_for("the drain ends", Duration::from_secs(120), || async {
+        match node_condition(&client, &node.name, "Draining").await {
+            Some((status, reason, _)) if status == "False" && reason == "DrainComplete" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
     assert_eq!(
         kubelet_state(&node, "cpu_manager_state"),
         cpu_before,

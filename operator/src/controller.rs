@@ -642,7 +642,7 @@ async fn write_node_spec(
 /// Whether carrying out `drain` reads the node's HugePageNode (its status:
 /// the pages held, the Draining condition).
 fn reads_state(drain: &DrainPlan) -> bool {
-    drain.condition.is_some() || !drain.evict.is_empty()
+    drain.condition.is_some() || !drain.evict.is_empty() || !drain.evict_pods.is_empty()
 }
 
 /// Sets the Draining condition, the taint and evicts as the plan says;
@@ -657,7 +657,7 @@ async fn carry_out_drain(
 ) -> Result<bool> {
     let drain = &plan.drain;
     let name = node.name_any();
-    let on_node = if drain.evict.is_empty() {
+    let on_node = if drain.evict.is_empty() && drain.evict_pods.is_empty() {
         Vec::new()
     } else {
         let pods: Api<Pod> = Api::all(ctx.client.clone());
@@ -684,6 +684,15 @@ async fn carry_out_drain(
             }
         }
     }
+    // The pods a kubelet restart waits for (the Memory Manager's), by UID.
+    let (held, held_kept) = drain::memory_manager_holders(&on_node, &drain.evict_pods);
+    let restart_waits_for: Vec<String> =
+        held.iter().filter_map(|p| p.metadata.uid.clone()).collect();
+    for pod in held {
+        if !chosen.iter().any(|c| c.metadata.uid == pod.metadata.uid) {
+            chosen.push(pod);
+        }
+    }
     if !chosen.is_empty() {
         let named: Vec<String> = chosen
             .iter()
@@ -698,7 +707,12 @@ async fn carry_out_drain(
             .collect();
         notes.push(format!("evicting {}", named.join(", ")));
     }
-    let kept = drain::unevictable_consumers(&on_node, &drain.evict);
+    let mut kept = drain::unevictable_consumers(&on_node, &drain.evict);
+    for pod in held_kept {
+        if !kept.contains(&pod) {
+            kept.push(pod);
+        }
+    }
     if !kept.is_empty() {
         notes.push(format!("not evicted: {}", kept.join(", ")));
     }
@@ -757,7 +771,7 @@ async fn carry_out_drain(
         fenced(ctx)?;
         set_taints(ctx, node, &taints, written).await?;
     }
-    if drain.evict.is_empty() {
+    if drain.evict.is_empty() && drain.evict_pods.is_empty() {
         return Ok(false);
     }
     let pool = drain.pools.first().cloned().unwrap_or_default();
@@ -787,6 +801,17 @@ async fn carry_out_drain(
                 written.evictions.forget(&uid);
                 info!(node = %name, pod = %key, "evicted");
                 let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(pod, s)).sum();
+                let reason = if restart_waits_for.contains(&uid) {
+                    format!(
+                        "the kubelet's Static Memory Manager held memory for it; the kubelet \
+                         restart of {name} waited for it"
+                    )
+                } else {
+                    format!(
+                        "held {pages} pages; the shrink of {name} needed {} back",
+                        needed.join(" and ")
+                    )
+                };
                 written
                     .evicted
                     .entry(pool.clone())
@@ -795,10 +820,7 @@ async fn carry_out_drain(
                         pod: key.clone(),
                         node: name.clone(),
                         pages: pages as i64,
-                        reason: bounded_message(format!(
-                            "held {pages} pages; the shrink of {name} needed {} back",
-                            needed.join(" and ")
-                        )),
+                        reason: bounded_message(reason),
                         evicted_at: Some(Time(now)),
                     });
             }

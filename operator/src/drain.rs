@@ -220,6 +220,37 @@ pub fn unevictable_consumers(pods: &[Pod], sizes: &[PageSize]) -> Vec<String> {
     found
 }
 
+/// The pods on the node whose UIDs the agent lists as held by the kubelet's
+/// Static Memory Manager (a kubelet restart waits for them): those eviction
+/// can move, sorted, and those it never evicts, as `namespace/name (why)`.
+pub fn memory_manager_holders<'a>(pods: &'a [Pod], uids: &[String]) -> (Vec<&'a Pod>, Vec<String>) {
+    let mut evict = Vec::new();
+    let mut kept = Vec::new();
+    for pod in pods
+        .iter()
+        .filter(|pod| pod.metadata.deletion_timestamp.is_none())
+        .filter(|pod| {
+            pod.metadata
+                .uid
+                .as_ref()
+                .is_some_and(|uid| uids.contains(uid))
+        })
+    {
+        match Unevictable::of(pod) {
+            None => evict.push(pod),
+            Some(why) => kept.push(format!(
+                "{}/{} ({})",
+                pod.namespace().unwrap_or_default(),
+                pod.name_any(),
+                why.as_str()
+            )),
+        }
+    }
+    evict.sort_by_key(|pod| (pod.namespace(), pod.name_any()));
+    kept.sort();
+    (evict, kept)
+}
+
 /// Retry state of one pod whose eviction was refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EvictionBackoff {
@@ -504,6 +535,33 @@ mod tests {
         ];
         assert_eq!(names(&choose(&ranked, two_mi, 8)), ["batch"]);
         assert_eq!(names(&choose(&ranked, two_mi, 9)), ["batch", "important"]);
+    }
+
+    #[test]
+    fn memory_manager_holders_are_the_listed_pods_eviction_can_move() {
+        let with_uid = |mut p: Pod, uid: &str| {
+            p.metadata.uid = Some(uid.into());
+            p
+        };
+        // Holding memory, not hugepages: the Memory Manager assigns both.
+        let vm = with_uid(pod("vm", &[("memory", "1Gi")]), "u-vm");
+        let mut mirror = with_uid(pod("static-vm", &[("memory", "1Gi")]), "u-static");
+        mirror.metadata.annotations =
+            Some([("kubernetes.io/config.mirror".to_string(), "abc".to_string())].into());
+        let mut going = with_uid(pod("going", &[("memory", "1Gi")]), "u-going");
+        going.metadata.deletion_timestamp = Some(Time(jiff::Timestamp::UNIX_EPOCH));
+        let other = with_uid(pod("other", &[("hugepages-2Mi", "16Mi")]), "u-other");
+        let pods = vec![other, mirror, going, vm];
+        let listed: Vec<String> = ["u-vm", "u-static", "u-going", "u-gone"]
+            .map(String::from)
+            .to_vec();
+        let (evict, kept) = memory_manager_holders(&pods, &listed);
+        assert_eq!(
+            evict.iter().map(|p| p.name_any()).collect::<Vec<_>>(),
+            ["vm"]
+        );
+        assert_eq!(kept, ["apps/static-vm (static pod)"]);
+        assert!(memory_manager_holders(&pods, &[]).0.is_empty());
     }
 
     #[test]

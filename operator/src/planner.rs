@@ -23,7 +23,9 @@ use std::time::Duration;
 use hugepool_crds::conditions::{ConditionUpdate, find_condition, is_true, set_condition};
 use hugepool_crds::node::{HugePageNodeSpec, PageSizeTarget};
 use hugepool_crds::pool::{FailedNode, PoolNodeCounts, PoolPages};
-use hugepool_crds::settings::{DeletionPolicy, DrainPolicy, NumaPolicy, NumaTarget};
+use hugepool_crds::settings::{
+    DeletionPolicy, DrainPolicy, KubeletRestart, NumaPolicy, NumaTarget,
+};
 use hugepool_crds::{
     HugePageNode, HugePagePool, HugePagePoolStatus, NodeConditionType, PageSize, PoolConditionType,
     Reason,
@@ -88,6 +90,9 @@ pub struct DrainPlan {
     pub condition: Option<ConditionUpdate>,
     /// Evict the pods on the node that request these page sizes now.
     pub evict: Vec<PageSize>,
+    /// Evict these pods (UIDs) now: the kubelet's Static Memory Manager holds
+    /// memory for them, and the kubelet restart a pool asks for waits for them.
+    pub evict_pods: Vec<String>,
     /// Pools the drain is for, oldest first (events and metrics name them).
     pub pools: Vec<String>,
     /// When the running drain fails with DrainTimeout.
@@ -1060,6 +1065,9 @@ fn plan_drain(
 
     let mut settled = true;
     let mut blocked: Vec<(&PoolRules<'_>, PageSize)> = Vec::new();
+    // Pools whose kubelet restart waits for pods of the Memory Manager.
+    let held_pods = memory_manager_pods(state);
+    let mut held: Vec<&PoolRules<'_>> = Vec::new();
     for entry in &spec.page_sizes {
         // A target written this pass waits for the agent to act on it.
         let unchanged = state.spec.page_sizes.contains(entry);
@@ -1069,6 +1077,15 @@ fn plan_drain(
             EntryState::InFlight
         };
         settled &= entry_state == EntryState::Converged;
+        if unchanged
+            && !held_pods.is_empty()
+            && entry.kubelet_restart == KubeletRestart::AfterResize
+            && let Some(pool) = rules.iter().find(|r| r.name == entry.pool)
+            && pool.drain_policy() == DrainPolicy::IfNeeded
+            && !held.iter().any(|p| p.name == pool.name)
+        {
+            held.push(pool);
+        }
         if !unchanged || entry_state != EntryState::InFlight || !shrink_blocked(state, entry) {
             continue;
         }
@@ -1080,7 +1097,7 @@ fn plan_drain(
         }
     }
 
-    if blocked.is_empty() {
+    if blocked.is_empty() && held.is_empty() {
         return match (active, settled) {
             (true, true) => DrainPlan {
                 condition: Some(
@@ -1109,10 +1126,18 @@ fn plan_drain(
     }
 
     let sizes: Vec<PageSize> = blocked.iter().map(|(_, size)| *size).collect();
-    let pools: Vec<String> = blocked.iter().map(|(p, _)| p.name.clone()).collect();
+    let mut pools: Vec<String> = blocked.iter().map(|(p, _)| p.name.clone()).collect();
+    let restarts: Vec<String> = held.iter().map(|p| p.name.clone()).collect();
+    for pool in &restarts {
+        if !pools.contains(pool) {
+            pools.push(pool.clone());
+        }
+    }
     let timeout = blocked
         .iter()
-        .map(|(p, _)| p.drain_timeout())
+        .map(|(p, _)| p)
+        .chain(held.iter())
+        .map(|p| p.drain_timeout())
         .min()
         .unwrap_or_default();
     let started = match draining {
@@ -1124,10 +1149,25 @@ fn plan_drain(
         .and_then(|d| started.checked_add(d).ok())
         .unwrap_or(Timestamp::MAX);
     let resources: Vec<String> = sizes.iter().map(|s| s.resource_name()).collect();
+    let for_shrink = (!blocked.is_empty()).then(|| {
+        let shrinks: Vec<&str> = blocked.iter().map(|(p, _)| p.name.as_str()).collect();
+        (resources.join(", "), shrinks.join(", "))
+    });
+    let for_restart = (!held.is_empty()).then(|| restarts.join(", "));
     if now >= deadline {
+        let mut parts = Vec::new();
+        if let Some((resources, _)) = &for_shrink {
+            parts.push(format!("pods requesting {resources}"));
+        }
+        if for_restart.is_some() {
+            parts.push(format!(
+                "the pods the kubelet's Static Memory Manager holds memory for ({})",
+                held_pods.join(", ")
+            ));
+        }
         let message = format!(
-            "pods requesting {} were not evicted within {} (pool {})",
-            resources.join(", "),
+            "{} were not evicted within {} (pool {})",
+            parts.join(" and "),
             hugepool_crds::duration::format(timeout),
             pools.join(", ")
         );
@@ -1146,11 +1186,20 @@ fn plan_drain(
             ..DrainPlan::default()
         };
     }
-    let message = format!(
-        "evicting pods that request {} so the shrink of pool {} can finish",
-        resources.join(", "),
-        pools.join(", ")
-    );
+    let mut parts = Vec::new();
+    if let Some((resources, shrinks)) = &for_shrink {
+        parts.push(format!(
+            "evicting pods that request {resources} so the shrink of pool {shrinks} can finish"
+        ));
+    }
+    if let Some(restarts) = &for_restart {
+        parts.push(format!(
+            "evicting the pods the kubelet's Static Memory Manager holds memory for ({}) so \
+             the kubelet can be restarted for pool {restarts}",
+            held_pods.join(", ")
+        ));
+    }
+    let message = parts.join("; ");
     DrainPlan {
         taint: true,
         condition: Some(
@@ -1163,8 +1212,30 @@ fn plan_drain(
             .generation(generation),
         ),
         evict: sizes,
+        evict_pods: if held.is_empty() {
+            Vec::new()
+        } else {
+            held_pods
+        },
         pools,
         deadline: Some(deadline),
+    }
+}
+
+/// The pods a kubelet restart waits for, as the agent lists them while it
+/// reports KubeletCapacityStale=True, reason MemoryManagerAssignments.
+fn memory_manager_pods(state: &HugePageNode) -> Vec<String> {
+    let Some(status) = &state.status else {
+        return Vec::new();
+    };
+    let held = find_condition(&status.conditions, NodeConditionType::KubeletCapacityStale)
+        .is_some_and(|c| {
+            c.status == "True" && c.reason == Reason::MemoryManagerAssignments.as_str()
+        });
+    if held {
+        status.memory_manager_pods.clone()
+    } else {
+        Vec::new()
     }
 }
 

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use hugepool_crds::conditions::{
-    ConditionUpdate, NodeConditionType as Type, Reason, set_condition,
+    ConditionUpdate, NodeConditionType as Type, Reason, find_condition, set_condition,
 };
 use hugepool_crds::node::{
     KernelInfo, MemoryInfo, NumaStatus, PageSizeStatus, PageSizeTarget, ResizeSummary,
@@ -799,6 +799,21 @@ pub fn build(
         }),
         page_sizes,
         conditions: conditions_list.clone(),
+        memory_manager_pods: memory_manager_pods(conditions_list, memory),
+    }
+}
+
+/// The pods a held kubelet restart waits for (KubeletCapacityStale, reason
+/// MemoryManagerAssignments): the UIDs the operator drains.
+fn memory_manager_pods(conditions: &[Condition], memory: &AgentMemory) -> Vec<String> {
+    let held = find_condition(conditions, Type::KubeletCapacityStale).is_some_and(|c| {
+        c.status == "True" && c.reason == Reason::MemoryManagerAssignments.as_str()
+    });
+    match &memory.kubelet.memory_manager {
+        MemoryManagerView::Static(assignments) if held => {
+            assignments.iter().map(|a| a.pod_uid.clone()).collect()
+        }
+        _ => Vec::new(),
     }
 }
 
@@ -936,6 +951,40 @@ mod tests {
             cond(&built(&empty, &memory), NodeConditionType::Restoring).status,
             "True"
         );
+    }
+
+    #[test]
+    fn a_restart_held_by_the_memory_manager_lists_the_pods_for_the_operator() {
+        let mi2 = PageSize::SIZE_2MI;
+        let mut memory = memory(vec![target("2Mi", 64)]);
+        // The pool grew to 64; the kubelet still reports 0.
+        memory.kubelet.capacity = Some(BTreeMap::from([(mi2, 0)]));
+        memory.kubelet.memory_manager =
+            MemoryManagerView::Static(vec![crate::kubelet_state::Assignment {
+                pod_uid: "uid-1".into(),
+                containers: vec!["main".into()],
+                resources: vec!["hugepages-2Mi".into(), "memory".into()],
+            }]);
+        let grown = snapshot(64, 64, 0, 0);
+        let status = built(&grown, &memory);
+        let stale = cond(&status, NodeConditionType::KubeletCapacityStale);
+        assert_eq!(
+            (stale.status.as_str(), stale.reason.as_str()),
+            ("True", "MemoryManagerAssignments")
+        );
+        assert_eq!(status.memory_manager_pods, ["uid-1"]);
+        // The kubelet reports the pool: nothing waits, nothing to drain.
+        memory.kubelet.capacity = Some(BTreeMap::from([(mi2, 64 * mi2.bytes())]));
+        assert!(built(&grown, &memory).memory_manager_pods.is_empty());
+        // No assignment: the restart goes ahead, nothing to drain either.
+        memory.kubelet.capacity = Some(BTreeMap::from([(mi2, 0)]));
+        memory.kubelet.memory_manager = MemoryManagerView::Static(Vec::new());
+        let status = built(&grown, &memory);
+        assert_eq!(
+            cond(&status, NodeConditionType::KubeletCapacityStale).reason,
+            "KubeletRestartRequired"
+        );
+        assert!(status.memory_manager_pods.is_empty());
     }
 
     #[test]

@@ -3,7 +3,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use hugepool_crds::conditions::{find_condition, set_condition};
 use hugepool_crds::node::{NumaStatus, PageSizeStatus};
 use hugepool_crds::pool::NumaSpec;
-use hugepool_crds::settings::{DeletionPolicy, DrainPolicy, NumaPolicy, NumaTarget};
+use hugepool_crds::settings::{
+    DeletionPolicy, DrainPolicy, KubeletRestart, NumaPolicy, NumaTarget,
+};
 use hugepool_crds::{
     ConditionUpdate, HugePageNode, HugePagePool, NodeConditionType, PoolConditionType, Reason,
 };
@@ -860,6 +862,100 @@ fn drain_ends_with_the_taint_removed_once_the_node_converges() {
         (update.status, update.reason),
         (false, Reason::DrainComplete)
     );
+}
+
+/// A converged node whose agent holds the kubelet restart of pool "vm"
+/// (AfterResize) for a pod of the Static Memory Manager.
+fn restart_held(
+    policy: DrainPolicy,
+    restart: KubeletRestart,
+) -> (Vec<HugePagePool>, Vec<Node>, Vec<HugePageNode>) {
+    let mut pools = vec![pool("vm", 0, "vm", "2Mi", 64)];
+    pools[0].spec.drain.policy = policy;
+    pools[0].spec.drain.timeout = "1m".into();
+    pools[0].spec.kubelet.restart = restart;
+    let nodes = fleet(1, &["vm"]);
+    let mut hpns = Vec::new();
+    run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    report(
+        &mut hpns[0],
+        ConditionUpdate::new(
+            NodeConditionType::KubeletCapacityStale,
+            true,
+            Reason::MemoryManagerAssignments,
+            "not restarting the kubelet: its Static Memory Manager holds memory for pod uid-1",
+        ),
+    );
+    status_of(&mut hpns[0]).memory_manager_pods = vec!["uid-1".into()];
+    (pools, nodes, hpns)
+}
+
+#[test]
+fn a_restart_held_by_the_memory_manager_drains_its_pods_under_the_drain_policy() {
+    let (pools, nodes, mut hpns) = restart_held(DrainPolicy::IfNeeded, KubeletRestart::AfterResize);
+    let plan = run_plan(&pools, &nodes, &hpns, 10);
+    let drain = &plan.nodes["w-00"].drain;
+    assert!(drain.taint);
+    assert!(drain.evict.is_empty(), "no shrink: no page size to drain");
+    assert_eq!(drain.evict_pods, ["uid-1"]);
+    assert_eq!(drain.pools, ["vm"]);
+    assert_eq!(drain.deadline, Some(at(70)));
+    let update = drain.condition.clone().unwrap();
+    assert_eq!((update.status, update.reason), (true, Reason::EvictingPods));
+    assert!(
+        update
+            .message
+            .contains("Static Memory Manager holds memory for (uid-1)")
+            && update.message.contains("restarted for pool vm"),
+        "{}",
+        update.message
+    );
+    set_condition(
+        &mut status_of(&mut hpns[0]).conditions,
+        update,
+        &Time(at(10)),
+    );
+    // Past the timeout: the node fails with DrainTimeout naming the pods.
+    let drain = &run_plan(&pools, &nodes, &hpns, 70).nodes["w-00"].drain;
+    let timeout = drain.condition.clone().unwrap();
+    assert_eq!(
+        (timeout.status, timeout.reason, drain.taint),
+        (false, Reason::DrainTimeout, false)
+    );
+    assert!(timeout.message.contains("(uid-1)"), "{}", timeout.message);
+    // The pods gone, the kubelet restarted and reporting: the drain ends.
+    report(
+        &mut hpns[0],
+        ConditionUpdate::new(
+            NodeConditionType::KubeletCapacityStale,
+            false,
+            Reason::CapacityMatches,
+            "",
+        ),
+    );
+    status_of(&mut hpns[0]).memory_manager_pods.clear();
+    let drain = &run_plan(&pools, &nodes, &hpns, 30).nodes["w-00"].drain;
+    assert!(!drain.taint && drain.evict_pods.is_empty());
+    assert_eq!(
+        drain.condition.clone().map(|c| c.reason),
+        Some(Reason::DrainComplete)
+    );
+}
+
+#[test]
+fn a_restart_held_by_the_memory_manager_drains_nothing_with_policy_never_or_no_restart() {
+    for (policy, restart) in [
+        (DrainPolicy::Never, KubeletRestart::AfterResize),
+        (DrainPolicy::IfNeeded, KubeletRestart::Never),
+    ] {
+        let (pools, nodes, hpns) = restart_held(policy, restart);
+        let plan = run_plan(&pools, &nodes, &hpns, 10);
+        assert_eq!(
+            plan.nodes["w-00"].drain,
+            DrainPlan::default(),
+            "{policy:?} {restart:?}"
+        );
+    }
 }
 
 #[test]
