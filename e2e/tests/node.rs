@@ -1341,7 +1341,11 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         .status
         .map(|s| s.memory_manager_pods)
         .unwrap_or_default();
-    assert_eq!(listed, std::slice::from_ref(&uid), "status.memoryManagerPods");
+    assert_eq!(
+        listed,
+        std::slice::from_ref(&uid),
+        "status.memoryManagerPods"
+    );
     assert_eq!(read_sys("nr_hugepages"), 96, "the pool itself grew");
     assert_eq!(
         node.kubelet_run(),
