@@ -1,12 +1,20 @@
-//! The controller: a kube-runtime Controller on HugePagePools that watches
-//! Nodes and HugePageNodes, runs the planner over everything it sees and
+//! The controller: one worker plans the whole fleet from one snapshot and
 //! carries the plan out. It decides nothing itself (see `planner`).
 //!
-//! Every pass plans the whole cluster under one lock, so two pools' passes
-//! never admit nodes from different snapshots, and it plans from what this
-//! process last wrote when the watch has not caught up with it yet.
+//! Pools, Nodes and HugePageNodes are watched into caches; every event that
+//! can change a plan wakes the worker (one wake-up for any number of events
+//! that arrive while a pass runs), so P pools cost one plan per burst, not P.
+//! A pass first waits until the caches show every write of the pass before
+//! it (read your writes), then plans and writes. Nothing is locked across a
+//! request: the worker owns its state. A write that fails is kept to its node
+//! (or pool): the node is retried with jittered exponential backoff and its
+//! pools report it, while every other node goes on.
+//!
+//! Every write is fenced to the end of it: it is sent only while this replica
+//! leads and is abandoned (not counted as done) if it has not finished when
+//! the Lease's safe window closes (`leader::Fence::remaining`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,21 +26,20 @@ use futures::{FutureExt, StreamExt};
 use hugepool_crds::conditions::{bounded_message, find_condition, set_condition};
 use hugepool_crds::pool::EvictedPod;
 use hugepool_crds::{
-    HugePageNode, HugePagePool, NodeConditionType, OPERATOR_MANAGER, POOL_FINALIZER, PageSize,
+    HugePageNode, HugePagePool, HugePagePoolStatus, NodeConditionType, OPERATOR_MANAGER,
+    POOL_FINALIZER, PageSize,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, NodeStatus, ObjectReference, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::core::{Selector, SelectorExt};
-use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
-use tokio::sync::Mutex;
+use tokio::sync::Notify;
 use tracing::{debug, info, instrument, warn};
 
 use crate::drain::{self, Eviction};
@@ -40,7 +47,7 @@ use crate::error::{Error, Result};
 use crate::events;
 use crate::leader::{Fence, LeaderConfig, Leadership};
 use crate::metrics::{Health, Metrics};
-use crate::planner::{self, DrainPlan, NodePlan, Plan, PlanInput};
+use crate::planner::{self, DrainPlan, NodePlan, PlanInput, has_taint};
 
 /// How the operator runs; `main` fills it from flags, tests directly.
 #[derive(Clone, Debug)]
@@ -69,63 +76,202 @@ impl Default for Config {
     }
 }
 
-/// What this process wrote last, by name, until the watches show it.
+/// How long one write may take when no Lease bounds it sooner.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a pass waits for the caches to show the writes of the pass
+/// before it; past that it plans from what they show.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many HugePageNode specs one pass writes at once.
+const NODE_WRITES_IN_FLIGHT: usize = 32;
+/// The first retry of a failed node comes after about this long, doubling.
+const RETRY_BASE: Duration = Duration::from_secs(1);
+/// ... up to this.
+const RETRY_MAX: Duration = Duration::from_secs(300);
+
+/// How long to wait before the `attempts`-th retry: `RETRY_BASE` doubled
+/// per attempt up to `RETRY_MAX`, of which `jitter` (0..1) takes off up to
+/// half, so nodes that failed together do not retry together.
+pub fn retry_delay(attempts: u32, jitter: f64) -> Duration {
+    let full = RETRY_BASE
+        .saturating_mul(1 << attempts.saturating_sub(1).min(16))
+        .min(RETRY_MAX);
+    full.mul_f64(1.0 - jitter.clamp(0.0, 1.0) / 2.0)
+}
+
+/// A node or pool whose last write failed.
+#[derive(Clone, Debug)]
+struct Retry {
+    attempts: u32,
+    next_try: Instant,
+    error: String,
+}
+
+/// The resourceVersions the watches delivered lately, per object, so that a
+/// pass can tell that the caches show the writes of the pass before it.
+/// resourceVersions are opaque: they are compared for equality only.
 #[derive(Default)]
+pub struct Deliveries {
+    log: std::sync::Mutex<DeliveryLog>,
+    delivered: Notify,
+}
+
+#[derive(Default)]
+struct DeliveryLog {
+    /// "Kind/name" -> the last few resourceVersions delivered.
+    recent: HashMap<String, VecDeque<String>>,
+    /// Per kind, how many times its watch listed everything anew (after
+    /// that the cache is newer than any write made before).
+    relists: HashMap<&'static str, u64>,
+}
+
+/// How many resourceVersions are kept per object: a write is looked for
+/// right after it returns, so only what came since matters.
+const RECENT_VERSIONS: usize = 4;
+
+impl Deliveries {
+    fn log(&self) -> std::sync::MutexGuard<'_, DeliveryLog> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The watch of `kind` delivered `object` (it is in the cache now).
+    pub fn record<K: Resource>(&self, kind: &'static str, object: &K) {
+        let (Some(name), Some(version)) = (&object.meta().name, &object.meta().resource_version)
+        else {
+            return;
+        };
+        {
+            let mut log = self.log();
+            let recent = log.recent.entry(format!("{kind}/{name}")).or_default();
+            if recent.len() == RECENT_VERSIONS {
+                recent.pop_front();
+            }
+            recent.push_back(version.clone());
+        }
+        self.delivered.notify_waiters();
+    }
+
+    /// The object is gone from the cache.
+    pub fn forget<K: Resource>(&self, kind: &'static str, object: &K) {
+        if let Some(name) = &object.meta().name {
+            self.log().recent.remove(&format!("{kind}/{name}"));
+        }
+        self.delivered.notify_waiters();
+    }
+
+    /// The watch of `kind` listed everything anew.
+    pub fn relisted(&self, kind: &'static str) {
+        *self.log().relists.entry(kind).or_default() += 1;
+        self.delivered.notify_waiters();
+    }
+
+    fn relists(&self, kind: &'static str) -> u64 {
+        self.log().relists.get(kind).copied().unwrap_or(0)
+    }
+
+    fn seen(&self, write: &Written) -> bool {
+        let log = self.log();
+        log.relists.get(write.kind).copied().unwrap_or(0) > write.relists
+            || log
+                .recent
+                .get(&write.key)
+                .is_some_and(|versions| versions.contains(&write.version))
+    }
+}
+
+/// One write of a pass, until the cache shows it.
+#[derive(Clone, Debug)]
 struct Written {
-    pools: BTreeMap<String, (Arc<HugePagePool>, Instant)>,
-    nodes: BTreeMap<String, (Arc<Node>, Instant)>,
-    node_states: BTreeMap<String, (Arc<HugePageNode>, Instant)>,
+    kind: &'static str,
+    key: String,
+    version: String,
+    relists: u64,
+}
+
+/// What the worker carries from one pass to the next.
+#[derive(Default)]
+pub struct Worker {
+    /// Writes the caches have not shown yet.
+    written: Vec<Written>,
+    /// Nodes whose last write failed.
+    node_retries: BTreeMap<String, Retry>,
+    /// Pools whose last write failed.
+    pool_retries: BTreeMap<String, Retry>,
     /// Pods whose eviction a PodDisruptionBudget refused.
     evictions: drain::Refusals,
-    /// Pods evicted for each pool, not yet in its status.
-    evicted: BTreeMap<String, Vec<EvictedPod>>,
+    /// Pools whose metrics are published.
+    pools_seen: HashSet<String>,
 }
 
-/// How long a write the watch never shows (the object was deleted) is kept.
-const WRITTEN_TTL: Duration = Duration::from_secs(30);
+impl Worker {
+    fn wrote<K: Resource>(&mut self, ctx: &Context, kind: &'static str, object: &K) {
+        let (Some(name), Some(version)) = (&object.meta().name, &object.meta().resource_version)
+        else {
+            return;
+        };
+        self.written.push(Written {
+            kind,
+            key: format!("{kind}/{name}"),
+            version: version.clone(),
+            relists: ctx.deliveries.relists(kind),
+        });
+    }
 
-fn resource_version<K: Resource>(object: &K) -> Option<u64> {
-    object.meta().resource_version.as_deref()?.parse().ok()
-}
-
-/// The store's objects, each replaced by what this process wrote when that
-/// is newer (resourceVersions of one resource come from one etcd revision
-/// counter, so they order writes).
-fn fresher<K: Resource>(
-    stored: Vec<Arc<K>>,
-    written: &mut BTreeMap<String, (Arc<K>, Instant)>,
-    keep_unseen: bool,
-) -> Vec<Arc<K>> {
-    let mut objects = Vec::with_capacity(stored.len());
-    let mut seen = std::collections::HashSet::with_capacity(stored.len());
-    for object in stored {
-        let name = object.meta().name.clone().unwrap_or_default();
-        match written.get(&name) {
-            Some((ours, _))
-                if resource_version(ours.as_ref()) > resource_version(object.as_ref()) =>
-            {
-                objects.push(Arc::clone(ours));
+    /// Waits until the caches show every write of the last pass (or one was
+    /// listed anew since), at most `DELIVERY_TIMEOUT`.
+    async fn await_deliveries(&mut self, deliveries: &Deliveries) {
+        let deadline = tokio::time::Instant::now() + DELIVERY_TIMEOUT;
+        loop {
+            // Registered before looking, so no delivery is missed between.
+            let delivered = deliveries.delivered.notified();
+            self.written.retain(|write| !deliveries.seen(write));
+            if self.written.is_empty() {
+                return;
             }
-            Some(_) => {
-                written.remove(&name);
-                objects.push(object);
+            if tokio::time::timeout_at(deadline, delivered).await.is_err() {
+                warn!(
+                    writes = self.written.len(),
+                    "the caches did not show the last pass's writes in time; planning from them"
+                );
+                self.written.clear();
+                return;
             }
-            None => objects.push(object),
         }
-        seen.insert(name);
     }
-    written.retain(|name, (_, at)| {
-        seen.contains(name.as_str()) || (keep_unseen && at.elapsed() < WRITTEN_TTL)
+
+    fn fail_node(&mut self, node: &str, error: &Error) -> bool {
+        fail(&mut self.node_retries, node, error)
+    }
+
+    fn fail_pool(&mut self, pool: &str, error: &Error) -> bool {
+        fail(&mut self.pool_retries, pool, error)
+    }
+
+    /// When the first retry is due.
+    fn next_retry(&self) -> Option<Instant> {
+        self.node_retries
+            .values()
+            .chain(self.pool_retries.values())
+            .map(|r| r.next_try)
+            .min()
+    }
+}
+
+/// Records a failed write of `name`; true on the first failure of a streak.
+fn fail(retries: &mut BTreeMap<String, Retry>, name: &str, error: &Error) -> bool {
+    let retry = retries.entry(name.to_string()).or_insert(Retry {
+        attempts: 0,
+        next_try: Instant::now(),
+        error: String::new(),
     });
-    if keep_unseen {
-        objects.extend(
-            written
-                .iter()
-                .filter(|(name, _)| !seen.contains(name.as_str()))
-                .map(|(_, (object, _))| Arc::clone(object)),
-        );
-    }
-    objects
+    retry.attempts += 1;
+    retry.next_try = Instant::now() + retry_delay(retry.attempts, fastrand::f64());
+    retry.error = bounded_message(error.to_string());
+    warn!(%name, %error, attempts = retry.attempts, "write failed; retried with backoff");
+    retry.attempts == 1
+}
+
+fn due(retries: &BTreeMap<String, Retry>, name: &str, now: Instant) -> bool {
+    retries.get(name).is_none_or(|r| r.next_try <= now)
 }
 
 /// Keeps of a Node what the operator reads: name, uid, labels, taints and
@@ -149,40 +295,68 @@ pub fn slim_node(node: &mut Node) {
     }
 }
 
-/// Whether a Node event can change a plan: it is new or deleted, or its
-/// labels, taints or hugepage capacity changed (`seen` keeps a hash of each
-/// Node's). Deletions always pass, which kube's predicate filters do not
-/// promise.
-fn node_trigger(
-    seen: &mut HashMap<String, u64>,
-    event: std::result::Result<watcher::Event<Node>, watcher::Error>,
-) -> Option<std::result::Result<Node, watcher::Error>> {
-    use std::hash::{Hash, Hasher};
-    match event {
-        Err(err) => Some(Err(err)),
-        Ok(watcher::Event::Apply(node) | watcher::Event::InitApply(node)) => {
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            node.metadata.uid.hash(&mut hasher);
-            node.metadata.labels.hash(&mut hasher);
-            for taint in node.spec.iter().flat_map(|s| s.taints.iter().flatten()) {
-                (&taint.key, &taint.value, &taint.effect).hash(&mut hasher);
+/// Whether Node events can change a plan: a Node is new or deleted, or its
+/// labels, taints or hugepage capacity changed (a hash of each Node's is
+/// kept). Heartbeats, images and conditions plan nothing.
+#[derive(Default)]
+pub struct NodeTrigger {
+    seen: HashMap<String, u64>,
+    /// Names listed so far while the watch lists everything anew.
+    relisting: Option<HashSet<String>>,
+}
+
+impl NodeTrigger {
+    /// Whether `event` can change a plan. A re-list forgets the Nodes it did
+    /// not list (deleted while the watch was down).
+    pub fn wakes(&mut self, event: &watcher::Event<Node>) -> bool {
+        use std::hash::{Hash, Hasher};
+        match event {
+            watcher::Event::Apply(node) | watcher::Event::InitApply(node) => {
+                let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                node.metadata.uid.hash(&mut hasher);
+                node.metadata.labels.hash(&mut hasher);
+                for taint in node.spec.iter().flat_map(|s| s.taints.iter().flatten()) {
+                    (&taint.key, &taint.value, &taint.effect).hash(&mut hasher);
+                }
+                let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
+                for (name, quantity) in capacity.into_iter().flatten() {
+                    (name, &quantity.0).hash(&mut hasher);
+                }
+                let hash = hasher.finish();
+                let name = node.name_any();
+                if let Some(listed) = &mut self.relisting {
+                    listed.insert(name.clone());
+                }
+                self.seen.insert(name, hash) != Some(hash)
             }
-            let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
-            for (name, quantity) in capacity.into_iter().flatten() {
-                (name, &quantity.0).hash(&mut hasher);
+            watcher::Event::Delete(node) => {
+                self.seen.remove(&node.name_any());
+                true
             }
-            let hash = hasher.finish();
-            (seen.insert(node.name_any(), hash) != Some(hash)).then_some(Ok(node))
+            watcher::Event::Init => {
+                self.relisting = Some(HashSet::new());
+                false
+            }
+            watcher::Event::InitDone => {
+                let listed = self.relisting.take().unwrap_or_default();
+                let before = self.seen.len();
+                self.seen.retain(|name, _| listed.contains(name));
+                // A Node that went while the watch was down changes plans.
+                self.seen.len() != before
+            }
         }
-        Ok(watcher::Event::Delete(node)) => {
-            seen.remove(&node.name_any());
-            Some(Ok(node))
-        }
-        Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+    }
+
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
     }
 }
 
-/// Shared by every reconcile.
+/// What the worker reads and writes through.
 pub struct Context {
     pub client: Client,
     pub pools: Store<HugePagePool>,
@@ -190,13 +364,14 @@ pub struct Context {
     pub node_states: Store<HugePageNode>,
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
-    /// Asked before every write (see `leader`).
+    /// Asked before, and bounding, every write (see `leader`).
     pub leader: Fence,
     pub ready: Arc<AtomicBool>,
     pub config: Config,
     /// The clock; tests pass a fixed one.
     pub now: fn() -> Timestamp,
-    written: Mutex<Written>,
+    /// What the watches delivered (see [`Deliveries`]).
+    pub deliveries: Arc<Deliveries>,
 }
 
 impl Context {
@@ -226,14 +401,38 @@ impl Context {
             ready,
             config,
             now: Timestamp::now,
-            written: Mutex::new(Written::default()),
+            deliveries: Arc::default(),
         }
     }
 
+    /// Publishes an Event, fenced like every write; a failure is logged.
     async fn publish(&self, event: Event, reference: &ObjectReference) {
-        if let Err(err) = self.recorder.publish(&event, reference).await {
-            warn!(error = %err, reason = %event.reason, "publishing an event");
+        let reason = event.reason.clone();
+        let sent = fenced(self, async {
+            self.recorder
+                .publish(&event, reference)
+                .await
+                .map_err(|source| Error::Event { source })
+        })
+        .await;
+        if let Err(err) = sent {
+            warn!(error = %err, %reason, "publishing an event");
         }
+    }
+}
+
+/// Runs `write` only while this replica may write, and abandons it (as
+/// `NotLeader`: not done) if it has not finished when the Lease's safe
+/// window closes, or after `WRITE_TIMEOUT`.
+async fn fenced<T>(ctx: &Context, write: impl Future<Output = Result<T>>) -> Result<T> {
+    let Some(window) = ctx.leader.remaining() else {
+        return Err(Error::NotLeader);
+    };
+    let limit = window.min(WRITE_TIMEOUT);
+    match tokio::time::timeout(limit, write).await {
+        Ok(result) => result,
+        Err(_) if limit < WRITE_TIMEOUT => Err(Error::NotLeader),
+        Err(_) => Err(Error::Timeout(limit)),
     }
 }
 
@@ -251,13 +450,6 @@ pub(crate) fn has_drain_taint(node: &Node) -> bool {
     has_taint(node, hugepool_crds::DRAINING_TAINT)
 }
 
-pub(crate) fn has_taint(node: &Node, key: &str) -> bool {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == key))
-}
-
 /// The HugePageNode is owned by its Node (so it goes with it).
 fn owned_by(node_state: &HugePageNode, node: &Node) -> bool {
     node_state
@@ -268,10 +460,16 @@ fn owned_by(node_state: &HugePageNode, node: &Node) -> bool {
         .any(|o| o.kind == "Node" && Some(&o.uid) == node.metadata.uid.as_ref())
 }
 
-/// The server-side apply body of a HugePageNode's spec.
-pub fn node_spec_apply(node: &Node, plan: &NodePlan) -> serde_json::Value {
+/// The server-side apply body of a HugePageNode's spec. `planned_from` is
+/// the resourceVersion of the HugePageNode the plan read: the write fails
+/// (409) if it changed since, rather than overwrite from a stale snapshot.
+pub fn node_spec_apply(
+    node: &Node,
+    plan: &NodePlan,
+    planned_from: Option<&str>,
+) -> serde_json::Value {
     let name = node.name_any();
-    json!({
+    let mut body = json!({
         "apiVersion": HugePageNode::api_version(&()),
         "kind": HugePageNode::kind(&()),
         "metadata": {
@@ -284,245 +482,442 @@ pub fn node_spec_apply(node: &Node, plan: &NodePlan) -> serde_json::Value {
             }],
         },
         "spec": plan.spec,
-    })
+    });
+    if let Some(version) = planned_from {
+        body["metadata"]["resourceVersion"] = json!(version);
+    }
+    body
 }
 
-/// The merge patch that empties a HugePageNode's spec.
-pub fn node_spec_clear(node: &Node, with_owner: bool) -> serde_json::Value {
+/// The merge patch that empties a HugePageNode's spec, guarded like
+/// [`node_spec_apply`].
+pub fn node_spec_clear(
+    node: &Node,
+    with_owner: bool,
+    planned_from: Option<&str>,
+) -> serde_json::Value {
     let mut patch = json!({"spec": {"pageSizes": []}});
     if with_owner {
-        patch["metadata"] = node_spec_apply(node, &NodePlan::default())["metadata"].clone();
+        patch["metadata"] = node_spec_apply(node, &NodePlan::default(), None)["metadata"].clone();
+    }
+    if let Some(version) = planned_from {
+        patch["metadata"]["resourceVersion"] = json!(version);
     }
     patch
 }
 
-/// Reconciles one pool: plans the cluster, writes what changed.
-#[instrument(skip(pool, ctx), fields(pool = %pool.name_any()))]
-pub async fn reconcile(pool: Arc<HugePagePool>, ctx: Arc<Context>) -> Result<Action> {
-    if !ctx.leader.open() {
-        return Ok(Action::await_change());
-    }
-    if !ctx.ready.load(Ordering::Relaxed) {
-        // Never plan from a partial view: a missing HugePageNode would be
-        // planned as new and its node admitted again.
-        return Ok(Action::requeue(Duration::from_millis(500)));
-    }
-    let started = Instant::now();
-    let action = reconcile_pool(&pool.name_any(), &ctx).await;
-    ctx.metrics.observe_reconcile(started.elapsed());
-    action
+/// One eviction a drain asks for, with the pools it is for.
+struct PlannedEviction<'a> {
+    pod: &'a Pod,
+    node: String,
+    pools: Vec<String>,
+    record: EvictedPod,
 }
 
-pub fn error_policy(pool: Arc<HugePagePool>, error: &Error, ctx: Arc<Context>) -> Action {
-    warn!(pool = %pool.name_any(), %error, "reconcile failed");
-    ctx.metrics.count_error(error.metric_label());
-    Action::requeue(Duration::from_secs(5))
+/// How a pass went: when to look again without an event.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Pass {
+    pub next: Duration,
 }
 
-async fn reconcile_pool(name: &str, ctx: &Context) -> Result<Action> {
-    let mut written = ctx.written.lock().await;
-    // The caches' copy and the planner (the one-time finalizer write of a
-    // new pool aside).
+/// One pass over the fleet: waits for the caches to show the last pass's
+/// writes, plans from one snapshot, then writes the node specs, the drains,
+/// every pool's status and the finalizers. A node or pool whose write fails
+/// is retried with backoff; the others go on. `Err(NotLeader)` when this
+/// replica stopped leading part way.
+#[instrument(skip_all)]
+pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
+    worker.await_deliveries(&ctx.deliveries).await;
     let planning = Instant::now();
-    let pools = fresher(ctx.pools.state(), &mut written.pools, false);
-    let nodes = fresher(ctx.nodes.state(), &mut written.nodes, false);
-    let states = fresher(ctx.node_states.state(), &mut written.node_states, true);
-    let Some(mut pool) = pools
-        .iter()
-        .find(|p| p.name_any() == name)
-        .map(|p| HugePagePool::clone(p))
-    else {
-        ctx.metrics.forget_pool(name);
-        return Ok(Action::await_change());
-    };
-    let pools_api: Api<HugePagePool> = Api::all(ctx.client.clone());
-    if pool.metadata.deletion_timestamp.is_none()
-        && !pool.finalizers().iter().any(|f| f == POOL_FINALIZER)
-    {
-        fenced(ctx)?;
-        let updated = add_finalizer(&pools_api, &pool).await?;
-        written.pools.insert(
-            name.to_string(),
-            (Arc::new(updated.clone()), Instant::now()),
-        );
-        pool = updated;
-    }
-
     let now = (ctx.now)();
-    let pools: Vec<HugePagePool> = pools.iter().map(|p| HugePagePool::clone(p)).collect();
-    let nodes: Vec<&Node> = nodes.iter().map(Arc::as_ref).collect();
-    let node_states: Vec<&HugePageNode> = states.iter().map(Arc::as_ref).collect();
-    let plan = planner::plan(&PlanInput {
-        pools: &pools,
-        nodes: &nodes,
-        node_states: &node_states,
-        now,
-    });
+    let started = Instant::now();
+    let mut pools: Vec<HugePagePool> = ctx
+        .pools
+        .state()
+        .iter()
+        .map(|p| HugePagePool::clone(p))
+        .collect();
+    let pools_api: Api<HugePagePool> = Api::all(ctx.client.clone());
+    // A new pool gets its finalizer before anything is written for it.
+    for pool in &mut pools {
+        let name = pool.name_any();
+        if pool.metadata.deletion_timestamp.is_some()
+            || pool.finalizers().iter().any(|f| f == POOL_FINALIZER)
+            || !due(&worker.pool_retries, &name, started)
+        {
+            continue;
+        }
+        match fenced(ctx, add_finalizer(&pools_api, pool)).await {
+            Ok(updated) => {
+                worker.wrote(ctx, "HugePagePool", &updated);
+                *pool = updated;
+            }
+            Err(Error::NotLeader) => return Err(Error::NotLeader),
+            Err(err) => {
+                ctx.metrics.count_error(err.metric_label());
+                worker.fail_pool(&name, &err);
+            }
+        }
+    }
+    let nodes = ctx.nodes.state();
+    let states = ctx.node_states.state();
+    let write_errors: BTreeMap<String, String> = worker
+        .node_retries
+        .iter()
+        .map(|(node, retry)| (node.clone(), retry.error.clone()))
+        .collect();
+    let plan = {
+        let nodes: Vec<&Node> = nodes.iter().map(Arc::as_ref).collect();
+        let node_states: Vec<&HugePageNode> = states.iter().map(Arc::as_ref).collect();
+        planner::plan(&PlanInput {
+            pools: &pools,
+            nodes: &nodes,
+            node_states: &node_states,
+            write_errors: &write_errors,
+            now,
+        })
+    };
     ctx.metrics
         .plan_duration
         .observe(planning.elapsed().as_secs_f64());
     let nodes_by_name: HashMap<&str, &Node> = nodes
         .iter()
-        .filter_map(|&n| n.metadata.name.as_deref().map(|name| (name, n)))
+        .filter_map(|n| n.metadata.name.as_deref().map(|name| (name, n.as_ref())))
         .collect();
-    drop(node_states);
-    // Of the states the pass planned from it keeps only what its writes and
-    // drains read, so the caches' newer copies (the watch delivers every
-    // write of this pass) do not live beside a whole older fleet (operator/
-    // BENCH.md: peak RSS at 10,000 nodes).
-    let (to_write, mut drain_states) = {
-        let states_by_name: HashMap<&str, &Arc<HugePageNode>> = states
-            .iter()
-            .filter_map(|s| s.metadata.name.as_deref().map(|name| (name, s)))
-            .collect();
-        let mut to_write = Vec::new();
-        let mut drain_states: HashMap<&str, Arc<HugePageNode>> = HashMap::new();
-        for (node_name, node_plan) in &plan.nodes {
-            let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
-                continue;
-            };
-            let current = states_by_name.get(node_name.as_str()).copied();
-            if reads_state(&node_plan.drain)
-                && let Some(current) = current
-            {
-                drain_states.insert(node_name.as_str(), Arc::clone(current));
-            }
-            let needs_owner = current.is_none_or(|c| !owned_by(c, node));
-            if node_plan.spec_changed || needs_owner {
-                to_write.push((node, current.is_some(), node_plan, needs_owner));
-            }
-        }
-        (to_write, drain_states)
-    };
-    drop(states);
-    let mut evicting = false;
-    // One node's failed write must not hold up the others or the status;
-    // the first error is returned at the end so the pass is retried.
-    let mut node_error = None;
+    let states_by_name: HashMap<&str, &Arc<HugePageNode>> = states
+        .iter()
+        .filter_map(|s| s.metadata.name.as_deref().map(|name| (name, s)))
+        .collect();
+
     // The specs first, `NODE_WRITES_IN_FLIGHT` at a time: a rollout's wave
     // (or a whole fleet at maxUnavailable 100%) is written in a fraction of
-    // the time one write after another takes. A write's future is made when
-    // a slot frees and its response is kept as it arrives: a Vec of every
-    // write's future, then one of every response, were 38 of the 136 MiB of
-    // peak heap at 10,000 nodes (operator/BENCH.md). (`buffer_unordered`
-    // over a lazy `map` does the same but its closure, borrowing the pass,
-    // fails the Controller's higher-ranked `Send` bound.)
+    // the time one write after another takes.
+    let mut drain_states: HashMap<&str, Arc<HugePageNode>> = HashMap::new();
+    let mut to_write = Vec::new();
+    for (node_name, node_plan) in &plan.nodes {
+        let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
+            continue;
+        };
+        let current = states_by_name.get(node_name.as_str()).copied();
+        if reads_state(&node_plan.drain)
+            && let Some(current) = current
+        {
+            drain_states.insert(node_name.as_str(), Arc::clone(current));
+        }
+        let needs_owner = current.is_none_or(|c| !owned_by(c, node));
+        if (node_plan.spec_changed || needs_owner) && due(&worker.node_retries, node_name, started)
+        {
+            to_write.push((node, current.map(Arc::as_ref), node_plan, needs_owner));
+        }
+    }
+    let mut stale = false;
     let mut waiting = to_write.into_iter();
     let mut in_flight = FuturesUnordered::new();
     loop {
         while in_flight.len() < NODE_WRITES_IN_FLIGHT {
-            let Some((node, exists, node_plan, needs_owner)) = waiting.next() else {
+            let Some((node, current, node_plan, needs_owner)) = waiting.next() else {
                 break;
             };
-            in_flight.push(write_node_spec(ctx, node, exists, node_plan, needs_owner));
+            in_flight.push(write_node_spec(ctx, node, current, node_plan, needs_owner));
         }
         let Some((node_name, result)) = in_flight.next().await else {
             break;
         };
         match result {
             Ok(updated) => {
-                let updated = Arc::new(updated);
+                worker.node_retries.remove(&node_name);
+                worker.wrote(ctx, "HugePageNode", &updated);
                 if let Some(state) = drain_states.get_mut(node_name.as_str()) {
-                    *state = Arc::clone(&updated);
+                    *state = Arc::new(updated);
                 }
-                written
-                    .node_states
-                    .insert(node_name, (updated, Instant::now()));
             }
-            Err(Error::NotLeader) => return Ok(Action::await_change()),
+            Err(Error::NotLeader) => return Err(Error::NotLeader),
+            // Planned from a HugePageNode that has changed since (its agent
+            // wrote its status): plan again from the newer one.
+            Err(err) if err.is_conflict() => {
+                debug!(node = %node_name, "HugePageNode changed since the plan read it");
+                stale = true;
+            }
             Err(err) => {
-                warn!(node = %node_name, error = %err, "node spec not written");
-                node_error.get_or_insert(err);
+                ctx.metrics.count_error(err.metric_label());
+                if worker.fail_node(&node_name, &err)
+                    && let Some(&node) = nodes_by_name.get(node_name.as_str())
+                {
+                    ctx.publish(events::write_failed(&err), &node_reference(node))
+                        .await;
+                }
             }
         }
     }
+
     // Then the drains, in node order (they are few, and evictions must be
-    // paced).
+    // paced): conditions and taints, then the pods to evict.
+    let mut evicting = false;
+    let mut to_evict: Vec<PlannedEviction<'_>> = Vec::new();
+    let mut pods_by_node: Vec<(String, Vec<Pod>)> = Vec::new();
     for (node_name, node_plan) in &plan.nodes {
-        if !ctx.leader.open() {
-            return Ok(Action::await_change());
-        }
         let Some(&node) = nodes_by_name.get(node_name.as_str()) else {
             continue;
         };
+        if !due(&worker.node_retries, node_name, started) {
+            continue;
+        }
         let node_state = drain_states.get(node_name.as_str()).map(Arc::as_ref);
-        match carry_out_drain(ctx, node, node_state, node_plan, now, &mut written).await {
-            Ok(still_evicting) => evicting |= still_evicting,
-            Err(Error::NotLeader) => return Ok(Action::await_change()),
+        match carry_out_drain(ctx, worker, node, node_state, node_plan, now).await {
+            Ok(Some(pods)) => {
+                evicting = true;
+                pods_by_node.push((node_name.clone(), pods));
+            }
+            Ok(None) => {}
+            Err(Error::NotLeader) => return Err(Error::NotLeader),
             Err(err) => {
-                warn!(node = %node_name, error = %err, "node not updated");
-                node_error.get_or_insert(err);
+                ctx.metrics.count_error(err.metric_label());
+                if worker.fail_node(node_name, &err) {
+                    ctx.publish(events::write_failed(&err), &node_reference(node))
+                        .await;
+                }
+            }
+        }
+    }
+    for (node_name, pods) in &pods_by_node {
+        let (Some(node_plan), Some(&node)) = (
+            plan.nodes.get(node_name),
+            nodes_by_name.get(node_name.as_str()),
+        ) else {
+            continue;
+        };
+        let node_state = drain_states.get(node_name.as_str()).map(Arc::as_ref);
+        to_evict.extend(choose_evictions(
+            worker, node, node_state, node_plan, pods, now,
+        ));
+    }
+
+    // Every pool's status: evictions are recorded in it before they are
+    // made, so a crash right after one still leaves the record.
+    let mut records: BTreeMap<String, Vec<EvictedPod>> = BTreeMap::new();
+    // Each pool's status as the pass read it, and as this pass wrote it.
+    let old_statuses: BTreeMap<String, HugePagePoolStatus> = pools
+        .iter()
+        .map(|p| (p.name_any(), p.status.clone().unwrap_or_default()))
+        .collect();
+    let mut statuses = old_statuses.clone();
+    let mut pools_by_name: BTreeMap<String, HugePagePool> =
+        pools.into_iter().map(|p| (p.name_any(), p)).collect();
+    for eviction in to_evict {
+        let key = eviction.record.pod.clone();
+        let uid = eviction.pod.metadata.uid.clone().unwrap_or_default();
+        // Asked first without effect: only an eviction the API would make
+        // now is recorded (a PodDisruptionBudget refuses most of them).
+        let dry_run = fenced(ctx, async {
+            Ok(drain::evict(&ctx.client, eviction.pod, true).await)
+        })
+        .await?;
+        if let Eviction::Evicted = dry_run {
+            for pool in &eviction.pools {
+                records
+                    .entry(pool.clone())
+                    .or_default()
+                    .push(eviction.record.clone());
+            }
+            let mut recorded = true;
+            for pool in &eviction.pools {
+                let (Some(pool_plan), Some(current)) =
+                    (plan.pools.get(pool), pools_by_name.get_mut(pool))
+                else {
+                    continue;
+                };
+                let status = planned_status(pool_plan, records.get(pool));
+                match write_pool_status(ctx, worker, current, &status, statuses.get(pool)).await {
+                    Ok(()) => {
+                        statuses.insert(pool.clone(), status);
+                    }
+                    Err(Error::NotLeader) => return Err(Error::NotLeader),
+                    Err(err) => {
+                        ctx.metrics.count_error(err.metric_label());
+                        worker.fail_pool(pool, &err);
+                        recorded = false;
+                    }
+                }
+            }
+            if !recorded {
+                // Not evicted unless recorded; the next pass tries again.
+                for pool in &eviction.pools {
+                    if let Some(list) = records.get_mut(pool) {
+                        list.retain(|r| r.pod != key);
+                    }
+                }
+                continue;
+            }
+        }
+        let outcome = match dry_run {
+            Eviction::Evicted => {
+                fenced(ctx, async {
+                    Ok(drain::evict(&ctx.client, eviction.pod, false).await)
+                })
+                .await?
+            }
+            refused => refused,
+        };
+        let first_refusal = worker.evictions.get(&uid).is_none();
+        for pool in &eviction.pools {
+            ctx.metrics.count_eviction(pool, outcome.metric_label());
+        }
+        match &outcome {
+            Eviction::Evicted => {
+                worker.evictions.forget(&uid);
+                info!(node = %eviction.node, pod = %key, pools = ?eviction.pools, "evicted");
+            }
+            Eviction::Gone => {
+                worker.evictions.forget(&uid);
+                debug!(node = %eviction.node, pod = %key, "already gone; not an eviction");
+            }
+            Eviction::Blocked(message) | Eviction::Failed(message) => {
+                // Recorded but refused after all: the record goes again.
+                for pool in &eviction.pools {
+                    if let Some(list) = records.get_mut(pool) {
+                        list.retain(|r| r.pod != key);
+                    }
+                }
+                let backoff = worker.evictions.refused(&uid, &eviction.node, now);
+                debug!(node = %eviction.node, pod = %key, %message, attempts = backoff.attempts, "eviction refused");
+            }
+        }
+        if matches!(outcome, Eviction::Evicted)
+            || (first_refusal && !matches!(outcome, Eviction::Gone))
+        {
+            if let Some(&node) = nodes_by_name.get(eviction.node.as_str()) {
+                ctx.publish(
+                    events::eviction_event(&key, &outcome),
+                    &node_reference(node),
+                )
+                .await;
             }
         }
     }
 
-    let Some(pool_plan) = plan.pools.get(name) else {
-        return Ok(Action::await_change());
-    };
-    let old_status = pool.status.clone().unwrap_or_default();
-    let mut status = pool_plan.status.clone();
-    let evicted = written.evicted.get(name).cloned().unwrap_or_default();
-    status.record_evictions(evicted);
-    if status != old_status {
-        fenced(ctx)?;
-        let updated = pools_api
-            .patch_status(
-                name,
-                &PatchParams::apply(OPERATOR_MANAGER).force(),
-                &Patch::Apply(json!({
-                    "apiVersion": HugePagePool::api_version(&()),
-                    "kind": HugePagePool::kind(&()),
-                    "status": status,
-                })),
-            )
-            .await
-            .map_err(|source| Error::PoolStatus {
-                pool: name.to_string(),
-                source,
-            })?;
-        written.evicted.remove(name);
-        written.pools.insert(
-            name.to_string(),
-            (Arc::new(updated.clone()), Instant::now()),
-        );
-        // The finalizer patch below must carry the newest resourceVersion.
-        pool = updated;
-        if !pool_plan.admitted.is_empty() {
-            info!(admitted = ?pool_plan.admitted, "nodes admitted to the rollout");
+    for (name, pool_plan) in &plan.pools {
+        let Some(pool) = pools_by_name.get_mut(name) else {
+            continue;
+        };
+        ctx.metrics.observe_pool(name, pool_plan);
+        worker.pools_seen.insert(name.clone());
+        let status = planned_status(pool_plan, records.get(name));
+        let old_status = old_statuses.get(name).cloned().unwrap_or_default();
+        if status != old_status {
+            if !due(&worker.pool_retries, name, started) {
+                continue;
+            }
+            match write_pool_status(ctx, worker, pool, &status, statuses.get(name)).await {
+                Ok(()) => {}
+                Err(Error::NotLeader) => return Err(Error::NotLeader),
+                Err(err) => {
+                    ctx.metrics.count_error(err.metric_label());
+                    worker.fail_pool(name, &err);
+                    continue;
+                }
+            }
+            if !pool_plan.admitted.is_empty() {
+                info!(pool = %name, admitted = ?pool_plan.admitted, "nodes admitted to the rollout");
+            }
+            for event in events::pool_events(&old_status, &status) {
+                ctx.publish(event, &pool.object_ref(&())).await;
+            }
         }
-        for event in events::pool_events(&old_status, &status) {
-            ctx.publish(event, &pool.object_ref(&())).await;
+        if pool_plan.remove_finalizer && pool.finalizers().iter().any(|f| f == POOL_FINALIZER) {
+            match fenced(ctx, remove_finalizer(&pools_api, pool)).await {
+                Ok(()) => {
+                    worker.pool_retries.remove(name);
+                    worker.pools_seen.remove(name);
+                    ctx.metrics.forget_pool(name);
+                    info!(pool = %name, "pool released every node; finalizer removed");
+                }
+                Err(Error::NotLeader) => return Err(Error::NotLeader),
+                Err(err) => {
+                    ctx.metrics.count_error(err.metric_label());
+                    worker.fail_pool(name, &err);
+                }
+            }
         }
     }
-    ctx.metrics.observe_pool(name, pool_plan);
-    if let Some(err) = node_error {
-        return Err(err);
-    }
-    if pool_plan.remove_finalizer && pool.finalizers().iter().any(|f| f == POOL_FINALIZER) {
-        fenced(ctx)?;
-        remove_finalizer(&pools_api, &pool).await?;
-        written.pools.remove(name);
-        written.evicted.remove(name);
-        ctx.metrics.forget_pool(name);
-        info!("pool released every node; finalizer removed");
-        return Ok(Action::await_change());
-    }
-    Ok(next_action(&ctx.config, &plan, now, evicting))
-}
+    // Pools that are gone.
+    worker.pools_seen.retain(|name| {
+        let kept = plan.pools.contains_key(name);
+        if !kept {
+            ctx.metrics.forget_pool(name);
+        }
+        kept
+    });
+    worker
+        .pool_retries
+        .retain(|name, _| plan.pools.contains_key(name));
+    worker
+        .node_retries
+        .retain(|name, _| nodes_by_name.contains_key(name.as_str()));
 
-/// When to look again without an event: a drain deadline, a drain that is
-/// evicting, or the resync period.
-fn next_action(config: &Config, plan: &Plan, now: Timestamp, evicting: bool) -> Action {
-    let mut wait = config.resync;
+    // When to look again without an event.
+    let mut next = ctx.config.resync;
     if let Some(deadline) = plan.next_deadline {
-        let until = deadline.duration_since(now);
-        let until = Duration::try_from(until).unwrap_or(Duration::ZERO);
-        wait = wait.min(until + Duration::from_millis(100));
+        let until = Duration::try_from(deadline.duration_since(now)).unwrap_or(Duration::ZERO);
+        next = next.min(until + Duration::from_millis(100));
     }
     if evicting {
-        wait = wait.min(config.drain_poll);
+        next = next.min(ctx.config.drain_poll);
     }
-    Action::requeue(wait)
+    if let Some(retry) = worker.next_retry() {
+        next = next.min(retry.saturating_duration_since(Instant::now()));
+    }
+    if stale {
+        next = Duration::ZERO;
+    }
+    ctx.metrics.observe_reconcile(started.elapsed());
+    Ok(Pass { next })
+}
+
+/// A pool's planned status with this pass's evictions recorded.
+fn planned_status(
+    pool_plan: &planner::PoolPlan,
+    records: Option<&Vec<EvictedPod>>,
+) -> HugePagePoolStatus {
+    let mut status = pool_plan.status.clone();
+    status.record_evictions(records.into_iter().flatten().cloned());
+    status
+}
+
+/// Writes `status` as the pool's (server-side apply) unless it is `old`.
+async fn write_pool_status(
+    ctx: &Context,
+    worker: &mut Worker,
+    pool: &mut HugePagePool,
+    status: &HugePagePoolStatus,
+    old: Option<&HugePagePoolStatus>,
+) -> Result<()> {
+    if old == Some(status) {
+        return Ok(());
+    }
+    let name = pool.name_any();
+    let api: Api<HugePagePool> = Api::all(ctx.client.clone());
+    let updated = fenced(ctx, async {
+        api.patch_status(
+            &name,
+            &PatchParams::apply(OPERATOR_MANAGER).force(),
+            &Patch::Apply(json!({
+                "apiVersion": HugePagePool::api_version(&()),
+                "kind": HugePagePool::kind(&()),
+                "status": status,
+            })),
+        )
+        .await
+        .map_err(|source| Error::PoolStatus {
+            pool: name.clone(),
+            source,
+        })
+    })
+    .await?;
+    worker.pool_retries.remove(&name);
+    worker.wrote(ctx, "HugePagePool", &updated);
+    // The finalizer patch must carry the newest resourceVersion.
+    *pool = updated;
+    Ok(())
 }
 
 async fn add_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Result<HugePagePool> {
@@ -587,52 +982,50 @@ async fn remove_finalizer(api: &Api<HugePagePool>, pool: &HugePagePool) -> Resul
     }
 }
 
-/// How many HugePageNode specs one pass writes at once.
-const NODE_WRITES_IN_FLIGHT: usize = 32;
-
 /// Creates or updates the node's HugePageNode (its spec, or its owner when
-/// `needs_owner`, is not what the plan says); returns it as it now is.
+/// `needs_owner`, is not what the plan says), on the condition that it is
+/// still `current` (the version the plan read); returns it as it now is.
 async fn write_node_spec(
     ctx: &Context,
     node: &Node,
-    exists: bool,
+    current: Option<&HugePageNode>,
     plan: &NodePlan,
     needs_owner: bool,
 ) -> (String, Result<HugePageNode>) {
     let name = node.name_any();
-    // A replica that lost the Lease stops writing at once.
-    if !ctx.leader.open() {
-        return (name, Err(Error::NotLeader));
-    }
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
+    let planned_from = current.and_then(|c| c.metadata.resource_version.as_deref());
     // Applying an empty list drops `spec` altogether (nothing in it is owned
     // any more), which the schema refuses; clear it explicitly.
-    let (params, patch) = if exists && plan.spec.page_sizes.is_empty() {
+    let (params, patch) = if current.is_some() && plan.spec.page_sizes.is_empty() {
         let params = PatchParams {
             field_manager: Some(OPERATOR_MANAGER.into()),
             ..PatchParams::default()
         };
-        (params, Patch::Merge(node_spec_clear(node, needs_owner)))
+        (
+            params,
+            Patch::Merge(node_spec_clear(node, needs_owner, planned_from)),
+        )
     } else {
         (
             PatchParams::apply(OPERATOR_MANAGER).force(),
-            Patch::Apply(node_spec_apply(node, plan)),
+            Patch::Apply(node_spec_apply(node, plan, planned_from)),
         )
     };
-    let result = api
-        .patch(&name, &params, &patch)
-        .await
-        .map(|mut updated| {
-            // A pass keeps every response until its writes are done: their
-            // managedFields (a tree of maps per field the agent and the
-            // operator own) were over half the operator's peak heap.
-            updated.metadata.managed_fields = None;
-            updated
-        })
-        .map_err(|source| Error::NodeSpec {
-            node: name.clone(),
-            source,
-        });
+    let result = fenced(ctx, async {
+        api.patch(&name, &params, &patch)
+            .await
+            .map(|mut updated| {
+                // Only its name, version, generation and spec are read.
+                updated.metadata.managed_fields = None;
+                updated
+            })
+            .map_err(|source| Error::NodeSpec {
+                node: name.clone(),
+                source,
+            })
+    })
+    .await;
     if let Ok(updated) = &result {
         debug!(node = %name, generation = ?updated.metadata.generation, "wrote HugePageNode spec");
     }
@@ -645,58 +1038,57 @@ fn reads_state(drain: &DrainPlan) -> bool {
     drain.condition.is_some() || !drain.evict.is_empty() || !drain.evict_pods.is_empty()
 }
 
-/// Sets the Draining condition, the taint and evicts as the plan says;
-/// returns whether evictions are still going on.
-async fn carry_out_drain(
-    ctx: &Context,
-    node: &Node,
+/// Which of a draining node's pods to evict, and what its condition says
+/// of them.
+struct DrainSelection<'a> {
+    /// Pods to evict, each with the pools its eviction is for.
+    chosen: Vec<(&'a Pod, Vec<String>)>,
+    /// What the condition adds: whom it evicts, whom it cannot.
+    notes: Vec<String>,
+    kept: Vec<String>,
+    /// The UIDs a kubelet restart waits for.
+    restart_waits_for: Vec<String>,
+}
+
+/// Only the fewest pods whose own requests free what the shrink needs (the
+/// agent's word alone drains nothing), and the pods the kubelet's Memory
+/// Manager holds memory for; never those eviction cannot move.
+fn select_pods<'a>(
+    on_node: &'a [Pod],
     node_state: Option<&HugePageNode>,
     plan: &NodePlan,
-    now: Timestamp,
-    written: &mut Written,
-) -> Result<bool> {
+) -> DrainSelection<'a> {
     let drain = &plan.drain;
-    let name = node.name_any();
-    let on_node = if drain.evict.is_empty() && drain.evict_pods.is_empty() {
-        Vec::new()
-    } else {
-        let pods: Api<Pod> = Api::all(ctx.client.clone());
-        pods.list(&ListParams::default().fields(&format!("spec.nodeName={name}")))
-            .await
-            .map_err(|source| Error::ListPods {
-                node: name.clone(),
-                source,
-            })?
-            .items
-    };
-    written.evictions.prune(&name, &on_node);
-    // Only the fewest pods whose own requests free what the shrink needs
-    // (the agent's word alone drains nothing), never those eviction cannot
-    // move; the condition names both.
-    let mut chosen: Vec<&Pod> = Vec::new();
+    let mut chosen: Vec<(&Pod, Vec<String>)> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
+    let credit = |chosen: &mut Vec<(&'a Pod, Vec<String>)>, pod: &'a Pod, pool: &str| match chosen
+        .iter_mut()
+        .find(|(c, _)| c.metadata.uid == pod.metadata.uid)
+    {
+        Some((_, pools)) if !pools.iter().any(|p| p == pool) => pools.push(pool.to_string()),
+        Some(_) => {}
+        None => chosen.push((pod, vec![pool.to_string()])),
+    };
     for &size in &drain.evict {
-        let selection = drain::choose(&on_node, size, must_free(node_state, plan, size));
+        let selection = drain::choose(on_node, size, must_free(node_state, plan, size));
         notes.extend(selection.unexplained);
+        let pool = drain.shrink_pools.get(&size).cloned().unwrap_or_default();
         for pod in selection.evict {
-            if !chosen.iter().any(|c| c.metadata.uid == pod.metadata.uid) {
-                chosen.push(pod);
-            }
+            credit(&mut chosen, pod, &pool);
         }
     }
-    // The pods a kubelet restart waits for (the Memory Manager's), by UID.
-    let (held, held_kept) = drain::memory_manager_holders(&on_node, &drain.evict_pods);
+    let (held, held_kept) = drain::memory_manager_holders(on_node, &drain.evict_pods);
     let restart_waits_for: Vec<String> =
         held.iter().filter_map(|p| p.metadata.uid.clone()).collect();
     for pod in held {
-        if !chosen.iter().any(|c| c.metadata.uid == pod.metadata.uid) {
-            chosen.push(pod);
+        for pool in &drain.restart_pools {
+            credit(&mut chosen, pod, pool);
         }
     }
     if !chosen.is_empty() {
         let named: Vec<String> = chosen
             .iter()
-            .map(|p| {
+            .map(|(p, _)| {
                 let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(p, s)).sum();
                 format!(
                     "{}/{} ({pages} pages)",
@@ -707,7 +1099,7 @@ async fn carry_out_drain(
             .collect();
         notes.push(format!("evicting {}", named.join(", ")));
     }
-    let mut kept = drain::unevictable_consumers(&on_node, &drain.evict);
+    let mut kept = drain::unevictable_consumers(on_node, &drain.evict);
     for pod in held_kept {
         if !kept.contains(&pod) {
             kept.push(pod);
@@ -716,11 +1108,55 @@ async fn carry_out_drain(
     if !kept.is_empty() {
         notes.push(format!("not evicted: {}", kept.join(", ")));
     }
+    DrainSelection {
+        chosen,
+        notes,
+        kept,
+        restart_waits_for,
+    }
+}
+
+/// Sets the Draining condition and the taints as the plan says; returns the
+/// node's pods when it is evicting.
+async fn carry_out_drain(
+    ctx: &Context,
+    worker: &mut Worker,
+    node: &Node,
+    node_state: Option<&HugePageNode>,
+    plan: &NodePlan,
+    now: Timestamp,
+) -> Result<Option<Vec<Pod>>> {
+    let drain = &plan.drain;
+    let name = node.name_any();
+    let evicts = !drain.evict.is_empty() || !drain.evict_pods.is_empty();
+    let on_node = if evicts {
+        let pods: Api<Pod> = Api::all(ctx.client.clone());
+        let listed = tokio::time::timeout(
+            WRITE_TIMEOUT,
+            pods.list(&ListParams::default().fields(&format!("spec.nodeName={name}"))),
+        )
+        .await
+        .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?;
+        listed
+            .map_err(|source| Error::ListPods {
+                node: name.clone(),
+                source,
+            })?
+            .items
+    } else {
+        Vec::new()
+    };
+    worker.evictions.prune(&name, &on_node);
+    let selection = select_pods(&on_node, node_state, plan);
     let condition_update = drain.condition.clone().map(|mut update| {
-        if update.status && !notes.is_empty() {
-            update.message = format!("{}; {}", update.message, notes.join("; "));
-        } else if !kept.is_empty() {
-            update.message = format!("{}; not evicted: {}", update.message, kept.join(", "));
+        if update.status && !selection.notes.is_empty() {
+            update.message = format!("{}; {}", update.message, selection.notes.join("; "));
+        } else if !selection.kept.is_empty() {
+            update.message = format!(
+                "{}; not evicted: {}",
+                update.message,
+                selection.kept.join(", ")
+            );
         }
         update
     });
@@ -731,14 +1167,12 @@ async fn carry_out_drain(
             .map(|s| s.conditions.clone())
             .unwrap_or_default();
         let before = find_condition(&conditions, NodeConditionType::Draining).cloned();
-        if set_condition(&mut conditions, update.clone(), &Time(now)) {
-            fenced(ctx)?;
-            let Some(condition) = find_condition(&conditions, NodeConditionType::Draining) else {
-                return Ok(false);
-            };
+        if set_condition(&mut conditions, update.clone(), &Time(now))
+            && let Some(condition) = find_condition(&conditions, NodeConditionType::Draining)
+        {
             let api: Api<HugePageNode> = Api::all(ctx.client.clone());
-            let updated = api
-                .patch_status(
+            let updated = fenced(ctx, async {
+                api.patch_status(
                     &name,
                     &PatchParams::apply(OPERATOR_MANAGER).force(),
                     &Patch::Apply(json!({
@@ -751,10 +1185,10 @@ async fn carry_out_drain(
                 .map_err(|source| Error::DrainCondition {
                     node: name.clone(),
                     source,
-                })?;
-            written
-                .node_states
-                .insert(name.clone(), (Arc::new(updated), Instant::now()));
+                })
+            })
+            .await?;
+            worker.wrote(ctx, "HugePageNode", &updated);
             if let Some(event) = events::drain_event(before.as_ref(), update) {
                 ctx.publish(event, &node_reference(node)).await;
             }
@@ -768,131 +1202,109 @@ async fn carry_out_drain(
         .iter()
         .any(|&(key, want)| has_taint(node, key) != want)
     {
-        fenced(ctx)?;
-        set_taints(ctx, node, &taints, written).await?;
+        let updated = set_taints(ctx, node, &taints).await?;
+        worker.wrote(ctx, "Node", &updated);
     }
-    if drain.evict.is_empty() && drain.evict_pods.is_empty() {
-        return Ok(false);
-    }
-    let pool = drain.pools.first().cloned().unwrap_or_default();
+    Ok(evicts.then_some(on_node))
+}
+
+/// The evictions a draining node's plan asks for now: the selected pods
+/// not waiting out a refusal, each with its record for the pools it is for.
+fn choose_evictions<'a>(
+    worker: &Worker,
+    node: &Node,
+    node_state: Option<&HugePageNode>,
+    plan: &NodePlan,
+    on_node: &'a [Pod],
+    now: Timestamp,
+) -> Vec<PlannedEviction<'a>> {
+    let drain = &plan.drain;
+    let name = node.name_any();
+    let selection = select_pods(on_node, node_state, plan);
     let needed: Vec<String> = drain
         .evict
         .iter()
         .map(|&size| format!("{} of {size}", must_free(node_state, plan, size)))
         .collect();
-    for pod in chosen {
-        let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
-        if written
-            .evictions
-            .get(&uid)
-            .is_some_and(|b| b.next_try > now)
-        {
-            continue;
-        }
-        // Evictions are slow (each a round trip, some refused): a replica
-        // paused or cut off mid-drain must not go on from its old plan.
-        fenced(ctx)?;
-        let outcome = drain::evict(&ctx.client, pod).await;
-        ctx.metrics.count_eviction(&pool, outcome.metric_label());
-        let first_refusal = written.evictions.get(&uid).is_none();
-        match &outcome {
-            Eviction::Evicted => {
-                written.evictions.forget(&uid);
-                info!(node = %name, pod = %key, "evicted");
-                let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(pod, s)).sum();
-                let reason = if restart_waits_for.contains(&uid) {
-                    format!(
-                        "the kubelet's Static Memory Manager held memory for it; the kubelet \
-                         restart of {name} waited for it"
-                    )
-                } else {
-                    format!(
-                        "held {pages} pages; the shrink of {name} needed {} back",
-                        needed.join(" and ")
-                    )
-                };
-                written
-                    .evicted
-                    .entry(pool.clone())
-                    .or_default()
-                    .push(EvictedPod {
-                        pod: key.clone(),
-                        node: name.clone(),
-                        pages: pages as i64,
-                        reason: bounded_message(reason),
-                        evicted_at: Some(Time(now)),
-                    });
+    selection
+        .chosen
+        .into_iter()
+        .filter(|(pod, _)| {
+            let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+            worker.evictions.get(uid).is_none_or(|b| b.next_try <= now)
+        })
+        .map(|(pod, pools)| {
+            let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+            let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(pod, s)).sum();
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            let reason = if selection.restart_waits_for.contains(&uid) {
+                format!(
+                    "the kubelet's Static Memory Manager held memory for it; the kubelet \
+                     restart of {name} waited for it"
+                )
+            } else {
+                format!(
+                    "held {pages} pages; the shrink of {name} needed {} back",
+                    needed.join(" and ")
+                )
+            };
+            PlannedEviction {
+                pod,
+                node: name.clone(),
+                pools,
+                record: EvictedPod {
+                    pod: key,
+                    node: name.clone(),
+                    pages: pages as i64,
+                    reason: bounded_message(reason),
+                    evicted_at: Some(Time(now)),
+                },
             }
-            Eviction::Blocked(message) | Eviction::Failed(message) => {
-                let backoff = written.evictions.refused(&uid, &name, now);
-                debug!(node = %name, pod = %key, %message, attempts = backoff.attempts, "eviction refused");
-            }
-        }
-        if matches!(outcome, Eviction::Evicted) || first_refusal {
-            ctx.publish(
-                events::eviction_event(&key, &outcome),
-                &node_reference(node),
-            )
-            .await;
-        }
-    }
-    Ok(true)
+        })
+        .collect()
 }
 
-/// Err(NotLeader) unless this replica may write now (see `leader::Fence`).
-fn fenced(ctx: &Context) -> Result<()> {
-    if ctx.leader.open() {
-        Ok(())
-    } else {
-        Err(Error::NotLeader)
-    }
-}
-
-/// Adds or removes `hugepool.dev/draining:NoSchedule`, leaving other taints
-/// alone; the resourceVersion makes a concurrent change fail and retry.
-async fn set_taints(
-    ctx: &Context,
-    node: &Node,
-    taints: &[(&str, bool)],
-    written: &mut Written,
-) -> Result<()> {
+/// Adds or removes our taints (`NoSchedule`), leaving other taints alone;
+/// the resourceVersion makes a concurrent change fail and retry once.
+async fn set_taints(ctx: &Context, node: &Node, taints: &[(&str, bool)]) -> Result<Node> {
     let name = node.name_any();
     let api: Api<Node> = Api::all(ctx.client.clone());
     let error = |source| Error::Taint {
         node: name.clone(),
         source,
     };
-    let updated = match api
-        .patch(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(taints_patch(node, taints)),
-        )
-        .await
-    {
+    let first = fenced(ctx, async {
+        Ok(api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(taints_patch(node, taints)),
+            )
+            .await)
+    })
+    .await?;
+    let mut updated = match first {
         Ok(updated) => updated,
         // The Node moved on since the watch saw it (status updates do
         // that often): read it once more and try again.
         Err(kube::Error::Api(status)) if status.code == 409 => {
-            let fresh = api.get(&name).await.map_err(error)?;
-            api.patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(taints_patch(&fresh, taints)),
-            )
-            .await
-            .map_err(error)?
+            fenced(ctx, async {
+                let fresh = api.get(&name).await.map_err(error)?;
+                api.patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(taints_patch(&fresh, taints)),
+                )
+                .await
+                .map_err(error)
+            })
+            .await?
         }
         Err(source) => return Err(error(source)),
     };
     info!(node = %name, ?taints, "taints updated");
-    let mut updated = updated;
     slim_node(&mut updated);
-    written
-        .nodes
-        .insert(name, (Arc::new(updated), Instant::now()));
-    Ok(())
+    Ok(updated)
 }
 
 /// Pages of `size` that must come back before the node's shrink can
@@ -941,32 +1353,6 @@ pub fn taint_patch(node: &Node, taint: bool) -> serde_json::Value {
     taints_patch(node, &[(hugepool_crds::DRAINING_TAINT, taint)])
 }
 
-/// Pools that care about a node: those selecting it and those with an
-/// entry on its HugePageNode.
-fn pools_for_node(
-    node_name: &str,
-    labels: Option<&BTreeMap<String, String>>,
-    pools: &Store<HugePagePool>,
-    node_states: &Store<HugePageNode>,
-) -> Vec<ObjectRef<HugePagePool>> {
-    let entries: Vec<String> = node_states
-        .get(&ObjectRef::new(node_name))
-        .map(|s| s.spec.page_sizes.iter().map(|e| e.pool.clone()).collect())
-        .unwrap_or_default();
-    pools
-        .state()
-        .iter()
-        .filter(|pool| {
-            let selected = labels.is_some_and(|labels| {
-                Selector::try_from(pool.spec.node_selector.clone())
-                    .is_ok_and(|selector| selector.matches(labels))
-            });
-            selected || entries.contains(&pool.name_any())
-        })
-        .map(|pool| ObjectRef::from_obj(pool.as_ref()))
-        .collect()
-}
-
 /// Aborts its tasks when dropped.
 struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
 
@@ -978,8 +1364,48 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Drives one watch into its cache: records what it delivers and wakes the
+/// worker for the events `wakes` lets through.
+fn follow<K>(
+    kind: &'static str,
+    events: impl futures::Stream<Item = std::result::Result<watcher::Event<K>, watcher::Error>>
+    + Send
+    + 'static,
+    deliveries: Arc<Deliveries>,
+    wake: Arc<Notify>,
+    mut wakes: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
+) -> tokio::task::JoinHandle<()>
+where
+    K: Resource + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut events = std::pin::pin!(events);
+        while let Some(event) = events.next().await {
+            let event = match event {
+                Ok(event) => event,
+                // The watcher backs off and lists anew by itself.
+                Err(err) => {
+                    debug!(%kind, error = %err, "watch");
+                    continue;
+                }
+            };
+            match &event {
+                watcher::Event::Apply(object) | watcher::Event::InitApply(object) => {
+                    deliveries.record(kind, object);
+                }
+                watcher::Event::Delete(object) => deliveries.forget(kind, object),
+                watcher::Event::InitDone => deliveries.relisted(kind),
+                watcher::Event::Init => {}
+            }
+            if wakes(&event) {
+                wake.notify_one();
+            }
+        }
+    })
+}
+
 /// Runs the operator until `shutdown` completes: the HTTP endpoints, leader
-/// election, the watches and the controller.
+/// election, the watches and the fleet worker.
 ///
 /// `client` must not retry 429 answers itself (build it with
 /// `kube::Config::default_retry = false`, as `main` does): a refused
@@ -1009,40 +1435,16 @@ pub async fn run(
         Some(leader) => Leadership::elect(client.clone(), leader).await?,
         None => Leadership::always(),
     };
-    let is_leader = leadership.is_leader.clone();
+    let mut is_leader = leadership.is_leader.clone();
+    metrics.set_leading(*is_leader.borrow());
 
     // The caches hold what the planner reads and no more (a real Node is
-    // 10-20 KB, mostly status and managedFields); Node events that change
-    // none of it (heartbeats, images, conditions) plan nothing.
+    // 10-20 KB, mostly status and managedFields).
+    let (pools, pool_writer) = reflector::store();
     let (nodes, node_writer) = reflector::store();
-    let node_events = reflector::reflector(
-        node_writer,
-        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()).modify(slim_node),
-    )
-    .default_backoff()
-    .filter_map({
-        let mut seen = HashMap::new();
-        move |event| futures::future::ready(node_trigger(&mut seen, event))
-    });
     let (node_states, state_writer) = reflector::store();
-    let state_events = reflector::reflector(
-        state_writer,
-        watcher(
-            Api::<HugePageNode>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .modify(|state: &mut HugePageNode| state.metadata.managed_fields = None),
-    )
-    .default_backoff()
-    .touched_objects();
-
-    let controller = Controller::new(
-        Api::<HugePagePool>::all(client.clone()),
-        watcher::Config::default(),
-    );
-    let pools = controller.store();
-    let ctx = Arc::new(Context::new(
-        client,
+    let ctx = Context::new(
+        client.clone(),
         pools.clone(),
         nodes.clone(),
         node_states.clone(),
@@ -1050,99 +1452,107 @@ pub async fn run(
         leadership.fence(),
         ready.clone(),
         config,
+    );
+    let wake = Arc::new(Notify::new());
+    let deliveries = Arc::clone(&ctx.deliveries);
+    tasks.0.push(follow(
+        "HugePagePool",
+        reflector::reflector(
+            pool_writer,
+            watcher(
+                Api::<HugePagePool>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .modify(|pool: &mut HugePagePool| pool.metadata.managed_fields = None),
+        )
+        .default_backoff(),
+        Arc::clone(&deliveries),
+        Arc::clone(&wake),
+        |event| !matches!(event, watcher::Event::Init),
+    ));
+    let mut node_trigger = NodeTrigger::default();
+    tasks.0.push(follow(
+        "Node",
+        reflector::reflector(
+            node_writer,
+            watcher(Api::<Node>::all(client.clone()), watcher::Config::default()).modify(slim_node),
+        )
+        .default_backoff(),
+        Arc::clone(&deliveries),
+        Arc::clone(&wake),
+        move |event| node_trigger.wakes(event),
+    ));
+    tasks.0.push(follow(
+        "HugePageNode",
+        reflector::reflector(
+            state_writer,
+            watcher(
+                Api::<HugePageNode>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .modify(|state: &mut HugePageNode| state.metadata.managed_fields = None),
+        )
+        .default_backoff(),
+        Arc::clone(&deliveries),
+        Arc::clone(&wake),
+        |event| !matches!(event, watcher::Event::Init),
     ));
 
-    {
-        let (nodes, node_states, ready) = (nodes.clone(), node_states.clone(), ready.clone());
-        tasks.0.push(tokio::spawn(async move {
-            // Not the pools store: it is the Controller's, which runs no
-            // reconcile before it is ready, and a store's readiness wakes
-            // only its latest waiter (kube-runtime's DelayedInit keeps one
-            // waker), so waiting on it here too could leave either waiter
-            // asleep forever.
-            let synced =
-                futures::future::try_join(nodes.wait_until_ready(), node_states.wait_until_ready())
-                    .await;
-            if synced.is_ok() {
-                ready.store(true, Ordering::Relaxed);
-                info!("watches synced");
-            }
-        }));
-    }
-
-    // Every reconcile that ran while this replica was not leading did
-    // nothing; on becoming leader, reconcile every pool.
-    let became_leader = {
-        let metrics = metrics.clone();
-        futures::stream::unfold(is_leader.clone(), move |mut is_leader| {
-            let metrics = metrics.clone();
-            async move {
-                loop {
-                    is_leader.changed().await.ok()?;
+    let work = async {
+        // Never plan from a partial view: a missing HugePageNode would be
+        // planned as new and its node admitted again.
+        let synced = futures::future::try_join3(
+            pools.wait_until_ready(),
+            nodes.wait_until_ready(),
+            node_states.wait_until_ready(),
+        )
+        .await;
+        if synced.is_err() {
+            return;
+        }
+        ready.store(true, Ordering::Relaxed);
+        info!("watches synced");
+        let mut worker = Worker::default();
+        let mut next = Duration::ZERO;
+        loop {
+            tokio::select! {
+                () = wake.notified() => {}
+                () = tokio::time::sleep(next) => {}
+                changed = is_leader.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
                     let leading = *is_leader.borrow_and_update();
                     metrics.set_leading(leading);
                     info!(leading, "leadership changed");
-                    if leading {
-                        return Some(((), is_leader));
-                    }
                 }
             }
-        })
-    };
-    metrics.set_leading(*is_leader.borrow());
-
-    let node_map = {
-        let (pools, node_states) = (pools.clone(), node_states.clone());
-        move |node: Node| {
-            pools_for_node(
-                &node.name_any(),
-                node.metadata.labels.as_ref(),
-                &pools,
-                &node_states,
-            )
-        }
-    };
-    let state_map = {
-        let (pools, nodes) = (pools.clone(), nodes.clone());
-        move |state: HugePageNode| {
-            let name = state.name_any();
-            let node = nodes.get(&ObjectRef::new(&name));
-            let labels = node.as_ref().and_then(|n| n.metadata.labels.as_ref());
-            let named: Vec<String> = state
-                .spec
-                .page_sizes
-                .iter()
-                .map(|e| e.pool.clone())
-                .collect();
-            pools
-                .state()
-                .iter()
-                .filter(|pool| {
-                    named.contains(&pool.name_any())
-                        || labels.is_some_and(|labels| {
-                            Selector::try_from(pool.spec.node_selector.clone())
-                                .is_ok_and(|selector| selector.matches(labels))
-                        })
-                })
-                .map(|pool| ObjectRef::from_obj(pool.as_ref()))
-                .collect::<Vec<_>>()
-        }
-    };
-
-    controller
-        .watches_stream(node_events, node_map)
-        .watches_stream(state_events, state_map)
-        .reconcile_all_on(became_leader)
-        .graceful_shutdown_on(shutdown.clone())
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(err) = result {
-                debug!(error = %err, "reconcile");
+            if !ctx.leader.open() {
+                // Waits for leadership (or an event) without a timer.
+                next = Duration::from_secs(3600);
+                continue;
             }
-        })
-        .await;
+            next = match pass(&ctx, &mut worker).await {
+                Ok(pass) => pass.next,
+                Err(Error::NotLeader) => {
+                    info!("stopped writing: this replica does not lead");
+                    Duration::from_secs(3600)
+                }
+                Err(err) => {
+                    warn!(error = %err, "pass failed");
+                    ctx.metrics.count_error(err.metric_label());
+                    retry_delay(1, fastrand::f64())
+                }
+            };
+        }
+    };
+    tokio::select! {
+        () = work => {}
+        () = shutdown.clone() => {}
+    }
     // The lease task gives the Lease up only once every receiver is gone.
     drop(is_leader);
+    drop(ctx);
     leadership.release().await;
     Ok(())
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use hugepool_crds::PageSize;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Pod, ResourceRequirements};
-use kube::api::{Api, DeleteParams, EvictParams, Preconditions};
+use kube::api::{Api, DeleteParams, EvictParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 
 /// First wait after a refused eviction; it doubles up to [`MAX_BACKOFF`].
@@ -321,8 +321,10 @@ impl Refusals {
 /// How one eviction went.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Eviction {
-    /// The API server accepted it (or the pod is already gone).
+    /// The API server accepted it.
     Evicted,
+    /// 404: the pod is already gone; nothing was evicted.
+    Gone,
     /// 429: a PodDisruptionBudget does not allow it now.
     Blocked(String),
     Failed(String),
@@ -333,14 +335,16 @@ impl Eviction {
     pub fn metric_label(&self) -> &'static str {
         match self {
             Eviction::Evicted => "evicted",
+            Eviction::Gone => "gone",
             Eviction::Blocked(_) => "blocked",
             Eviction::Failed(_) => "failed",
         }
     }
 }
 
-/// Evicts one pod through the Eviction API, so PodDisruptionBudgets apply.
-pub async fn evict(client: &Client, pod: &Pod) -> Eviction {
+/// Evicts one pod through the Eviction API, so PodDisruptionBudgets apply;
+/// with `dry_run`, only asks whether the API would evict it now.
+pub async fn evict(client: &Client, pod: &Pod, dry_run: bool) -> Eviction {
     let namespace = pod.namespace().unwrap_or_default();
     let api: Api<Pod> = Api::namespaced(client.clone(), &namespace);
     // Only the pod the plan saw: a pod re-created under its name since is
@@ -351,13 +355,17 @@ pub async fn evict(client: &Client, pod: &Pod) -> Eviction {
                 uid: Some(uid),
                 resource_version: None,
             }),
+            dry_run,
             ..DeleteParams::default()
         }),
-        ..EvictParams::default()
+        post_options: PostParams {
+            dry_run,
+            ..PostParams::default()
+        },
     };
     match api.evict(&pod.name_any(), &params).await {
         Ok(_) => Eviction::Evicted,
-        Err(kube::Error::Api(status)) if status.code == 404 => Eviction::Evicted,
+        Err(kube::Error::Api(status)) if status.code == 404 => Eviction::Gone,
         Err(kube::Error::Api(status)) if status.code == 429 => Eviction::Blocked(status.message),
         Err(err) => Eviction::Failed(err.to_string()),
     }

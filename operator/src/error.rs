@@ -17,6 +17,10 @@ pub enum Error {
     Finalizer { pool: String, source: kube::Error },
     #[error("this replica lost the leader Lease; writes stopped")]
     NotLeader,
+    #[error("publishing an Event: {source}")]
+    Event { source: kube::Error },
+    #[error("the API server did not answer within {0:?}")]
+    Timeout(std::time::Duration),
     #[error("leader election: {0}")]
     Leader(#[from] kube_lease_manager::LeaseManagerError),
     #[error("serving metrics and health on {addr}: {source}")]
@@ -37,9 +41,26 @@ impl Error {
             Error::PoolStatus { .. } => "pool_status",
             Error::Finalizer { .. } => "finalizer",
             Error::NotLeader => "not_leader",
+            Error::Event { .. } => "event",
+            Error::Timeout(_) => "timeout",
             Error::Leader(_) => "leader",
             Error::Serve { .. } => "serve",
         }
+    }
+}
+
+impl Error {
+    /// A write refused because what it was planned from changed (409).
+    pub fn is_conflict(&self) -> bool {
+        let source = match self {
+            Error::NodeSpec { source, .. }
+            | Error::DrainCondition { source, .. }
+            | Error::Taint { source, .. }
+            | Error::PoolStatus { source, .. }
+            | Error::Finalizer { source, .. } => source,
+            _ => return false,
+        };
+        matches!(source, kube::Error::Api(status) if status.code == 409)
     }
 }
 

@@ -136,7 +136,24 @@ pub fn eviction_event(pod: &str, outcome: &crate::drain::Eviction) -> Event {
             "Evict",
             format!("eviction of pod {pod} failed: {message}"),
         ),
+        Eviction::Gone => event(
+            EventType::Normal,
+            "EvictionSkipped",
+            "Evict",
+            format!("pod {pod} was already gone"),
+        ),
     }
+}
+
+/// The Event on a Node the operator could not write to (the first failure
+/// of a streak; it retries with backoff).
+pub fn write_failed(error: &crate::error::Error) -> Event {
+    event(
+        EventType::Warning,
+        "WriteFailed",
+        "Write",
+        format!("{error}; retrying with backoff"),
+    )
 }
 
 #[cfg(test)]

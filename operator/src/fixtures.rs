@@ -174,6 +174,7 @@ pub fn run_plan(
     let nodes: Vec<&Node> = nodes.iter().collect();
     let hpns: Vec<&HugePageNode> = hpns.iter().collect();
     plan(&PlanInput {
+        write_errors: &Default::default(),
         pools,
         nodes: &nodes,
         node_states: &hpns,

@@ -50,11 +50,21 @@ impl Fence {
 
     /// True while the Lease is ours and our last renewal has not run out.
     pub fn open(&self) -> bool {
-        *self.held.borrow()
-            && self
-                .until
-                .as_ref()
-                .is_none_or(|until| SystemTime::now() < *until.borrow())
+        self.remaining().is_some()
+    }
+
+    /// How long this replica may still write: until our last renewal runs
+    /// out (`Duration::MAX` without a Lease); None when it may not write.
+    /// A write that has not finished by then is abandoned.
+    pub fn remaining(&self) -> Option<Duration> {
+        if !*self.held.borrow() {
+            return None;
+        }
+        let Some(until) = &self.until else {
+            return Some(Duration::MAX);
+        };
+        let left = until.borrow().duration_since(SystemTime::now()).ok()?;
+        (!left.is_zero()).then_some(left)
     }
 }
 

@@ -49,6 +49,8 @@ pub const RECONCILE_ERROR_LABELS: &[&str] = &[
     "not_leader",
     "leader",
     "serve",
+    "event",
+    "timeout",
 ];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -336,6 +338,8 @@ mod tests {
                 addr: ([127, 0, 0, 1], 8080).into(),
                 source: std::io::Error::other("test"),
             },
+            Error::Event { source: kube() },
+            Error::Timeout(std::time::Duration::from_secs(1)),
         ];
         for error in &errors {
             match error {
@@ -347,7 +351,9 @@ mod tests {
                 | Error::Finalizer { .. }
                 | Error::NotLeader
                 | Error::Leader(_)
-                | Error::Serve { .. } => {}
+                | Error::Serve { .. }
+                | Error::Event { .. }
+                | Error::Timeout(_) => {}
             }
         }
         errors

@@ -47,6 +47,9 @@ pub struct PlanInput<'a> {
     /// Borrowed from the caches: a pass copies no Node or HugePageNode.
     pub nodes: &'a [&'a Node],
     pub node_states: &'a [&'a HugePageNode],
+    /// Nodes whose last write by the operator failed, with the error (the
+    /// controller retries them with backoff; their pools say so).
+    pub write_errors: &'a BTreeMap<String, String>,
     pub now: Timestamp,
 }
 
@@ -93,6 +96,10 @@ pub struct DrainPlan {
     /// Evict these pods (UIDs) now: the kubelet's Static Memory Manager holds
     /// memory for them, and the kubelet restart a pool asks for waits for them.
     pub evict_pods: Vec<String>,
+    /// For each size in `evict`, the pool whose shrink the eviction is for.
+    pub shrink_pools: BTreeMap<PageSize, String>,
+    /// The pools whose kubelet restart waits for `evict_pods`.
+    pub restart_pools: Vec<String>,
     /// Pools the drain is for, oldest first (events and metrics name them).
     pub pools: Vec<String>,
     /// When the running drain fails with DrainTimeout.
@@ -122,6 +129,8 @@ pub struct PoolPlan {
     pub draining: Vec<String>,
     /// Failed nodes whose drain timed out.
     pub drain_timeouts: Vec<String>,
+    /// Nodes of the pool the operator could not write to, with the error.
+    pub write_errors: Vec<(String, String)>,
     /// Every node the pool manages, by name, with where it stands.
     pub members: Vec<PoolMember>,
 }
@@ -630,7 +639,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         let spec_changed = state.is_none_or(|s| s.spec != spec);
         let owned = owned_sizes.get(node_name).map_or(&[][..], Vec::as_slice);
         let not_ready_taint = not_ready_taint(node, state, &spec, spec_changed, owned);
-        let drain = plan_drain(state, &spec, &rules, input.now);
+        let drain = plan_drain(node, state, &spec, &rules, input.now);
         if let Some(deadline) = drain.deadline {
             plan.next_deadline = Some(plan.next_deadline.map_or(deadline, |d| d.min(deadline)));
         }
@@ -654,6 +663,14 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             .iter()
             .filter(|(_, n)| n.drain.taint && n.drain.pools.contains(&pool.name))
             .map(|(name, _)| name.clone())
+            .collect();
+        pool_plan.write_errors = pool_plan
+            .members
+            .iter()
+            .filter_map(|m| {
+                let error = input.write_errors.get(&m.node)?;
+                Some((m.node.clone(), error.clone()))
+            })
             .collect();
         let mut conditions = pool
             .pool
@@ -938,6 +955,7 @@ fn settle_pool(
         capacity_stale,
         draining: Vec::new(),
         drain_timeouts,
+        write_errors: Vec::new(),
         members: active
             .iter()
             .map(|m| PoolMember {
@@ -953,7 +971,8 @@ fn settle_pool(
     (pool_plan, decisions)
 }
 
-fn has_taint(node: &Node, key: &str) -> bool {
+/// Whether the Node carries the taint `key` (any value, any effect).
+pub(crate) fn has_taint(node: &Node, key: &str) -> bool {
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
@@ -1048,8 +1067,10 @@ fn shrink_blocked(state: &HugePageNode, entry: &PageSizeTarget) -> bool {
 }
 
 /// The drain state of one node: drain while an IfNeeded pool's shrink is
-/// blocked, fail with DrainTimeout past the deadline, untaint once converged.
+/// blocked, fail with DrainTimeout past the deadline, untaint once converged
+/// and, where a pool restarts the kubelet, once the kubelet reports it.
 fn plan_drain(
+    node: Option<&Node>,
     state: Option<&HugePageNode>,
     spec: &HugePageNodeSpec,
     rules: &[PoolRules<'_>],
@@ -1098,6 +1119,11 @@ fn plan_drain(
     }
 
     if blocked.is_empty() && held.is_empty() {
+        // A drain for a shrink or a kubelet restart ends when the Node
+        // reports what the pods will be scheduled against: until then a new
+        // pod would land on the old capacity, or take a Memory Manager
+        // assignment the restart then holds for (or loses).
+        let settled = settled && kubelet_reports(node, state, spec);
         return match (active, settled) {
             (true, true) => DrainPlan {
                 condition: Some(
@@ -1217,9 +1243,36 @@ fn plan_drain(
         } else {
             held_pods
         },
+        shrink_pools: blocked
+            .iter()
+            .map(|(p, size)| (*size, p.name.clone()))
+            .collect(),
+        restart_pools: restarts,
         pools,
         deadline: Some(deadline),
     }
+}
+
+/// Whether the kubelet has caught up with `spec` wherever a pool restarts it
+/// (`kubelet.restart: AfterResize`): the agent does not report its capacity
+/// stale, and the Node reports each such entry's pages.
+fn kubelet_reports(node: Option<&Node>, state: &HugePageNode, spec: &HugePageNodeSpec) -> bool {
+    let restarted: Vec<&PageSizeTarget> = spec
+        .page_sizes
+        .iter()
+        .filter(|e| e.kubelet_restart == KubeletRestart::AfterResize)
+        .collect();
+    if restarted.is_empty() {
+        return true;
+    }
+    let agent_says_stale = state
+        .status
+        .as_ref()
+        .is_some_and(|s| is_true(&s.conditions, NodeConditionType::KubeletCapacityStale));
+    !agent_says_stale
+        && restarted
+            .iter()
+            .all(|e| !kubelet_capacity_stale(node, e.size, e.pages))
 }
 
 /// The pods a kubelet restart waits for, as the agent lists them while it
@@ -1440,6 +1493,23 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::NodesStalled,
             format!("kernel writes stalled on {}", name_nodes(&plan.stalled)),
+        )
+    } else if !plan.write_errors.is_empty() {
+        let described: Vec<String> = plan
+            .write_errors
+            .iter()
+            .take(MAX_NAMED_NODES)
+            .map(|(node, error)| format!("{node}: {error}"))
+            .collect();
+        update(
+            Degraded,
+            true,
+            Reason::NodeWritesFailed,
+            format!(
+                "the operator's writes to {} nodes failed (retried with backoff): {}",
+                plan.write_errors.len(),
+                described.join("; ")
+            ),
         )
     } else if counts.selected == 0 && !pool.deleting {
         update(

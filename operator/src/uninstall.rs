@@ -19,7 +19,8 @@ use serde_json::json;
 use tokio::time::Instant;
 use tracing::info;
 
-use crate::controller::{has_drain_taint, has_taint, release_patch, taints_patch};
+use crate::controller::{has_drain_taint, release_patch, taints_patch};
+use crate::planner::has_taint;
 
 /// What to stop and how long to wait for it.
 #[derive(Clone, Debug)]

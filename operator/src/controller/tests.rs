@@ -42,6 +42,11 @@ enum Scenario {
     /// The API server fails one node's write: the other node and the
     /// pool's status are still written.
     OneNodeWriteFails { pool: HugePagePool },
+    /// A blocked shrink whose eviction the API allows: the pool's status
+    /// records it before the eviction is made.
+    EvictionRecordedFirst { pool: HugePagePool, node: Box<Node> },
+    /// The pod is gone when the eviction is asked for: nothing is recorded.
+    PodAlreadyGone { pool: HugePagePool, node: Box<Node> },
 }
 
 fn ok_json(value: &impl serde::Serialize) -> Response<Body> {
@@ -84,11 +89,53 @@ impl ApiServerVerifier {
                         .await
                         .expect_node_spec("w-2", Some(64))
                         .await
+                        .expect_event("WriteFailed")
+                        .await
                         .expect_pool_status(&pool, |status| {
                             assert_eq!(status["nodes"]["updating"], 2);
                         })
                         .await
                         .expect_event("RolloutStarted")
+                        .await;
+                }
+                Scenario::EvictionRecordedFirst { pool, node } => {
+                    self.expect_pod_list("w-1")
+                        .await
+                        .expect_draining_condition("w-1", "True", "EvictingPods")
+                        .await
+                        .expect_event("DrainStarted")
+                        .await
+                        .expect_taint(&node, true)
+                        .await
+                        .expect_eviction("apps", "dpdk", true, StatusCode::CREATED)
+                        .await
+                        .expect_pool_status(&pool, |status| {
+                            let evicted = status["evictedPods"].as_array().unwrap();
+                            assert_eq!(evicted.len(), 1, "{evicted:?}");
+                            assert_eq!(evicted[0]["pod"], "apps/dpdk");
+                            assert_eq!(evicted[0]["node"], "w-1");
+                            assert_eq!(evicted[0]["pages"], 2);
+                        })
+                        .await
+                        .expect_eviction("apps", "dpdk", false, StatusCode::CREATED)
+                        .await
+                        .expect_event("Evicted")
+                        .await;
+                }
+                Scenario::PodAlreadyGone { pool, node } => {
+                    self.expect_pod_list("w-1")
+                        .await
+                        .expect_draining_condition("w-1", "True", "EvictingPods")
+                        .await
+                        .expect_event("DrainStarted")
+                        .await
+                        .expect_taint(&node, true)
+                        .await
+                        .expect_eviction("apps", "dpdk", true, StatusCode::NOT_FOUND)
+                        .await
+                        .expect_pool_status(&pool, |status| {
+                            assert!(status["evictedPods"].is_null(), "{status}");
+                        })
                         .await;
                 }
                 Scenario::BlockedShrink { pool, node } => {
@@ -345,6 +392,39 @@ impl ApiServerVerifier {
         self
     }
 
+    async fn expect_eviction(
+        mut self,
+        namespace: &str,
+        pod: &str,
+        dry_run: bool,
+        answer: StatusCode,
+    ) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::POST);
+        assert_eq!(
+            request.uri().path(),
+            format!("/api/v1/namespaces/{namespace}/pods/{pod}/eviction")
+        );
+        let query = request.uri().query().unwrap_or_default().to_string();
+        assert_eq!(query.contains("dryRun=All"), dry_run, "{query}");
+        let body = if answer.is_success() {
+            json!({"apiVersion": "v1", "kind": "Status", "status": "Success", "code": answer.as_u16()})
+        } else {
+            json!({
+                "apiVersion": "v1", "kind": "Status", "status": "Failure",
+                "message": format!("pods \"{pod}\" not found"), "reason": "NotFound",
+                "code": answer.as_u16(),
+            })
+        };
+        send.send_response(
+            Response::builder()
+                .status(answer)
+                .body(Body::from(serde_json::to_vec(&body).unwrap()))
+                .unwrap(),
+        );
+        self
+    }
+
     async fn expect_eviction_refused(mut self, namespace: &str, pod: &str) -> Self {
         let (request, send) = self.next().await;
         assert_eq!(request.method(), Method::POST);
@@ -352,6 +432,9 @@ impl ApiServerVerifier {
             request.uri().path(),
             format!("/api/v1/namespaces/{namespace}/pods/{pod}/eviction")
         );
+        // Asked without effect first: a refusal is never recorded.
+        let query = request.uri().query().unwrap_or_default().to_string();
+        assert!(query.contains("dryRun=All"), "{query}");
         let refusal = json!({
             "apiVersion": "v1", "kind": "Status", "status": "Failure",
             "message": "Cannot evict pod as it would violate the pod's disruption budget.",
@@ -444,35 +527,28 @@ fn harness(
     }
 }
 
-async fn reconcile_with(
-    harness: Harness,
-    pool: &HugePagePool,
-    scenario: Option<Scenario>,
-) -> Action {
-    reconcile_result(harness, pool, scenario)
+async fn pass_with(harness: Harness, scenario: Option<Scenario>) -> Pass {
+    pass_result(harness, &mut Worker::default(), scenario)
         .await
-        .expect("reconcile succeeded")
+        .expect("the pass succeeded")
 }
 
-/// Reconciles `pool` while the verifier plays `scenario`; every expected
-/// call must be made, and no other (an unanswered call hangs, and times out).
-async fn reconcile_result(
+/// Runs one pass while the verifier plays `scenario`; every expected call
+/// must be made, and no other (an unanswered call hangs, and times out).
+async fn pass_result(
     harness: Harness,
-    pool: &HugePagePool,
+    worker: &mut Worker,
     scenario: Option<Scenario>,
-) -> Result<Action> {
+) -> Result<Pass> {
     let Harness {
         ctx,
         verifier,
         _leader,
     } = harness;
     let server = scenario.map(|s| verifier.run(s));
-    let result = tokio::time::timeout(
-        Duration::from_secs(5),
-        reconcile(Arc::new(pool.clone()), ctx),
-    )
-    .await
-    .expect("reconcile finished (an unexpected API call would hang it)");
+    let result = tokio::time::timeout(Duration::from_secs(5), pass(&ctx, worker))
+        .await
+        .expect("the pass finished (an unexpected API call would hang it)");
     if let Some(server) = server {
         tokio::time::timeout(Duration::from_secs(5), server)
             .await
@@ -493,13 +569,8 @@ async fn new_pool_gets_its_finalizer_then_node_targets_then_status() {
     let pool = pool("dpdk", 0, "dpdk", "2Mi", 64);
     let nodes = vec![node("w-1", &["dpdk"])];
     let harness = harness(std::slice::from_ref(&pool), &nodes, &[], true);
-    let action = reconcile_with(
-        harness,
-        &pool,
-        Some(Scenario::NewPool { pool: pool.clone() }),
-    )
-    .await;
-    assert_eq!(action, Action::requeue(Config::default().resync));
+    let pass = pass_with(harness, Some(Scenario::NewPool { pool: pool.clone() })).await;
+    assert_eq!(pass.next, Config::default().resync);
 }
 
 #[tokio::test]
@@ -524,14 +595,15 @@ async fn converged_pool_writes_nothing() {
     let plan = plan_at(&pools, &nodes, &states);
     fixtures::apply_statuses(&plan, &mut pools);
     let harness = harness(&pools, &nodes, &states, true);
-    let action = reconcile_with(harness, &pools[0], None).await;
-    assert_eq!(action, Action::requeue(Config::default().resync));
+    let pass = pass_with(harness, None).await;
+    assert_eq!(pass.next, Config::default().resync);
 }
 
-fn plan_at(pools: &[HugePagePool], nodes: &[Node], states: &[HugePageNode]) -> Plan {
+fn plan_at(pools: &[HugePagePool], nodes: &[Node], states: &[HugePageNode]) -> planner::Plan {
     let nodes: Vec<&Node> = nodes.iter().collect();
     let states: Vec<&HugePageNode> = states.iter().collect();
     planner::plan(&PlanInput {
+        write_errors: &Default::default(),
         pools,
         nodes: &nodes,
         node_states: &states,
@@ -544,8 +616,8 @@ async fn a_replica_that_does_not_lead_writes_nothing() {
     let pool = pool("dpdk", 0, "dpdk", "2Mi", 64);
     let nodes = vec![node("w-1", &["dpdk"])];
     let harness = harness(std::slice::from_ref(&pool), &nodes, &[], false);
-    let action = reconcile_with(harness, &pool, None).await;
-    assert_eq!(action, Action::await_change());
+    let result = pass_result(harness, &mut Worker::default(), None).await;
+    assert!(matches!(result, Err(Error::NotLeader)), "{result:?}");
 }
 
 #[tokio::test]
@@ -561,17 +633,17 @@ async fn retain_deletion_drops_the_entries_then_the_finalizer() {
     );
     converge(&mut state);
     let harness = harness(std::slice::from_ref(&pool), &nodes, &[state], true);
-    let action = reconcile_with(
+    let pass = pass_with(
         harness,
-        &pool,
         Some(Scenario::RetainDeletion { pool: pool.clone() }),
     )
     .await;
-    assert_eq!(action, Action::await_change());
+    assert_eq!(pass.next, Config::default().resync);
 }
 
-#[tokio::test]
-async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
+/// A pool shrunk to 0 on w-1, whose 2 pages a pod holds: the agent
+/// reports the shrink blocked. The Node carries another taint.
+fn blocked_shrink() -> (HugePagePool, Node, HugePageNode) {
     let mut pool = with_finalizer(pool("dpdk", 0, "dpdk", "2Mi", 0));
     pool.metadata.generation = Some(2);
     let mut node = node("w-1", &["dpdk"]);
@@ -618,22 +690,72 @@ async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
         ),
         &Time(at(0)),
     );
+    (pool, node, state)
+}
+
+#[tokio::test]
+async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
+    let (pool, node, state) = blocked_shrink();
     let harness = harness(
         std::slice::from_ref(&pool),
         std::slice::from_ref(&node),
         &[state],
         true,
     );
-    let action = reconcile_with(
+    let pass = pass_with(
         harness,
-        &pool,
         Some(Scenario::BlockedShrink {
             pool: pool.clone(),
             node: Box::new(node.clone()),
         }),
     )
     .await;
-    assert_eq!(action, Action::requeue(Config::default().drain_poll));
+    assert_eq!(pass.next, Config::default().drain_poll);
+}
+
+#[tokio::test]
+async fn an_eviction_is_recorded_in_its_pools_status_before_it_is_made() {
+    let (pool, node, state) = blocked_shrink();
+    let harness = harness(
+        std::slice::from_ref(&pool),
+        std::slice::from_ref(&node),
+        &[state],
+        true,
+    );
+    pass_with(
+        harness,
+        Some(Scenario::EvictionRecordedFirst {
+            pool: pool.clone(),
+            node: Box::new(node.clone()),
+        }),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_pod_already_gone_is_not_recorded_as_evicted() {
+    let (pool, node, state) = blocked_shrink();
+    let harness = harness(
+        std::slice::from_ref(&pool),
+        std::slice::from_ref(&node),
+        &[state],
+        true,
+    );
+    let metrics = Arc::clone(&harness.ctx.metrics);
+    pass_with(
+        harness,
+        Some(Scenario::PodAlreadyGone {
+            pool: pool.clone(),
+            node: Box::new(node.clone()),
+        }),
+    )
+    .await;
+    let text = metrics.encode();
+    assert!(
+        text.contains(r#"hugepool_evictions_total{pool="dpdk",result="gone"} 1"#),
+        "{text}"
+    );
+    assert!(!text.contains(r#"result="evicted""#), "{text}");
 }
 
 #[test]
@@ -644,11 +766,14 @@ fn node_spec_apply_names_the_node_as_owner() {
         spec_changed: true,
         ..NodePlan::default()
     };
-    let body = node_spec_apply(&node, &plan);
+    let body = node_spec_apply(&node, &plan, Some("41"));
     assert_eq!(body["apiVersion"], "hugepool.dev/v1alpha1");
     assert_eq!(body["metadata"]["name"], "w-1");
     assert_eq!(body["metadata"]["ownerReferences"][0]["uid"], "uid-w-1");
     assert_eq!(body["spec"]["pageSizes"], json!([]));
+    // Planned from version 41: the write fails if the object moved on.
+    assert_eq!(body["metadata"]["resourceVersion"], "41");
+    assert!(node_spec_apply(&node, &plan, None)["metadata"]["resourceVersion"].is_null());
 }
 
 #[test]
@@ -689,13 +814,76 @@ async fn a_failed_node_write_does_not_hold_up_the_others_and_is_retried() {
     );
     let nodes = vec![node("w-1", &["dpdk"]), node("w-2", &["dpdk"])];
     let harness = harness(std::slice::from_ref(&pool), &nodes, &[], true);
-    let result = reconcile_result(
+    let mut worker = Worker::default();
+    let pass = pass_result(
         harness,
-        &pool,
+        &mut worker,
         Some(Scenario::OneNodeWriteFails { pool: pool.clone() }),
     )
-    .await;
-    let err = result.expect_err("the failed write is reported");
-    assert_eq!(err.metric_label(), "node_spec");
-    assert!(err.to_string().contains("w-1"), "{err}");
+    .await
+    .expect("one node's failure does not fail the pass");
+    // Only w-1 waits for its retry, about a second (jittered).
+    let retry = worker.node_retries.get("w-1").expect("w-1 is retried");
+    assert_eq!(retry.attempts, 1);
+    assert!(retry.error.contains("etcdserver"), "{}", retry.error);
+    assert_eq!(worker.node_retries.len(), 1);
+    assert!(pass.next <= RETRY_BASE, "{:?}", pass.next);
+    assert!(pass.next >= RETRY_BASE / 4, "{:?}", pass.next);
+}
+
+#[test]
+fn retries_double_up_to_the_cap_and_jitter_takes_off_at_most_half() {
+    assert_eq!(retry_delay(1, 0.0), RETRY_BASE);
+    assert_eq!(retry_delay(2, 0.0), RETRY_BASE * 2);
+    assert_eq!(retry_delay(4, 0.0), RETRY_BASE * 8);
+    assert_eq!(retry_delay(30, 0.0), RETRY_MAX);
+    assert_eq!(retry_delay(2, 1.0), RETRY_BASE);
+    assert_eq!(retry_delay(30, 1.0), RETRY_MAX / 2);
+    // Two nodes that failed together come back apart.
+    assert_ne!(retry_delay(3, 0.1), retry_delay(3, 0.7));
+}
+
+#[test]
+fn a_relist_forgets_the_nodes_it_no_longer_lists() {
+    let mut trigger = NodeTrigger::default();
+    for name in ["w-1", "w-2"] {
+        assert!(trigger.wakes(&watcher::Event::Apply(node(name, &[]))));
+    }
+    // The same Node again (a heartbeat): nothing to plan.
+    assert!(!trigger.wakes(&watcher::Event::Apply(node("w-1", &[]))));
+    assert!(!trigger.wakes(&watcher::Event::Init));
+    assert!(!trigger.wakes(&watcher::Event::InitApply(node("w-1", &[]))));
+    // w-2 went while the watch was down: the re-list ends in a plan.
+    assert!(trigger.wakes(&watcher::Event::InitDone));
+    assert_eq!(trigger.len(), 1);
+}
+
+#[test]
+fn a_write_waits_for_the_cache_until_its_version_or_a_relist_is_delivered() {
+    let deliveries = Deliveries::default();
+    let mut state = hpn("w-1", 1, vec![]);
+    state.metadata.resource_version = Some("b".into());
+    let written = Written {
+        kind: "HugePageNode",
+        key: "HugePageNode/w-1".into(),
+        version: "b".into(),
+        relists: deliveries.relists("HugePageNode"),
+    };
+    assert!(!deliveries.seen(&written));
+    // Another version is not ours (versions are compared for equality only).
+    let mut other = state.clone();
+    other.metadata.resource_version = Some("a".into());
+    deliveries.record("HugePageNode", &other);
+    assert!(!deliveries.seen(&written));
+    deliveries.record("HugePageNode", &state);
+    assert!(deliveries.seen(&written));
+    // A re-list of the kind also makes the cache at least as new.
+    let unseen = Written {
+        version: "c".into(),
+        ..written.clone()
+    };
+    deliveries.relisted("Node");
+    assert!(!deliveries.seen(&unseen));
+    deliveries.relisted("HugePageNode");
+    assert!(deliveries.seen(&unseen));
 }

@@ -959,6 +959,97 @@ fn a_restart_held_by_the_memory_manager_drains_nothing_with_policy_never_or_no_r
 }
 
 #[test]
+fn a_drained_node_keeps_the_taint_until_its_restarted_kubelet_reports_the_new_capacity() {
+    let (pools, nodes, mut hpns) = restart_held(DrainPolicy::IfNeeded, KubeletRestart::AfterResize);
+    let evicting = run_plan(&pools, &nodes, &hpns, 10).nodes["w-00"]
+        .drain
+        .condition
+        .clone()
+        .unwrap();
+    set_condition(
+        &mut status_of(&mut hpns[0]).conditions,
+        evicting,
+        &Time(at(10)),
+    );
+    // The pod is gone; the agent restarts the kubelet, which still reports
+    // the capacity it started with.
+    status_of(&mut hpns[0]).memory_manager_pods.clear();
+    report(
+        &mut hpns[0],
+        ConditionUpdate::new(
+            NodeConditionType::KubeletCapacityStale,
+            true,
+            Reason::KubeletRestarted,
+            "restarting",
+        ),
+    );
+    let old = vec![with_capacity(nodes[0].clone(), "hugepages-2Mi", "0")];
+    let drain = &run_plan(&pools, &old, &hpns, 20).nodes["w-00"].drain;
+    assert!(drain.taint, "a new pod would land on the old capacity");
+    assert_eq!(drain.condition, None, "the drain is not over");
+    // The agent's word alone does not open the node while the Node shows
+    // the old capacity (the scheduler reads the Node).
+    report(
+        &mut hpns[0],
+        ConditionUpdate::new(
+            NodeConditionType::KubeletCapacityStale,
+            false,
+            Reason::CapacityMatches,
+            "",
+        ),
+    );
+    assert!(run_plan(&pools, &old, &hpns, 21).nodes["w-00"].drain.taint);
+    // The Node reports the 64 pages: the drain ends and the taint goes.
+    let new = vec![with_capacity(nodes[0].clone(), "hugepages-2Mi", "128Mi")];
+    let drain = &run_plan(&pools, &new, &hpns, 22).nodes["w-00"].drain;
+    assert!(!drain.taint);
+    assert_eq!(
+        drain.condition.clone().map(|c| c.reason),
+        Some(Reason::DrainComplete)
+    );
+}
+
+#[test]
+fn a_node_the_operator_cannot_write_to_degrades_its_pool_and_names_the_error() {
+    let pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    let nodes = fleet(2, &["dpdk"]);
+    let node_refs: Vec<&Node> = nodes.iter().collect();
+    let errors = BTreeMap::from([(
+        "w-01".to_string(),
+        "writing HugePageNode w-01: etcdserver: request timed out".to_string(),
+    )]);
+    let plan = plan(&PlanInput {
+        pools: &pools,
+        nodes: &node_refs,
+        node_states: &[],
+        write_errors: &errors,
+        now: at(0),
+    });
+    assert_eq!(
+        plan.pools["dpdk"].write_errors,
+        [("w-01".to_string(), errors["w-01"].clone())]
+    );
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Degraded),
+        ("True", "NodeWritesFailed")
+    );
+    let degraded = find_condition(
+        &plan.pools["dpdk"].status.conditions,
+        PoolConditionType::Degraded,
+    )
+    .unwrap();
+    assert!(
+        degraded
+            .message
+            .contains("w-01: writing HugePageNode w-01: etcdserver"),
+        "{}",
+        degraded.message
+    );
+    // The other node is planned as if nothing happened.
+    assert!(plan.nodes["w-00"].spec_changed);
+}
+
+#[test]
 fn drain_policy_never_leaves_the_node_blocked_and_says_so() {
     let (pools, nodes, hpns) = blocked_shrink(DrainPolicy::Never);
     let plan = run_plan(&pools, &nodes, &hpns, 10);
