@@ -156,6 +156,19 @@ impl KubeletRootDir {
         }
     }
 
+    /// Reads the checkpoint once more and removes it unless a pod holds
+    /// memory in it now (one admitted since the caller last read it): then
+    /// nothing is removed and those assignments are returned, so that the
+    /// restart waits for them rather than forget them.
+    pub fn clear_unless_assigned(&self) -> Result<Vec<Assignment>, String> {
+        match self.read()? {
+            Some(state) if state.validates_hugepages() && !state.assignments.is_empty() => {
+                Ok(state.assignments)
+            }
+            _ => self.clear().map(|()| Vec::new()),
+        }
+    }
+
     /// `<root>/pods/<uid>`, for a UID that is one path component.
     fn pod_dir(&self, uid: &str) -> Option<PathBuf> {
         let plain = !uid.is_empty() && uid != "." && uid != ".." && !uid.contains('/');
@@ -170,6 +183,28 @@ mod tests {
     /// The shape kubelet v1.37 writes (v3): a Guaranteed pod with memory and
     /// 2Mi hugepages on NUMA node 0.
     const V3_WITH_ENTRY: &str = r#"{"policyName":"Static","machineState":{"0":{"numberOfAssignments":2,"memoryMap":{"hugepages-2Mi":{"total":134217728,"systemReserved":0,"allocatable":134217728,"reserved":8388608,"free":125829120},"memory":{"total":25000000000,"systemReserved":104857600,"allocatable":24895142400,"reserved":67108864,"free":24828033536}},"cells":[0]}},"entries":{"5b1c-uid":{"holder":[{"numaAffinity":[0],"type":"memory","size":67108864},{"numaAffinity":[0],"type":"hugepages-2Mi","size":8388608}]}},"data":"{\"policyName\":\"Static\",\"machineState\":{},\"entries\":{\"5b1c-uid\":{\"holder\":[{\"numaAffinity\":[0],\"type\":\"memory\",\"size\":67108864},{\"numaAffinity\":[0],\"type\":\"hugepages-2Mi\",\"size\":8388608}]}}}","dataChecksum":1,"checksum":2}"#;
+
+    #[test]
+    fn the_checkpoint_is_kept_when_a_pod_was_assigned_memory_since_it_was_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = KubeletRootDir(dir.path().to_path_buf());
+        std::fs::write(root.state_file(), V3_WITH_ENTRY).unwrap();
+        // The pod's directory is gone: its entry holds nothing; removed.
+        assert_eq!(root.clear_unless_assigned(), Ok(Vec::new()));
+        assert!(!root.state_file().exists());
+        // A pod admitted since (its directory exists): kept, and named.
+        std::fs::write(root.state_file(), V3_WITH_ENTRY).unwrap();
+        std::fs::create_dir_all(dir.path().join("pods").join("5b1c-uid")).unwrap();
+        let held = root.clear_unless_assigned().unwrap();
+        assert_eq!(
+            held.iter().map(|a| a.pod_uid.as_str()).collect::<Vec<_>>(),
+            ["5b1c-uid"]
+        );
+        assert!(root.state_file().exists(), "the assignment is not lost");
+        // No file: nothing to do.
+        std::fs::remove_file(root.state_file()).unwrap();
+        assert_eq!(root.clear_unless_assigned(), Ok(Vec::new()));
+    }
 
     #[test]
     fn a_v3_checkpoint_names_the_pods_holding_memory() {

@@ -581,6 +581,68 @@ async fn a_restarted_agent_sizes_its_first_resize_from_the_saved_models() {
     drop(real);
 }
 
+/// Each condition's type with its lastTransitionTime.
+fn transition_times(object: &HugePageNode) -> Vec<(String, String)> {
+    object
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter())
+        .map(|c| (c.type_.clone(), c.last_transition_time.0.to_string()))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_restarted_agent_keeps_the_transition_times_of_conditions_that_did_not_change() {
+    let Some(env) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let name = unique_name("agent-times");
+    create_node(&env.client, &name, "0", vec![entry(0)]).await;
+    let mut first = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+    wait_for(
+        &env.client,
+        &name,
+        &first,
+        Duration::from_secs(120),
+        "the first agent converged at 0",
+        |o| converged_at(o, 0),
+    )
+    .await;
+    first.terminate(Duration::from_secs(30));
+    let hpns: Api<HugePageNode> = Api::all(env.client.clone());
+    let before = hpns.get(&name).await.expect("the HugePageNode");
+    let times = transition_times(&before);
+    assert!(times.len() >= 3, "{times:?}");
+    // Times have a one-second resolution: let the clock pass the newest, so
+    // that a condition set anew could not carry the same time.
+    let newest = before
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter())
+        .map(|c| c.last_transition_time.0)
+        .max()
+        .expect("conditions");
+    while jiff::Timestamp::now().as_second() <= newest.as_second() + 1 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let second = AgentProcess::start(&env.control_plane.kubeconfig, &name, &[]);
+    let after = wait_for(
+        &env.client,
+        &name,
+        &second,
+        Duration::from_secs(120),
+        "the second agent's first status",
+        |o| o.metadata.resource_version != before.metadata.resource_version && converged_at(o, 0),
+    )
+    .await;
+    assert_eq!(transition_times(&after), times, "{}", second.log_tail());
+    drop(second);
+    cleanup(&env.client, &name).await;
+    drop(real);
+}
+
 #[tokio::test]
 async fn pages_in_use_block_the_shrink_until_the_holder_exits() {
     let Some(env) = setup().await else { return };

@@ -52,6 +52,23 @@ pub(super) fn spawn_restart(
     );
     tokio::spawn(async move {
         let result = restart_and_verify(&shared, &plan, clear_state, &pools).await;
+        if let Ok(Restart::Held(assignments)) = result {
+            // A pod got a Memory Manager assignment after the decision: the
+            // restart waits for it as for any holder (nothing failed).
+            let pods: Vec<&str> = assignments.iter().map(|a| a.pod_uid.as_str()).collect();
+            info!(
+                ?pods,
+                "kubelet restart held: the Memory Manager assigned memory since the last read"
+            );
+            {
+                let mut memory = shared.memory();
+                memory.kubelet.restarting = false;
+                memory.kubelet.memory_manager = status::MemoryManagerView::Static(assignments);
+            }
+            shared.touch(true);
+            return;
+        }
+        let result = result.map(|_| ());
         {
             let mut memory = shared.memory();
             memory.kubelet.restarting = false;
@@ -102,15 +119,30 @@ pub(super) fn spawn_restart(
     });
 }
 
-/// The restart itself, verified: Ok once the Node reports every pool.
+/// How a restart ended when it did not fail.
+enum Restart {
+    /// The Node reports every pool.
+    Done,
+    /// Not restarted: read once more right before its removal, the
+    /// checkpoint held these assignments.
+    Held(Vec<crate::kubelet_state::Assignment>),
+}
+
+/// The restart itself, verified: Done once the Node reports every pool.
 async fn restart_and_verify(
     shared: &Shared,
     plan: &RestartPlan,
     clear_state: bool,
     pools: &BTreeMap<PageSize, u64>,
-) -> Result<(), String> {
+) -> Result<Restart, String> {
     if clear_state && let Some(root) = &plan.root_dir {
-        root.clear()?;
+        let root = root.clone();
+        let held = tokio::task::spawn_blocking(move || root.clear_unless_assigned())
+            .await
+            .map_err(|e| e.to_string())??;
+        if !held.is_empty() {
+            return Ok(Restart::Held(held));
+        }
     }
     run_bounded(&plan.command, plan.timeout).await?;
     // The status says KubeletRestarted while the kubelet comes back, not the
@@ -133,7 +165,7 @@ async fn restart_and_verify(
             (reports, memory.kubelet.node_ready.clone())
         };
         if reports {
-            return Ok(());
+            return Ok(Restart::Done);
         }
         if Instant::now() >= deadline {
             let want: Vec<String> = pools

@@ -32,7 +32,10 @@ pub(super) async fn write_status(
     shared: Arc<Shared>,
     mut done: watch::Receiver<bool>,
 ) {
+    // Seeded from the object before the first write, so that a restarted
+    // agent keeps the transition times of conditions that did not change.
     let mut conditions: Vec<Condition> = Vec::new();
+    let mut seeded = false;
     let mut last_sent: Option<HugePageNodeStatus> = None;
     let mut last_patch = Instant::now() - config.min_patch_interval;
     let mut backoff = Duration::from_millis(250);
@@ -75,6 +78,15 @@ pub(super) async fn write_status(
             memory.clone()
         };
         update_gauges(&shared.metrics, &snapshot, &memory);
+        if !seeded && memory.generation.is_some() {
+            match api.get_status(&config.node_name).await {
+                Ok(object) => conditions = own_conditions(&object),
+                Err(err) => {
+                    warn!(error = %err, "cannot read the conditions already reported; their transition times start anew")
+                }
+            }
+            seeded = true;
+        }
         let now = Time(jiff::Timestamp::now());
         let status = status::build(&snapshot, &memory, &mut conditions, &now);
         if let Some(path) = &config.boot_file {
@@ -126,6 +138,18 @@ pub(super) async fn write_status(
             return;
         }
     }
+}
+
+/// The conditions of `object` this agent writes: all but the operator's
+/// Draining.
+pub(super) fn own_conditions(object: &HugePageNode) -> Vec<Condition> {
+    object
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter())
+        .filter(|c| c.type_ != hugepool_crds::NodeConditionType::Draining.as_str())
+        .cloned()
+        .collect()
 }
 
 /// Writes the targets to the boot file when the node has converged on
