@@ -247,15 +247,10 @@ impl Drop for OwnedControlPlane {
 /// Exclusive use of this machine's hugetlb pools across processes: every
 /// test (and `make demo`) that writes them holds this file lock.
 pub fn lock_machine_kernel() -> std::fs::File {
-    use std::os::fd::AsRawFd;
     let file = std::fs::File::create(std::env::temp_dir().join("hugepool-real-kernel.lock"))
         .expect("lock file");
-    // SAFETY: flock on a descriptor we own; blocks until the lock is ours.
-    assert_eq!(
-        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) },
-        0,
-        "flock"
-    );
+    // flock(LOCK_EX): blocks until the lock is ours.
+    file.lock().expect("flock");
     file
 }
 

@@ -782,16 +782,14 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
                 debug!(node = %eviction.node, pod = %key, %message, attempts = backoff.attempts, "eviction refused");
             }
         }
-        if matches!(outcome, Eviction::Evicted)
-            || (first_refusal && !matches!(outcome, Eviction::Gone))
-        {
-            if let Some(&node) = nodes_by_name.get(eviction.node.as_str()) {
-                ctx.publish(
-                    events::eviction_event(&key, &outcome),
-                    &node_reference(node),
-                )
-                .await;
-            }
+        let tell = matches!(outcome, Eviction::Evicted)
+            || (first_refusal && !matches!(outcome, Eviction::Gone));
+        if tell && let Some(&node) = nodes_by_name.get(eviction.node.as_str()) {
+            ctx.publish(
+                events::eviction_event(&key, &outcome),
+                &node_reference(node),
+            )
+            .await;
         }
     }
 

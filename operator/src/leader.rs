@@ -48,6 +48,14 @@ impl Fence {
         Self { held, until: None }
     }
 
+    /// A fence over `held` and our last renewal's deadline (tests).
+    pub fn renewed_until(held: watch::Receiver<bool>, until: watch::Receiver<SystemTime>) -> Self {
+        Self {
+            held,
+            until: Some(until),
+        }
+    }
+
     /// True while the Lease is ours and our last renewal has not run out.
     pub fn open(&self) -> bool {
         self.remaining().is_some()

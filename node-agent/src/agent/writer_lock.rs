@@ -7,7 +7,6 @@
 //! by SIGKILL.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -18,17 +17,13 @@ pub struct WriterLock {
     pub path: PathBuf,
 }
 
-/// Whether the lock could be taken without waiting.
+/// Whether the lock could be taken without waiting (std's `try_lock` is
+/// `flock(LOCK_EX | LOCK_NB)` on Linux).
 fn try_lock(file: &File) -> std::io::Result<bool> {
-    // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(true);
-    }
-    let error = std::io::Error::last_os_error();
-    if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(false)
-    } else {
-        Err(error)
+    match file.try_lock() {
+        Ok(()) => Ok(true),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(false),
+        Err(std::fs::TryLockError::Error(error)) => Err(error),
     }
 }
 

@@ -887,3 +887,33 @@ fn a_write_waits_for_the_cache_until_its_version_or_a_relist_is_delivered() {
     deliveries.relisted("HugePageNode");
     assert!(deliveries.seen(&unseen));
 }
+
+#[tokio::test]
+async fn a_write_still_in_flight_when_the_leases_window_closes_is_abandoned() {
+    let pool = pool("dpdk", 0, "dpdk", "2Mi", 64);
+    let nodes = vec![node("w-1", &["dpdk"])];
+    let Harness {
+        mut ctx,
+        mut verifier,
+        _leader,
+    } = harness(std::slice::from_ref(&pool), &nodes, &[], true);
+    // Our last renewal holds for 300 ms more.
+    let window = Duration::from_millis(300);
+    let (_renewals, until) = watch::channel(std::time::SystemTime::now() + window);
+    Arc::get_mut(&mut ctx).expect("one owner").leader =
+        crate::leader::Fence::renewed_until(_leader.subscribe(), until);
+    // The API server takes the first write (the finalizer) and never answers.
+    let server = tokio::spawn(async move {
+        let (request, held) = verifier.next().await;
+        assert_eq!(request.method(), Method::PATCH);
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        drop(held);
+    });
+    let started = std::time::Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(20), pass(&ctx, &mut Worker::default()))
+        .await
+        .expect("the write was abandoned, not waited for");
+    assert!(matches!(result, Err(Error::NotLeader)), "{result:?}");
+    assert!(started.elapsed() >= window / 2, "{:?}", started.elapsed());
+    server.abort();
+}
