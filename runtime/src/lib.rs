@@ -68,5 +68,8 @@ pub async fn kube_client() -> anyhow::Result<kube::Client> {
         .await
         .context("connecting to the Kubernetes API (in-cluster config or KUBECONFIG)")?;
     config.default_retry = false;
+    // A write has its own deadline (the operator's fence); a connection that
+    // does not open in this long is an error, not a wait.
+    config.connect_timeout = Some(Duration::from_secs(10));
     kube::Client::try_from(config).context("building the Kubernetes client")
 }
