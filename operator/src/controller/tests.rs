@@ -99,13 +99,7 @@ impl ApiServerVerifier {
                         .await;
                 }
                 Scenario::EvictionRecordedFirst { pool, node } => {
-                    self.expect_pod_list("w-1")
-                        .await
-                        .expect_draining_condition("w-1", "True", "EvictingPods")
-                        .await
-                        .expect_event("DrainStarted")
-                        .await
-                        .expect_taint(&node, true)
+                    self.expect_drain_started(&node)
                         .await
                         .expect_eviction("apps", "dpdk", true, StatusCode::CREATED)
                         .await
@@ -123,13 +117,7 @@ impl ApiServerVerifier {
                         .await;
                 }
                 Scenario::PodAlreadyGone { pool, node } => {
-                    self.expect_pod_list("w-1")
-                        .await
-                        .expect_draining_condition("w-1", "True", "EvictingPods")
-                        .await
-                        .expect_event("DrainStarted")
-                        .await
-                        .expect_taint(&node, true)
+                    self.expect_drain_started(&node)
                         .await
                         .expect_eviction("apps", "dpdk", true, StatusCode::NOT_FOUND)
                         .await
@@ -141,13 +129,7 @@ impl ApiServerVerifier {
                 Scenario::BlockedShrink { pool, node } => {
                     // The node's pods first: the condition names those
                     // eviction cannot move.
-                    self.expect_pod_list("w-1")
-                        .await
-                        .expect_draining_condition("w-1", "True", "EvictingPods")
-                        .await
-                        .expect_event("DrainStarted")
-                        .await
-                        .expect_taint(&node, true)
+                    self.expect_drain_started(&node)
                         .await
                         .expect_eviction_refused("apps", "dpdk")
                         .await
@@ -183,6 +165,19 @@ impl ApiServerVerifier {
     async fn body(request: Request<Body>) -> Value {
         let bytes = request.into_body().collect_bytes().await.unwrap();
         serde_json::from_slice(&bytes).unwrap()
+    }
+
+    /// A drain starting on w-1: its pods listed, Draining=True with its
+    /// Event, then the taint.
+    async fn expect_drain_started(self, node: &Node) -> Self {
+        self.expect_pod_list("w-1")
+            .await
+            .expect_draining_condition("w-1", "True", "EvictingPods")
+            .await
+            .expect_event("DrainStarted")
+            .await
+            .expect_taint(node, true)
+            .await
     }
 
     async fn expect_finalizer_added(mut self, pool: &HugePagePool) -> (Self, HugePagePool) {
@@ -693,8 +688,7 @@ fn blocked_shrink() -> (HugePagePool, Node, HugePageNode) {
     (pool, node, state)
 }
 
-#[tokio::test]
-async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
+fn blocked_shrink_harness() -> (HugePagePool, Node, Harness) {
     let (pool, node, state) = blocked_shrink();
     let harness = harness(
         std::slice::from_ref(&pool),
@@ -702,6 +696,12 @@ async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
         &[state],
         true,
     );
+    (pool, node, harness)
+}
+
+#[tokio::test]
+async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
+    let (pool, node, harness) = blocked_shrink_harness();
     let pass = pass_with(
         harness,
         Some(Scenario::BlockedShrink {
@@ -715,13 +715,7 @@ async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
 
 #[tokio::test]
 async fn an_eviction_is_recorded_in_its_pools_status_before_it_is_made() {
-    let (pool, node, state) = blocked_shrink();
-    let harness = harness(
-        std::slice::from_ref(&pool),
-        std::slice::from_ref(&node),
-        &[state],
-        true,
-    );
+    let (pool, node, harness) = blocked_shrink_harness();
     pass_with(
         harness,
         Some(Scenario::EvictionRecordedFirst {
@@ -734,13 +728,7 @@ async fn an_eviction_is_recorded_in_its_pools_status_before_it_is_made() {
 
 #[tokio::test]
 async fn a_pod_already_gone_is_not_recorded_as_evicted() {
-    let (pool, node, state) = blocked_shrink();
-    let harness = harness(
-        std::slice::from_ref(&pool),
-        std::slice::from_ref(&node),
-        &[state],
-        true,
-    );
+    let (pool, node, harness) = blocked_shrink_harness();
     let metrics = Arc::clone(&harness.ctx.metrics);
     pass_with(
         harness,
