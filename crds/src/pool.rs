@@ -98,10 +98,23 @@ pub struct RolloutSpec {
     /// A paused rollout admits no new nodes; nodes already changing finish.
     #[serde(default)]
     pub paused: bool,
+    /// A node whose Node has been NotReady this long, or whose agent has not
+    /// acknowledged its spec this long, is unresponsive: it gets no rollout
+    /// slot (one it holds goes back) until it answers (Go duration, > 0, at
+    /// most 24h).
+    #[serde(default = "default_unresponsive_after")]
+    #[schemars(regex(pattern = crate::duration::PATTERN), length(max = 32))]
+    #[x_kube(validation = Rule::new("duration(self) > duration('0s')").message("rollout.unresponsiveAfter must be greater than 0"))]
+    #[x_kube(validation = Rule::new("duration(self) <= duration('24h')").message("rollout.unresponsiveAfter must be at most 24h"))]
+    pub unresponsive_after: String,
 }
 
 fn default_max_unavailable() -> IntOrString {
     IntOrString::String("25%".into())
+}
+
+fn default_unresponsive_after() -> String {
+    "5m".into()
 }
 
 impl Default for RolloutSpec {
@@ -109,6 +122,7 @@ impl Default for RolloutSpec {
         Self {
             max_unavailable: default_max_unavailable(),
             paused: false,
+            unresponsive_after: default_unresponsive_after(),
         }
     }
 }
@@ -193,6 +207,11 @@ pub struct PoolNodeCounts {
     pub pending: i64,
     /// Nodes that failed at their current target; they keep their slot.
     pub failed: i64,
+    /// Nodes with work left that do not answer (NotReady, or their agent has
+    /// not acknowledged their spec within `rollout.unresponsiveAfter`); they
+    /// hold no slot and are not counted as updating, pending or failed.
+    #[serde(default)]
+    pub unresponsive: i64,
     /// `converged/selected`, for `kubectl get hpp`.
     #[serde(default)]
     pub ready: String,

@@ -30,7 +30,7 @@ use hugepool_crds::{
     POOL_FINALIZER, PageSize,
 };
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, NodeStatus, ObjectReference, Pod, Taint};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus, ObjectReference, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -200,6 +200,8 @@ pub struct Worker {
     evictions: drain::Refusals,
     /// Pools whose metrics are published.
     pools_seen: HashSet<String>,
+    /// Failed writes and unacknowledged specs, for the planner.
+    observed: planner::Observed,
 }
 
 impl Worker {
@@ -274,8 +276,9 @@ fn due(retries: &BTreeMap<String, Retry>, name: &str, now: Instant) -> bool {
     retries.get(name).is_none_or(|r| r.next_try <= now)
 }
 
-/// Keeps of a Node what the operator reads: name, uid, labels, taints and
-/// the kubelet's `hugepages-*` capacity.
+/// Keeps of a Node what the operator reads: name, uid, labels, taints, the
+/// kubelet's `hugepages-*` capacity and the Ready condition (without its
+/// heartbeat).
 pub fn slim_node(node: &mut Node) {
     node.metadata.managed_fields = None;
     node.metadata.annotations = None;
@@ -287,9 +290,21 @@ pub fn slim_node(node: &mut Node) {
                     .collect()
             })
         };
+        let ready = status.conditions.map(|conditions| {
+            conditions
+                .into_iter()
+                .filter(|c| c.type_ == "Ready")
+                .map(|c| NodeCondition {
+                    last_heartbeat_time: None,
+                    message: None,
+                    ..c
+                })
+                .collect()
+        });
         node.status = Some(NodeStatus {
             capacity: hugepages(status.capacity),
             allocatable: hugepages(status.allocatable),
+            conditions: ready,
             ..NodeStatus::default()
         });
     }
@@ -321,6 +336,10 @@ impl NodeTrigger {
                 let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
                 for (name, quantity) in capacity.into_iter().flatten() {
                     (name, &quantity.0).hash(&mut hasher);
+                }
+                let conditions = node.status.as_ref().and_then(|s| s.conditions.as_ref());
+                for ready in conditions.into_iter().flatten() {
+                    (&ready.type_, &ready.status).hash(&mut hasher);
                 }
                 let hash = hasher.finish();
                 let name = node.name_any();
@@ -561,11 +580,14 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
     }
     let nodes = ctx.nodes.state();
     let states = ctx.node_states.state();
-    let write_errors: BTreeMap<String, String> = worker
+    worker.observed.write_errors = worker
         .node_retries
         .iter()
         .map(|(node, retry)| (node.clone(), retry.error.clone()))
         .collect();
+    worker
+        .observed
+        .track_acknowledgements(states.iter().map(Arc::as_ref), now);
     let plan = {
         let nodes: Vec<&Node> = nodes.iter().map(Arc::as_ref).collect();
         let node_states: Vec<&HugePageNode> = states.iter().map(Arc::as_ref).collect();
@@ -573,7 +595,7 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
             pools: &pools,
             nodes: &nodes,
             node_states: &node_states,
-            write_errors: &write_errors,
+            observed: &worker.observed,
             now,
         })
     };

@@ -46,7 +46,7 @@ struct PoolTransition {
     action: &'static str,
 }
 
-const POOL_TRANSITIONS: [PoolTransition; 4] = [
+const POOL_TRANSITIONS: [PoolTransition; 5] = [
     PoolTransition {
         type_: PoolConditionType::Progressing,
         reasons: &[
@@ -70,6 +70,13 @@ const POOL_TRANSITIONS: [PoolTransition; 4] = [
         reasons: &[Reason::RolloutHalted],
         event_type: EventType::Warning,
         event_reason: "RolloutHalted",
+        action: "Rollout",
+    },
+    PoolTransition {
+        type_: PoolConditionType::Degraded,
+        reasons: &[Reason::NodesUnresponsive],
+        event_type: EventType::Warning,
+        event_reason: "NodesUnresponsive",
         action: "Rollout",
     },
     PoolTransition {

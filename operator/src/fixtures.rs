@@ -174,7 +174,7 @@ pub fn run_plan(
     let nodes: Vec<&Node> = nodes.iter().collect();
     let hpns: Vec<&HugePageNode> = hpns.iter().collect();
     plan(&PlanInput {
-        write_errors: &Default::default(),
+        observed: &Default::default(),
         pools,
         nodes: &nodes,
         node_states: &hpns,

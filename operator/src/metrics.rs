@@ -169,6 +169,7 @@ impl Metrics {
             ("updating", nodes.updating),
             ("pending", nodes.pending),
             ("failed", nodes.failed),
+            ("unresponsive", nodes.unresponsive),
         ] {
             self.pool_nodes
                 .get_or_create(&PoolStateLabels {
@@ -192,7 +193,14 @@ impl Metrics {
 
     /// Drops the series of a pool that is gone.
     pub fn forget_pool(&self, pool: &str) {
-        for state in ["selected", "converged", "updating", "pending", "failed"] {
+        for state in [
+            "selected",
+            "converged",
+            "updating",
+            "pending",
+            "failed",
+            "unresponsive",
+        ] {
             self.pool_nodes.remove(&PoolStateLabels {
                 pool: pool.into(),
                 state: state.into(),

@@ -47,10 +47,53 @@ pub struct PlanInput<'a> {
     /// Borrowed from the caches: a pass copies no Node or HugePageNode.
     pub nodes: &'a [&'a Node],
     pub node_states: &'a [&'a HugePageNode],
+    /// What the controller saw beyond the objects.
+    pub observed: &'a Observed,
+    pub now: Timestamp,
+}
+
+/// What the controller saw of the fleet beyond the objects themselves.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Observed {
     /// Nodes whose last write by the operator failed, with the error (the
     /// controller retries them with backoff; their pools say so).
-    pub write_errors: &'a BTreeMap<String, String>,
-    pub now: Timestamp,
+    pub write_errors: BTreeMap<String, String>,
+    /// Nodes whose agent has not acknowledged its HugePageNode's spec: the
+    /// generation waiting, and since when the controller has seen it wait.
+    pub unacknowledged: BTreeMap<String, (i64, Timestamp)>,
+}
+
+impl Observed {
+    /// Keeps `unacknowledged` up to date with `states` at `now`: a
+    /// generation first seen waiting starts its clock, one acknowledged
+    /// (or gone) leaves.
+    pub fn track_acknowledgements<'s>(
+        &mut self,
+        states: impl IntoIterator<Item = &'s HugePageNode>,
+        now: Timestamp,
+    ) {
+        let mut waiting = BTreeMap::new();
+        for state in states {
+            let Some(name) = state.metadata.name.clone() else {
+                continue;
+            };
+            let generation = state.metadata.generation.unwrap_or(0);
+            let observed = state
+                .status
+                .as_ref()
+                .and_then(|s| s.observed_generation)
+                .unwrap_or(0);
+            if observed >= generation {
+                continue;
+            }
+            let since = match self.unacknowledged.get(&name) {
+                Some(&(seen, since)) if seen == generation => since,
+                _ => now,
+            };
+            waiting.insert(name, (generation, since));
+        }
+        self.unacknowledged = waiting;
+    }
 }
 
 /// What the cluster should look like after this pass.
@@ -131,6 +174,8 @@ pub struct PoolPlan {
     pub drain_timeouts: Vec<String>,
     /// Nodes of the pool the operator could not write to, with the error.
     pub write_errors: Vec<(String, String)>,
+    /// Nodes with work left for the pool that do not answer, with why.
+    pub unresponsive: Vec<(String, String)>,
     /// Every node the pool manages, by name, with where it stands.
     pub members: Vec<PoolMember>,
 }
@@ -327,6 +372,11 @@ impl<'a> PoolRules<'a> {
         self.pool.spec.drain.policy
     }
 
+    fn unresponsive_after(&self) -> Duration {
+        hugepool_crds::duration::parse(&self.pool.spec.rollout.unresponsive_after)
+            .unwrap_or(Duration::from_secs(300))
+    }
+
     fn drain_timeout(&self) -> Duration {
         hugepool_crds::duration::parse(&self.pool.spec.drain.timeout)
             .unwrap_or(Duration::from_secs(600))
@@ -511,6 +561,8 @@ struct Member {
     shrink_blocked: bool,
     /// Converged, but the Node's capacity for the size is not the target.
     capacity_stale: bool,
+    /// Why the node does not answer (see [`unresponsive`]), if it does not.
+    unresponsive: Option<String>,
 }
 
 type NodeStates<'a> = BTreeMap<&'a str, &'a HugePageNode>;
@@ -545,19 +597,43 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
     } = assign_owners(&rules, &nodes, &node_states);
 
     let mut members: BTreeMap<usize, Vec<Member>> = BTreeMap::new();
+    let mut unresponsive_deadline: Option<Timestamp> = None;
     for ((node_name, size), (index, want)) in &owners {
-        let member = classify(
-            &rules[*index],
-            node_name,
-            *size,
-            want,
-            node_states.get(node_name).copied(),
-            nodes.get(node_name).copied(),
-        );
+        let pool = &rules[*index];
+        let node = nodes.get(node_name).copied();
+        let state = node_states.get(node_name).copied();
+        let mut member = classify(pool, node_name, *size, want, state, node);
+        if member.state != NodeState::Converged {
+            match unresponsive(
+                node,
+                state,
+                input.observed.unacknowledged.get(*node_name),
+                pool.unresponsive_after(),
+                input.now,
+            ) {
+                Answer::Answers => {}
+                Answer::SilentSince(deadline) => {
+                    // Wake up when it would count as unresponsive.
+                    unresponsive_deadline = Some(
+                        unresponsive_deadline.map_or(deadline, |d: Timestamp| d.min(deadline)),
+                    );
+                }
+                Answer::Unresponsive(why) => {
+                    if matches!(member.decision, Decision::Write(_)) {
+                        // Not written while it does not answer.
+                        member.decision = Decision::Keep;
+                    }
+                    member.unresponsive = Some(why);
+                }
+            }
+        }
         members.entry(*index).or_default().push(member);
     }
 
-    let mut plan = Plan::default();
+    let mut plan = Plan {
+        next_deadline: unresponsive_deadline,
+        ..Plan::default()
+    };
     let mut decisions: BTreeMap<(&str, PageSize), Decision> = BTreeMap::new();
     for (index, pool) in rules.iter().enumerate() {
         let pool_members = members.remove(&index).unwrap_or_default();
@@ -668,7 +744,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             .members
             .iter()
             .filter_map(|m| {
-                let error = input.write_errors.get(&m.node)?;
+                let error = input.observed.write_errors.get(&m.node)?;
                 Some((m.node.clone(), error.clone()))
             })
             .collect();
@@ -786,6 +862,7 @@ fn classify(
             _ => false,
         },
         capacity_stale: false,
+        unresponsive: None,
     };
     let desired = match want {
         Want::Frozen => {
@@ -853,15 +930,18 @@ fn settle_pool(
         managed,
     )
     .unwrap_or(1);
+    // A node that does not answer holds no slot (it gives back one it had).
     let mut busy = shadow_busy
         + members
             .iter()
+            .filter(|m| m.unresponsive.is_none())
             .filter(|m| matches!(m.state, NodeState::Updating | NodeState::Failed { .. }))
             .count();
     let paused = pool.pool.spec.rollout.paused;
     let mut admitted = Vec::new();
     for member in &mut members {
         if member.state == NodeState::Pending
+            && member.unresponsive.is_none()
             && !paused
             && busy < max_unavailable
             && let Some(desired) = &member.desired
@@ -883,7 +963,16 @@ fn settle_pool(
         .iter()
         .filter(|m| m.decision != Decision::Remove)
         .collect();
-    let count = |f: fn(&NodeState) -> bool| active.iter().filter(|m| f(&m.state)).count() as i64;
+    let count = |f: fn(&NodeState) -> bool| {
+        active
+            .iter()
+            .filter(|m| m.unresponsive.is_none() && f(&m.state))
+            .count() as i64
+    };
+    let unresponsive: Vec<(String, String)> = active
+        .iter()
+        .filter_map(|m| Some((m.node.clone(), m.unresponsive.clone()?)))
+        .collect();
     let selected = (active.len() + conflicts.len()) as i64;
     let converged = count(|s| *s == NodeState::Converged);
     let nodes = PoolNodeCounts {
@@ -892,10 +981,12 @@ fn settle_pool(
         updating: count(|s| *s == NodeState::Updating),
         pending: count(|s| *s == NodeState::Pending) + conflicts.len() as i64,
         failed: count(|s| matches!(s, NodeState::Failed { .. })),
+        unresponsive: unresponsive.len() as i64,
         ready: format!("{converged}/{selected}"),
     };
     let failed_nodes = active
         .iter()
+        .filter(|m| m.unresponsive.is_none())
         .filter_map(|m| match &m.state {
             NodeState::Failed { reason, message } => Some(FailedNode {
                 name: m.node.clone(),
@@ -956,6 +1047,7 @@ fn settle_pool(
         draining: Vec::new(),
         drain_timeouts,
         write_errors: Vec::new(),
+        unresponsive,
         members: active
             .iter()
             .map(|m| PoolMember {
@@ -1050,6 +1142,59 @@ pub fn pages_to_free(
         })
         .sum();
     node_wide.max(per_numa)
+}
+
+/// Whether a node answers: its Node is not NotReady (a Node that reports no
+/// Ready condition, like one no kubelet runs, is judged by its agent alone)
+/// and its agent has acknowledged its spec, each within `after`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    Answers,
+    /// Silent for now: unresponsive from this time on unless it answers.
+    SilentSince(Timestamp),
+    Unresponsive(String),
+}
+
+fn unresponsive(
+    node: Option<&Node>,
+    state: Option<&HugePageNode>,
+    unacknowledged: Option<&(i64, Timestamp)>,
+    after: Duration,
+    now: Timestamp,
+) -> Answer {
+    let after = jiff::SignedDuration::try_from(after).unwrap_or(jiff::SignedDuration::MAX);
+    let past = |since: Timestamp| since.checked_add(after).unwrap_or(Timestamp::MAX);
+    let mut silent: Option<Timestamp> = None;
+    let not_ready = node
+        .and_then(|n| n.status.as_ref())
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+        .filter(|ready| ready.status != "True");
+    if let Some(ready) = not_ready {
+        let since = ready
+            .last_transition_time
+            .as_ref()
+            .map_or(Timestamp::UNIX_EPOCH, |t| t.0);
+        if past(since) <= now {
+            return Answer::Unresponsive(format!(
+                "NotReady since {since} ({})",
+                ready.reason.as_deref().unwrap_or("no reason")
+            ));
+        }
+        silent = Some(past(since));
+    }
+    let generation = state.and_then(|s| s.metadata.generation);
+    if let Some(&(waiting, since)) = unacknowledged
+        && generation == Some(waiting)
+    {
+        if past(since) <= now {
+            return Answer::Unresponsive(format!(
+                "its agent has not acknowledged generation {waiting} since {since}"
+            ));
+        }
+        silent = Some(silent.map_or(past(since), |s| s.min(past(since))));
+    }
+    silent.map_or(Answer::Answers, Answer::SilentSince)
 }
 
 /// Whether the agent reports that `entry`'s shrink is held up by pages in
@@ -1314,10 +1459,13 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
         ConditionUpdate::new(type_, status, reason, message).generation(generation)
     };
     let counts = &plan.status.nodes;
-    let summary = format!(
+    let mut summary = format!(
         "{}/{} nodes converged, {} updating, {} pending, {} failed",
         counts.converged, counts.selected, counts.updating, counts.pending, counts.failed
     );
+    if counts.unresponsive > 0 {
+        summary.push_str(&format!(", {} unresponsive", counts.unresponsive));
+    }
     if let Some(problem) = &pool.invalid {
         let message = format!("invalid spec: {problem}");
         return [
@@ -1486,6 +1634,34 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             reason,
             format!("{} nodes failed: {}", counts.failed, describe_failed()),
+        )
+    } else if !plan.unresponsive.is_empty() {
+        let described: Vec<String> = plan
+            .unresponsive
+            .iter()
+            .take(MAX_NAMED_NODES)
+            .map(|(node, why)| format!("{node} ({why})"))
+            .collect();
+        let more = plan.unresponsive.len().saturating_sub(MAX_NAMED_NODES);
+        let waits = if pool.deleting {
+            "the deletion waits for them"
+        } else {
+            "the rollout goes on without them"
+        };
+        update(
+            Degraded,
+            true,
+            Reason::NodesUnresponsive,
+            format!(
+                "{} nodes do not answer, {waits}: {}{}",
+                plan.unresponsive.len(),
+                described.join("; "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            ),
         )
     } else if !plan.stalled.is_empty() {
         update(

@@ -1755,3 +1755,96 @@ async fn numa_pools_reach_each_numa_nodes_own_share_and_fail_only_where_one_cann
     );
     fleet.shutdown().await;
 }
+
+/// A selected Node that no agent serves (a large fleet always has some):
+/// it holds the one rollout slot only until `rollout.unresponsiveAfter`,
+/// then the rollout goes on with the nodes that answer and the pool counts
+/// and names it; a Release deletion returns the answering nodes to 0, says
+/// it waits for the silent one, and ends once that Node is deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_no_agent_serves_is_passed_over_named_and_not_waited_for_once_deleted() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(&env, "silent", FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
+    let scope = fleet.scope.clone();
+    // Sorts before the fleet's nodes, so the rollout admits it first.
+    let silent = format!("{scope}-a-silent");
+    let node_api: Api<Node> = Api::all(env.client.clone());
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": silent,
+            "labels": {support::SCOPE_LABEL: scope, ROLE_LABEL: "dpdk"},
+        },
+    }))
+    .expect("Node object");
+    node_api
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("create the silent Node");
+    fleet.start_operator(None).await;
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 64, json!(1));
+    spec["rollout"]["unresponsiveAfter"] = json!("3s");
+    spec["deletionPolicy"] = json!("Release");
+    fleet.create_pool(&pool, spec).await;
+
+    let answering = fleet.node_names();
+    fleet
+        .wait_pool(&pool, "Degraded", "True", Duration::from_secs(90), |pool| {
+            let status = status_of(pool);
+            let (_, reason, message) = reason_of(pool, "Degraded");
+            if reason != "NodesUnresponsive" || status.nodes.converged != 2 {
+                return Err(format!("{reason}: {message}; {:?}", status.nodes));
+            }
+            assert_eq!(status.nodes.unresponsive, 1, "{:?}", status.nodes);
+            assert_eq!(status.nodes.selected, 3, "{:?}", status.nodes);
+            assert!(
+                message.contains(&silent) && message.contains("has not acknowledged"),
+                "{message}"
+            );
+            Ok(())
+        })
+        .await;
+    fleet
+        .wait_kernels(&answering, 64, Duration::from_secs(10))
+        .await;
+
+    fleet
+        .pool_api()
+        .delete(&pool, &DeleteParams::default())
+        .await
+        .expect("delete the pool");
+    fleet
+        .wait_kernels(&answering, 0, Duration::from_secs(60))
+        .await;
+    wait_for(
+        "the deletion to say it waits for the silent node",
+        Duration::from_secs(60),
+        || async {
+            let pool = fleet.pool(&pool).await;
+            let (_, reason, message) = reason_of(&pool, "Degraded");
+            if reason == "NodesUnresponsive"
+                && message.contains(&silent)
+                && message.contains("the deletion waits for them")
+            {
+                Ok(())
+            } else {
+                Err(format!("{reason}: {message}"))
+            }
+        },
+    )
+    .await;
+    node_api
+        .delete(&silent, &DeleteParams::default())
+        .await
+        .expect("delete the silent Node");
+    wait_for("the pool gone", Duration::from_secs(60), || async {
+        match fleet.pool_api().get_opt(&pool).await.expect("get pool") {
+            None => Ok(()),
+            Some(pool) => Err(format!("{:?}", pool.status)),
+        }
+    })
+    .await;
+    fleet.shutdown().await;
+}

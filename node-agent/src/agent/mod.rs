@@ -240,6 +240,9 @@ pub async fn run(
         let restoring = {
             let mut memory = shared.memory();
             status::start_restoring(&mut memory, object.metadata.generation, &targets, &pools);
+            // With the generation, under one lock: the first status the
+            // writer builds starts from what was reported before.
+            memory.reported_conditions = Some(status_writer::own_conditions(&object));
             memory.restoring.clone()
         };
         if !restoring.is_empty() {

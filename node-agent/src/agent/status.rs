@@ -167,6 +167,10 @@ pub struct AgentMemory {
     /// reboot, a new node), with that target: `Restoring` until the pool is
     /// back and the kubelet reports it.
     pub restoring: BTreeMap<PageSize, u64>,
+    /// The conditions this agent's predecessor reported on the object, as
+    /// the agent found them at start; the status writer starts from them so
+    /// that unchanged conditions keep their transition times.
+    pub reported_conditions: Option<Vec<Condition>>,
 }
 
 /// Whether the agent reads the kernel log, where lockups, RCU stalls and hung

@@ -32,10 +32,9 @@ pub(super) async fn write_status(
     shared: Arc<Shared>,
     mut done: watch::Receiver<bool>,
 ) {
-    // Seeded from the object before the first write, so that a restarted
-    // agent keeps the transition times of conditions that did not change.
+    // Seeded from the object as the agent found it at start (see
+    // `AgentMemory::reported_conditions`).
     let mut conditions: Vec<Condition> = Vec::new();
-    let mut seeded = false;
     let mut last_sent: Option<HugePageNodeStatus> = None;
     let mut last_patch = Instant::now() - config.min_patch_interval;
     let mut backoff = Duration::from_millis(250);
@@ -75,18 +74,12 @@ pub(super) async fn write_status(
         let memory = {
             let mut memory = shared.memory();
             status::settle_restoring(&snapshot, &mut memory);
+            if let Some(reported) = memory.reported_conditions.take() {
+                conditions = reported;
+            }
             memory.clone()
         };
         update_gauges(&shared.metrics, &snapshot, &memory);
-        if !seeded && memory.generation.is_some() {
-            match api.get_status(&config.node_name).await {
-                Ok(object) => conditions = own_conditions(&object),
-                Err(err) => {
-                    warn!(error = %err, "cannot read the conditions already reported; their transition times start anew")
-                }
-            }
-            seeded = true;
-        }
         let now = Time(jiff::Timestamp::now());
         let status = status::build(&snapshot, &memory, &mut conditions, &now);
         if let Some(path) = &config.boot_file {

@@ -598,7 +598,7 @@ fn plan_at(pools: &[HugePagePool], nodes: &[Node], states: &[HugePageNode]) -> p
     let nodes: Vec<&Node> = nodes.iter().collect();
     let states: Vec<&HugePageNode> = states.iter().collect();
     planner::plan(&PlanInput {
-        write_errors: &Default::default(),
+        observed: &Default::default(),
         pools,
         nodes: &nodes,
         node_states: &states,

@@ -1014,15 +1014,19 @@ fn a_node_the_operator_cannot_write_to_degrades_its_pool_and_names_the_error() {
     let pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
     let nodes = fleet(2, &["dpdk"]);
     let node_refs: Vec<&Node> = nodes.iter().collect();
-    let errors = BTreeMap::from([(
-        "w-01".to_string(),
-        "writing HugePageNode w-01: etcdserver: request timed out".to_string(),
-    )]);
+    let observed = Observed {
+        write_errors: BTreeMap::from([(
+            "w-01".to_string(),
+            "writing HugePageNode w-01: etcdserver: request timed out".to_string(),
+        )]),
+        ..Observed::default()
+    };
+    let errors = &observed.write_errors;
     let plan = plan(&PlanInput {
         pools: &pools,
         nodes: &node_refs,
         node_states: &[],
-        write_errors: &errors,
+        observed: &observed,
         now: at(0),
     });
     assert_eq!(
@@ -1047,6 +1051,142 @@ fn a_node_the_operator_cannot_write_to_degrades_its_pool_and_names_the_error() {
     );
     // The other node is planned as if nothing happened.
     assert!(plan.nodes["w-00"].spec_changed);
+}
+
+/// Plans with what the controller observed.
+fn plan_observed(
+    pools: &[HugePagePool],
+    nodes: &[Node],
+    hpns: &[HugePageNode],
+    observed: &Observed,
+    second: i64,
+) -> Plan {
+    let nodes: Vec<&Node> = nodes.iter().collect();
+    let hpns: Vec<&HugePageNode> = hpns.iter().collect();
+    plan(&PlanInput {
+        pools,
+        nodes: &nodes,
+        node_states: &hpns,
+        observed,
+        now: at(second),
+    })
+}
+
+#[test]
+fn a_node_whose_agent_does_not_answer_gives_back_its_slot_and_is_named() {
+    let mut pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(1),
+    )];
+    pools[0].spec.rollout.unresponsive_after = "1m".into();
+    let nodes = fleet(2, &["dpdk"]);
+    let mut hpns = Vec::new();
+    let first = run_plan(&pools, &nodes, &hpns, 0);
+    apply_specs(&first, &mut hpns);
+    // w-00 took the one slot; w-01's agent acknowledges its empty spec,
+    // w-00's never answers.
+    assert_eq!(target_of(&first, "w-00", "2Mi"), Some(64));
+    status_of(&mut hpns[1]).observed_generation = Some(1);
+    let mut observed = Observed::default();
+    observed.track_acknowledgements(&hpns, at(0));
+    assert_eq!(observed.unacknowledged.keys().collect::<Vec<_>>(), ["w-00"]);
+    // Within the bound it keeps the slot, and the plan wakes at the bound.
+    let waiting = plan_observed(&pools, &nodes, &hpns, &observed, 30);
+    assert_eq!(target_of(&waiting, "w-01", "2Mi"), None);
+    assert_eq!(waiting.pools["dpdk"].status.nodes.unresponsive, 0);
+    assert_eq!(waiting.next_deadline, Some(at(60)));
+    // Past it: the slot goes to w-01, w-00 is counted apart and named.
+    let silent = plan_observed(&pools, &nodes, &hpns, &observed, 60);
+    assert_eq!(target_of(&silent, "w-01", "2Mi"), Some(64));
+    let counts = &silent.pools["dpdk"].status.nodes;
+    assert_eq!(
+        (counts.unresponsive, counts.updating, counts.pending),
+        (1, 1, 0)
+    );
+    assert_eq!(
+        condition(&silent, "dpdk", PoolConditionType::Degraded),
+        ("True", "NodesUnresponsive")
+    );
+    let degraded = find_condition(
+        &silent.pools["dpdk"].status.conditions,
+        PoolConditionType::Degraded,
+    )
+    .unwrap();
+    assert!(
+        degraded
+            .message
+            .contains("w-00 (its agent has not acknowledged generation 1")
+            && degraded
+                .message
+                .contains("the rollout goes on without them"),
+        "{}",
+        degraded.message
+    );
+    // It answers: it converges like any node.
+    converge(&mut hpns[0]);
+    observed.track_acknowledgements(&hpns, at(61));
+    assert!(observed.unacknowledged.is_empty());
+    let back = plan_observed(&pools, &nodes, &hpns, &observed, 61);
+    assert_eq!(back.pools["dpdk"].status.nodes.unresponsive, 0);
+    assert_eq!(back.pools["dpdk"].status.nodes.converged, 1);
+}
+
+#[test]
+fn a_node_not_ready_past_the_bound_gets_no_slot() {
+    use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+    let mut pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(1),
+    )];
+    pools[0].spec.rollout.unresponsive_after = "1m".into();
+    let mut nodes = fleet(2, &["dpdk"]);
+    nodes[0].status = Some(NodeStatus {
+        conditions: Some(vec![NodeCondition {
+            type_: "Ready".into(),
+            status: "Unknown".into(),
+            reason: Some("NodeStatusUnknown".into()),
+            last_transition_time: Some(Time(at(0))),
+            ..NodeCondition::default()
+        }]),
+        ..NodeStatus::default()
+    });
+    // Not ready for 30 s: still within the bound, it takes the slot.
+    let early = run_plan(&pools, &nodes, &[], 30);
+    assert_eq!(target_of(&early, "w-00", "2Mi"), Some(64));
+    assert_eq!(early.next_deadline, Some(at(60)));
+    // For a minute: passed over, the next node gets the slot.
+    let late = run_plan(&pools, &nodes, &[], 60);
+    assert_eq!(target_of(&late, "w-00", "2Mi"), None);
+    assert_eq!(target_of(&late, "w-01", "2Mi"), Some(64));
+    let degraded = find_condition(
+        &late.pools["dpdk"].status.conditions,
+        PoolConditionType::Degraded,
+    )
+    .unwrap();
+    assert!(
+        degraded.message.contains("w-00 (NotReady since")
+            && degraded.message.contains("NodeStatusUnknown"),
+        "{}",
+        degraded.message
+    );
+}
+
+#[test]
+fn an_acknowledgement_clock_starts_per_generation() {
+    let mut hpns = vec![hpn("w-00", 1, vec![]), hpn("w-01", 1, vec![])];
+    status_of(&mut hpns[1]).observed_generation = Some(1);
+    let mut observed = Observed::default();
+    observed.track_acknowledgements(&hpns, at(5));
+    assert_eq!(observed.unacknowledged["w-00"], (1, at(5)));
+    // Still waiting at a later pass: the clock keeps its start.
+    observed.track_acknowledgements(&hpns, at(9));
+    assert_eq!(observed.unacknowledged["w-00"], (1, at(9 - 4)));
+    // A new generation starts it again; w-01 falls behind too.
+    hpns[0].metadata.generation = Some(2);
+    hpns[1].metadata.generation = Some(2);
+    observed.track_acknowledgements(&hpns, at(12));
+    assert_eq!(observed.unacknowledged["w-00"], (2, at(12)));
+    assert_eq!(observed.unacknowledged["w-01"], (2, at(12)));
 }
 
 #[test]

@@ -138,7 +138,7 @@ pub fn simulate(
     for _ in 0..view.nodes.len() + 3 {
         let state_refs: Vec<&HugePageNode> = states.iter().collect();
         let plan = planner::plan(&PlanInput {
-            write_errors: &Default::default(),
+            observed: &Default::default(),
             pools: &pools,
             nodes: &node_refs,
             node_states: &state_refs,

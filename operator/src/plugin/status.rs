@@ -50,7 +50,7 @@ pub fn report(view: &ClusterView<'_>, only: Option<&str>, now: Timestamp) -> Vec
     let nodes: Vec<_> = view.nodes.iter().collect();
     let states: Vec<_> = view.node_states.iter().collect();
     let plan = planner::plan(&PlanInput {
-        write_errors: &Default::default(),
+        observed: &Default::default(),
         pools: view.pools,
         nodes: &nodes,
         node_states: &states,
