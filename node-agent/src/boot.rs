@@ -13,9 +13,8 @@ use hugepool_crds::node::PageSizeTarget;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::agent::{settings_for, targets_for};
 use crate::kernel::Kernel;
-use crate::resize::{self, CostModels, Goal, Options, Outcome};
+use crate::resize::{self, CostModels, Goal, Options, Outcome, settings_for, targets_for};
 use crate::{Error, Result};
 
 /// The format's version; a file of another version is refused, never guessed.

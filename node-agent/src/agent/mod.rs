@@ -33,9 +33,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use hugepool_crds::node::{PageSizeTarget, ResizeSummary};
-use hugepool_crds::{
-    AGENT_MANAGER, HugePageNode, HugePageNodeStatus, PageSize, duration, quantity,
-};
+use hugepool_crds::{AGENT_MANAGER, HugePageNode, HugePageNodeStatus, PageSize, duration};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, Patch, PatchParams};
@@ -49,7 +47,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use self::events::{EVENT_QUEUE, EventSender, PendingEvent, publish_events, queue_event};
 use self::metrics::{Metrics, SizeLabels, StallLabels, StepLabels};
 use self::resize_loop::ResizeLoop;
-pub use self::resize_loop::{other_writer_backoff, settings_for, targets_for};
+pub use self::resize_loop::other_writer_backoff;
 use self::snapshot::KernelSnapshot;
 use self::status::{AgentMemory, KernelLogState, Running, StallRecord};
 use self::status_writer::write_status;
@@ -57,7 +55,8 @@ pub use self::watchers::node_capacity;
 use self::watchers::{watch_kernel_log, watch_kubelet_capacity, watch_own_node_spec};
 use crate::kernel::kmsg::KernelLogEvent;
 use crate::kernel::{Kernel, PoolScope};
-use crate::resize::{self, CostModels, Direction, Event, Goal, Outcome, Settings, Summary, Target};
+use crate::resize::{self, CostModels, Direction, Event, Goal, Outcome, Summary, Target};
+pub use crate::resize::{settings_for, targets_for};
 use hugepool_crds::conditions::Reason;
 
 /// How the agent runs; the CLI fills it from flags.

@@ -224,25 +224,26 @@ pub fn parse_syslog_line(line: &str) -> Option<KernelLogEvent> {
     })
 }
 
-/// The whole kernel log buffer through syslog(2) (needs CAP_SYSLOG while
-/// `kernel.dmesg_restrict=1`; not subject to the device cgroup).
-fn read_syslog_buffer() -> std::io::Result<String> {
-    const SYSLOG_ACTION_READ_ALL: libc::c_int = 3;
+/// The size of the kernel log buffer, through syslog(2).
+fn syslog_buffer_size() -> std::io::Result<usize> {
     const SYSLOG_ACTION_SIZE_BUFFER: libc::c_int = 10;
     // SAFETY: SIZE_BUFFER takes no buffer.
     let size = unsafe { libc::klogctl(SYSLOG_ACTION_SIZE_BUFFER, std::ptr::null_mut(), 0) };
     if size < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let mut buffer = vec![0u8; size.max(4096) as usize];
-    // SAFETY: the kernel writes at most buffer.len() bytes into buffer.
-    let read = unsafe {
-        libc::klogctl(
-            SYSLOG_ACTION_READ_ALL,
-            buffer.as_mut_ptr().cast(),
-            buffer.len() as libc::c_int,
-        )
-    };
+    Ok(size.max(4096) as usize)
+}
+
+/// The last `len` bytes of the kernel log, through syslog(2), without
+/// consuming them (needs CAP_SYSLOG while `kernel.dmesg_restrict=1`; not
+/// subject to the device cgroup).
+fn read_syslog_tail(len: usize) -> std::io::Result<String> {
+    const SYSLOG_ACTION_READ_ALL: libc::c_int = 3;
+    let mut buffer = vec![0u8; len];
+    let len = libc::c_int::try_from(len).unwrap_or(libc::c_int::MAX);
+    // SAFETY: the kernel writes at most `len` bytes into buffer.
+    let read = unsafe { libc::klogctl(SYSLOG_ACTION_READ_ALL, buffer.as_mut_ptr().cast(), len) };
     if read < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -250,12 +251,50 @@ fn read_syslog_buffer() -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&buffer).into_owned())
 }
 
+/// How much of the log's end a poll reads first: a second of even a busy
+/// kernel log fits, so a poll copies what is new, not the whole buffer.
+const SYSLOG_TAIL: usize = 16 * 1024;
+
+/// The complete lines of a read of the log's last bytes: the first line is
+/// cut unless the read began at the start of the log (`whole`).
+fn complete_lines(text: &str, whole: bool) -> impl Iterator<Item = &str> {
+    text.lines().skip(usize::from(!whole))
+}
+
+/// Whether a read holds every record newer than `seen_up_to`: it reaches
+/// back to a record at or before it, or it is the whole log.
+fn reaches_back(text: &str, whole: bool, seen_up_to: u64) -> bool {
+    whole
+        || complete_lines(text, whole)
+            .filter_map(|l| split_syslog_line(l).and_then(|(_, stamp, _)| stamp))
+            .any(|stamp| stamp <= seen_up_to)
+}
+
+/// The log's records newer than `seen_up_to`, reading only its end: the
+/// last `SYSLOG_TAIL` bytes, doubled until the read reaches back to a record
+/// already seen (or is the whole log). Returns the text and whether it is
+/// the whole log.
+fn read_syslog_since(seen_up_to: u64) -> std::io::Result<(String, bool)> {
+    let size = syslog_buffer_size()?;
+    let mut len = SYSLOG_TAIL.min(size);
+    loop {
+        let text = read_syslog_tail(len)?;
+        // Less than asked for: the log holds no more than this.
+        let whole = len >= size || text.len() < len;
+        if reaches_back(&text, whole, seen_up_to) {
+            return Ok((text, whole));
+        }
+        len = (len * 2).min(size);
+    }
+}
+
 /// Polls the kernel log through syslog(2) every `poll` and calls `on_event`
 /// for each recognised record newer than the newest one seen (records
 /// already in the log at the start are skipped), until `on_event` returns
-/// false. Fails at once if syslog(2) is refused, and when the log has no
-/// timestamps (`printk.time` off), since new records could not be told from
-/// old ones. Blocks: run it on its own thread.
+/// false. Each poll reads only the log's end (`read_syslog_since`). Fails
+/// at once if syslog(2) is refused, and when the log has no timestamps
+/// (`printk.time` off), since new records could not be told from old ones.
+/// Blocks: run it on its own thread.
 pub fn watch_syslog(
     poll: std::time::Duration,
     mut on_event: impl FnMut(KernelLogEvent) -> bool,
@@ -264,13 +303,16 @@ pub fn watch_syslog(
         path: PathBuf::from("syslog(2)"),
         source,
     };
-    let newest = |text: &str| {
-        text.lines()
-            .filter_map(|l| split_syslog_line(l).and_then(|(_, stamp, _)| stamp))
-            .max()
-    };
-    let first = read_syslog_buffer().map_err(read_err)?;
-    let mut seen_up_to = match newest(&first) {
+    let (first, whole) = read_syslog_tail(SYSLOG_TAIL)
+        .map(|text| {
+            let whole = text.len() < SYSLOG_TAIL;
+            (text, whole)
+        })
+        .map_err(read_err)?;
+    let mut seen_up_to = match complete_lines(&first, whole)
+        .filter_map(|l| split_syslog_line(l).and_then(|(_, stamp, _)| stamp))
+        .max()
+    {
         Some(stamp) => stamp,
         None if first.trim().is_empty() => 0,
         None => {
@@ -281,8 +323,8 @@ pub fn watch_syslog(
     };
     loop {
         std::thread::sleep(poll);
-        let text = read_syslog_buffer().map_err(read_err)?;
-        for line in text.lines() {
+        let (text, whole) = read_syslog_since(seen_up_to).map_err(read_err)?;
+        for line in complete_lines(&text, whole) {
             let Some((_, Some(stamp), _)) = split_syslog_line(line) else {
                 continue;
             };
@@ -299,20 +341,22 @@ pub fn watch_syslog(
     }
 }
 
+/// How many recognised records wait for the reader of [`spawn`]'s channel;
+/// past that the watcher thread waits for it.
+pub const CHANNEL_CAPACITY: usize = 64;
+
 /// Watches the log on its own thread (from now on with `from_end`, as the
 /// agent does; from the start for a file of records in tests); recognised
-/// records arrive on the returned channel. The thread ends when the receiver is
-/// dropped and the next record arrives, or when the log cannot be read
-/// (logged, as the agent works without it).
-pub fn spawn(
-    path: PathBuf,
-    from_end: bool,
-) -> tokio::sync::mpsc::UnboundedReceiver<KernelLogEvent> {
-    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+/// records arrive on the returned channel (bounded: the thread waits while
+/// it is full). The thread ends when the receiver is dropped and the next
+/// record arrives, or when the log cannot be read (logged, as the agent
+/// works without it).
+pub fn spawn(path: PathBuf, from_end: bool) -> tokio::sync::mpsc::Receiver<KernelLogEvent> {
+    let (sender, receiver) = tokio::sync::mpsc::channel(CHANNEL_CAPACITY);
     let spawned = std::thread::Builder::new()
         .name("kmsg".into())
         .spawn(move || {
-            if let Err(err) = watch(&path, from_end, |event| sender.send(event).is_ok()) {
+            if let Err(err) = watch(&path, from_end, |event| sender.blocking_send(event).is_ok()) {
                 tracing::warn!(%err, "not watching the kernel log");
             }
         });
@@ -345,6 +389,45 @@ mod tests {
 4,1600,130000000,-;hugetlb: allocating 1024 of page size 2.00 MiB failed.  Only allocated 980 hugepages.
 6,1700,130000001,-;a user wrote: the task blocked for a while
 ";
+
+    #[test]
+    fn a_read_of_the_logs_end_skips_its_cut_first_line_and_knows_when_it_reaches_back() {
+        let tail = "9>[  10.000001] cut in the middle\n<4>[  11.000000] a\n<4>[  12.500000] b\n";
+        let lines: Vec<&str> = complete_lines(tail, false).collect();
+        assert_eq!(lines, ["<4>[  11.000000] a", "<4>[  12.500000] b"]);
+        // Seen up to 11 s: this read holds everything newer.
+        assert!(reaches_back(tail, false, 11_000_000));
+        // Seen up to 10.5 s: the cut line could hide a record after it, and
+        // the next line is newer: read more.
+        assert!(!reaches_back(tail, false, 10_500_000));
+        // The whole log always reaches back.
+        assert!(reaches_back(tail, true, 0));
+        assert_eq!(complete_lines(tail, true).count(), 3);
+    }
+
+    #[test]
+    fn a_poll_of_the_real_log_reads_its_end_and_holds_every_new_record() {
+        // syslog(2) needs CAP_SYSLOG while dmesg_restrict is 1; as root here.
+        let size = match syslog_buffer_size() {
+            Ok(size) => size,
+            Err(err) => {
+                let reason = format!("syslog(2) refused: {err} (run as root)");
+                assert!(!hugepool_e2e::in_ci_mode(), "{reason}");
+                eprintln!("skipping: {reason}");
+                return;
+            }
+        };
+        let (text, whole) = read_syslog_since(0).expect("read");
+        // Reaching back to the first record needs the whole log.
+        assert!(whole || reaches_back(&text, whole, 0));
+        let newest = complete_lines(&text, whole)
+            .filter_map(|l| split_syslog_line(l).and_then(|(_, stamp, _)| stamp))
+            .max()
+            .unwrap_or(0);
+        let (tail, whole_tail) = read_syslog_since(newest).expect("read");
+        assert!(tail.len() <= SYSLOG_TAIL.max(size), "{}", tail.len());
+        assert!(reaches_back(&tail, whole_tail, newest));
+    }
 
     #[test]
     fn syslog_lines_give_priority_timestamp_and_message() {
