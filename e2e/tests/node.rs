@@ -1425,6 +1425,161 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
     );
 }
 
+/// A Deployment's Guaranteed pod holds Memory Manager memory when the pool
+/// grows: the operator evicts it once, the node keeps the draining taint
+/// until the restarted kubelet reports the new capacity (no version of the
+/// Node is untainted while it shows the old one), so the replacement waits
+/// Pending and then runs on the new capacity without holding the restart
+/// again; the kubelet is restarted once and never crash-loops.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replacement_pod_waits_for_the_restarted_kubelet_and_holds_nothing() {
+    let Some(node) = Node::start_with(&["--memory-manager=Static"]) else {
+        return;
+    };
+    let client = node.client().await;
+    node.with_pool(64, "2m").await;
+    let crash_restarts = node.systemctl(&["show", "--property=NRestarts", "--value", "kubelet"]);
+    node.apply(&format!(
+        r#"
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: mm-app, namespace: default}}
+spec:
+  replicas: 1
+  selector: {{matchLabels: {{app: mm-app}}}}
+  template:
+    metadata: {{labels: {{app: mm-app}}}}
+    spec:
+      terminationGracePeriodSeconds: 5
+      containers:
+      - name: holder
+        image: localhost/hugepool-e2e:{version}
+        command: [/hugepage-holder, "8"]
+        resources:
+          limits: {{hugepages-2Mi: 16Mi, memory: 64Mi, cpu: 100m}}
+"#,
+        version = env!("CARGO_PKG_VERSION"),
+    ));
+    node.wait_in_use(64, 8).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let app = ListParams::default().labels("app=mm-app");
+    let running = |pod: &Pod| {
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            && pod.metadata.deletion_timestamp.is_none()
+    };
+    let first = pods
+        .list(&app)
+        .await
+        .expect("pods")
+        .items
+        .into_iter()
+        .find(running)
+        .and_then(|p| p.metadata.uid)
+        .expect("the Deployment's pod runs");
+    let kubelet_before = node.kubelet_run();
+
+    // Every version of the Node from here on: (draining taint, capacity).
+    let versions = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(bool, String)>::new()));
+    let recorder = {
+        let versions = std::sync::Arc::clone(&versions);
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+        let config = kube::runtime::watcher::Config::default()
+            .fields(&format!("metadata.name={}", node.name));
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            use kube::runtime::WatchStreamExt;
+            let mut stream =
+                std::pin::pin!(kube::runtime::watcher(nodes, config).applied_objects());
+            while let Some(Ok(seen)) = stream.next().await {
+                let capacity = seen
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.capacity.as_ref())
+                    .and_then(|c| c.get("hugepages-2Mi").map(|q| q.0.clone()))
+                    .unwrap_or_default();
+                versions
+                    .lock()
+                    .expect("versions")
+                    .push((node_tainted_draining(&seen), capacity));
+            }
+        })
+    };
+    node.set_pool_pages(96);
+    let replacement = wait_for(
+        "a replacement pod runs",
+        Duration::from_secs(300),
+        || async {
+            let listed = pods.list(&app).await.map_err(|e| e.to_string())?;
+            listed
+                .items
+                .into_iter()
+                .find(|p| running(p) && p.metadata.uid.as_ref() != Some(&first))
+                .ok_or_else(|| "not yet".to_string())
+        },
+    )
+    .await;
+    node.wait_available("consumers-2mi");
+    recorder.abort();
+    assert_eq!(node.kubelet_capacity_2mi(&client).await, "192Mi");
+    assert_eq!(read_sys("nr_hugepages"), 96);
+
+    let versions = versions.lock().expect("versions").clone();
+    let drained = versions
+        .iter()
+        .position(|(tainted, _)| *tainted)
+        .unwrap_or_else(|| panic!("the node was drained: {versions:?}"));
+    assert!(
+        versions[drained..]
+            .iter()
+            .all(|(tainted, capacity)| *tainted || capacity != "128Mi"),
+        "a version of the Node without the taint showed the old capacity: {versions:?}"
+    );
+    assert!(
+        versions
+            .last()
+            .is_some_and(|(tainted, capacity)| !tainted && capacity == "192Mi"),
+        "{versions:?}"
+    );
+    // Evicted once, and recorded once.
+    let pools: Api<HugePagePool> = Api::all(client.clone());
+    let evicted: Vec<_> = pools
+        .get("consumers-2mi")
+        .await
+        .expect("pool")
+        .status
+        .map(|s| s.evicted_pods)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.pod.starts_with("default/mm-app-"))
+        .collect();
+    assert_eq!(evicted.len(), 1, "{evicted:?}");
+    // The replacement holds its pages on the new capacity; the restart it
+    // would have held happened before it was scheduled.
+    let uid = replacement.metadata.uid.clone().expect("uid");
+    let checkpoint = kubelet_state(&node, "memory_manager_state").unwrap_or_default();
+    assert!(
+        checkpoint.contains(&uid) && checkpoint.contains("201326592"),
+        "the new checkpoint has the replacement and the 96 x 2Mi pool: {checkpoint}"
+    );
+    assert_ne!(
+        node.kubelet_run(),
+        kubelet_before,
+        "the kubelet was restarted"
+    );
+    assert_eq!(
+        node.systemctl(&["show", "--property=NRestarts", "--value", "kubelet"]),
+        crash_restarts,
+        "systemd never had to restart a failed kubelet"
+    );
+    let (status, reason, _) = node_condition(&client, &node.name, "KubeletCapacityStale")
+        .await
+        .expect("KubeletCapacityStale");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "CapacityMatches")
+    );
+}
+
 /// systemd restarts a kubelet that cannot start (Restart=always), so the
 /// restart command succeeds; only the Node shows that it did not come back.
 #[tokio::test]
