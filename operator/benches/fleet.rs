@@ -1,22 +1,26 @@
 //! `make bench-fleet`: the operator at fleet size on the project's own real
 //! control plane (docs/design.md, "Fleet scale").
 //!
-//! For each fleet size N: a control plane of its own, N minimal Node
-//! objects (no status), the operator's release binary as a process of its
-//! own, and simulated agents in this process that report each new target
-//! converged `HUGEPOOL_FLEET_AGENT_DELAY` (1 s) after they see it. Then:
+//! For each fleet size N and each number of pools P (1 and 5; each of P
+//! pools selects every P-th node): a control plane of its own, N minimal
+//! Node objects (no status), the operator's release binary as a process of
+//! its own, and simulated agents in this process that report each new
+//! target converged `HUGEPOOL_FLEET_AGENT_DELAY` (1 s) after they see it.
+//! Then:
 //!
-//! 1. a pool selecting every node at maxUnavailable 100% is applied: time
-//!    until every HugePageNode carries its target;
-//! 2. its `pages` change: time until every node carries the new target, and
-//!    the operator's API writes per node for the change (counted by the
+//! 1. the pools at maxUnavailable 100% are applied: time until every
+//!    HugePageNode carries its target;
+//! 2. their `pages` change: time until every node carries the new target,
+//!    and the operator's API writes per node for the change (counted by the
 //!    apiserver, `apiserver_request_total`, all kinds but the agents'
 //!    `hugepagenodes/status`);
-//! 3. a rollout at maxUnavailable 10%: time until the pool is Available
-//!    against the ideal (waves x agent delay).
+//! 3. a rollout at maxUnavailable 10%: time until every pool is Available.
 //!
-//! Before the operator starts, a bare client applies N HugePageNodes the
-//! way the operator does (the apiserver's floor for the first pass).
+//! Before the operator starts, a bare client does the same writes at the
+//! same concurrency on the same apiserver (the floors): N HugePageNode
+//! applies (apply), the same N changed (change), and ten waves of N/10 spec
+//! applies each followed by the agent delay and the agents' N/10 status
+//! writes (rollout).
 //! Prints one table with the operator's peak RSS (VmHWM), CPU seconds, its
 //! passes and the mean time a pass spends planning
 //! (`hugepool_plan_duration_seconds`). Environment: HUGEPOOL_FLEET_NODES
@@ -43,6 +47,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::sync::Semaphore;
 
+/// The pools are `bench-0` .. `bench-{P-1}`.
 const POOL: &str = "bench";
 /// Simulated agents' writes in flight at once (a real fleet has one agent
 /// per node; this bounds the bench process, not the operator).
@@ -50,11 +55,11 @@ const AGENT_WRITES_IN_FLIGHT: usize = 64;
 
 struct Row {
     nodes: usize,
-    floor: Duration,
+    pools: usize,
+    floor: Floors,
     apply: Duration,
     change: Duration,
     rollout: Duration,
-    ideal: Duration,
     writes_per_node: f64,
     peak_rss_mib: f64,
     cpu: Duration,
@@ -79,8 +84,16 @@ fn target_of(state: &HugePageNode) -> Option<i64> {
         .spec
         .page_sizes
         .iter()
-        .find(|e| e.pool == POOL)
+        .find(|e| e.pool.starts_with(POOL))
         .map(|e| e.pages)
+}
+
+/// What the same writes take a bare client on the same apiserver.
+#[derive(Clone, Copy, Debug, Default)]
+struct Floors {
+    apply: Duration,
+    change: Duration,
+    rollout: Duration,
 }
 
 /// The status an agent writes once the kernel holds `pages`.
@@ -329,8 +342,12 @@ async fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> Res
     }
 }
 
-async fn pool_available(api: &Api<HugePagePool>, generation: i64) -> Result<(), String> {
-    let pool = api.get(POOL).await.map_err(|e| e.to_string())?;
+async fn pool_available(
+    api: &Api<HugePagePool>,
+    name: &str,
+    generation: i64,
+) -> Result<(), String> {
+    let pool = api.get(name).await.map_err(|e| e.to_string())?;
     let status = pool.status.unwrap_or_default();
     let available = find_condition(
         &status.conditions,
@@ -344,10 +361,10 @@ async fn pool_available(api: &Api<HugePagePool>, generation: i64) -> Result<(), 
     }
 }
 
-async fn wait_available(api: &Api<HugePagePool>, generation: i64, timeout: Duration) {
+async fn wait_available(api: &Api<HugePagePool>, name: &str, generation: i64, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
-        match pool_available(api, generation).await {
+        match pool_available(api, name, generation).await {
             Ok(()) => return,
             Err(last) if Instant::now() > deadline => {
                 panic!(
@@ -359,7 +376,7 @@ async fn wait_available(api: &Api<HugePagePool>, generation: i64, timeout: Durat
     }
 }
 
-async fn create_nodes(client: &Client, nodes: usize) {
+async fn create_nodes(client: &Client, nodes: usize, pools: usize) {
     let api: Api<Node> = Api::all(client.clone());
     futures::stream::iter(0..nodes)
         .map(|i| {
@@ -368,7 +385,10 @@ async fn create_nodes(client: &Client, nodes: usize) {
                 let node: Node = serde_json::from_value(json!({
                     "apiVersion": "v1",
                     "kind": "Node",
-                    "metadata": {"name": format!("node-{i:05}"), "labels": {"bench": "true"}},
+                    "metadata": {
+                        "name": format!("node-{i:05}"),
+                        "labels": {"bench": "true", "group": format!("g{}", i % pools)},
+                    },
                 }))
                 .expect("Node object");
                 api.create(&PostParams::default(), &node).await.map(|_| ())
@@ -380,53 +400,89 @@ async fn create_nodes(client: &Client, nodes: usize) {
         .expect("create Nodes");
 }
 
-/// The apiserver's own floor for the operator's first pass: a bare client
-/// applying N HugePageNodes shaped like the operator's, the same number in
-/// flight (then deleted in one call).
-async fn apiserver_floor(client: &Client, nodes: usize) -> Duration {
-    let api: Api<HugePageNode> = Api::all(client.clone());
+/// N HugePageNode applies shaped like the operator's, `in_flight` at once.
+async fn apply_specs(api: &Api<HugePageNode>, names: &[String], pages: i64, in_flight: usize) {
     let params = PatchParams::apply("bench-floor").force();
-    let started = Instant::now();
-    futures::stream::iter(0..nodes)
-        .map(|i| {
+    futures::stream::iter(names)
+        .map(|name| {
             let (api, params) = (api.clone(), params.clone());
             async move {
-                let name = format!("floor-{i:05}");
                 let body = json!({
                     "apiVersion": "hugepool.dev/v1alpha1",
                     "kind": "HugePageNode",
                     "metadata": {"name": name, "labels": {"bench-floor": "true"}},
-                    "spec": {"pageSizes": [{"size": "2Mi", "pages": 64, "pool": POOL, "poolGeneration": 1}]},
+                    "spec": {"pageSizes": [{"size": "2Mi", "pages": pages, "pool": POOL, "poolGeneration": 1}]},
                 });
-                api.patch(&name, &params, &Patch::Apply(&body)).await.map(|_| ())
+                api.patch(name, &params, &Patch::Apply(&body)).await.map(|_| ())
             }
         })
-        .buffer_unordered(32)
+        .buffer_unordered(in_flight)
         .try_collect::<Vec<()>>()
         .await
         .expect("floor writes");
-    let floor = started.elapsed();
+}
+
+/// The apiserver's own floors, measured by a bare client doing the
+/// operator's writes (and, for the rollout, the agents') at the same
+/// concurrency; its objects are deleted after.
+async fn apiserver_floors(client: &Client, nodes: usize, delay: Duration) -> Floors {
+    let api: Api<HugePageNode> = Api::all(client.clone());
+    let names: Vec<String> = (0..nodes).map(|i| format!("floor-{i:05}")).collect();
+    let started = Instant::now();
+    apply_specs(&api, &names, 64, 32).await;
+    let apply = started.elapsed();
+    let started = Instant::now();
+    apply_specs(&api, &names, 128, 32).await;
+    let change = started.elapsed();
+    // Ten waves: the wave's specs, the agents' delay, their status writes.
+    let started = Instant::now();
+    let per_wave = nodes.div_ceil(10);
+    for wave in names.chunks(per_wave) {
+        apply_specs(&api, wave, 256, 32).await;
+        tokio::time::sleep(delay).await;
+        let params = PatchParams::apply(AGENT_MANAGER).force();
+        futures::stream::iter(wave)
+            .map(|name| {
+                let (api, params) = (api.clone(), params.clone());
+                async move {
+                    let state = api.get(name).await?;
+                    api.patch_status(name, &params, &Patch::Apply(&converged_status(&state, 256)))
+                        .await
+                        .map(|_| ())
+                }
+            })
+            .buffer_unordered(AGENT_WRITES_IN_FLIGHT)
+            .try_collect::<Vec<()>>()
+            .await
+            .expect("floor status writes");
+    }
+    let rollout = started.elapsed();
     api.delete_collection(
         &kube::api::DeleteParams::default(),
         &kube::api::ListParams::default().labels("bench-floor=true"),
     )
     .await
     .expect("delete the floor's objects");
-    floor
+    Floors {
+        apply,
+        change,
+        rollout,
+    }
 }
 
-async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
-    let dir = root.join(nodes.to_string());
+async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) -> Row {
+    let dir = root.join(format!("{nodes}-{pool_count}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("bench dir");
     let control_plane = OwnedControlPlane::start(&dir).expect("control plane");
     let client = control_plane.control_plane.client().await.expect("client");
     install_crds(client.clone()).await.expect("CRDs");
     let started = Instant::now();
-    create_nodes(&client, nodes).await;
+    create_nodes(&client, nodes, pool_count).await;
     eprintln!("{nodes} Nodes created in {:.1?}", started.elapsed());
 
-    let floor = apiserver_floor(&client, nodes).await;
+    let floor = apiserver_floors(&client, nodes, delay).await;
+    eprintln!("{nodes} nodes: floors {floor:?}");
     let targets = Arc::new(Mutex::new(Targets::default()));
     start_agents(client.clone(), delay, targets.clone());
     let operator = Operator::start(
@@ -450,69 +506,82 @@ async fn measure(nodes: usize, delay: Duration, root: &Path) -> Row {
     .await;
     let budget = Duration::from_secs(600);
 
+    let names: Vec<String> = (0..pool_count).map(|k| format!("{POOL}-{k}")).collect();
+    // Patches every pool at once; returns each one's new generation.
+    let patch_all = |patch: serde_json::Value| {
+        let (pools, names) = (pools.clone(), names.clone());
+        async move {
+            let patched = futures::future::join_all(names.iter().map(|name| {
+                let (pools, patch) = (pools.clone(), Patch::Merge(patch.clone()));
+                async move { pools.patch(name, &PatchParams::default(), &patch).await }
+            }))
+            .await;
+            patched
+                .into_iter()
+                .map(|p| p.expect("patch pool").metadata.generation.unwrap_or(0))
+                .collect::<Vec<i64>>()
+        }
+    };
+    let all_available = |generations: Vec<i64>| {
+        let (pools, names) = (pools.clone(), names.clone());
+        async move {
+            for (name, generation) in names.iter().zip(generations) {
+                wait_available(&pools, name, generation, budget).await;
+            }
+        }
+    };
+
     // 1. Apply at maxUnavailable 100%.
-    let spec = json!({
-        "nodeSelector": {"matchLabels": {"bench": "true"}},
-        "pageSize": "2Mi",
-        "pages": 64,
-        "rollout": {"maxUnavailable": "100%"},
-    });
-    let pool: HugePagePool = serde_json::from_value(json!({
-        "apiVersion": "hugepool.dev/v1alpha1",
-        "kind": "HugePagePool",
-        "metadata": {"name": POOL},
-        "spec": spec,
-    }))
-    .expect("pool");
     let t = Instant::now();
-    let created = pools
-        .create(&PostParams::default(), &pool)
-        .await
-        .expect("create pool");
+    let created = futures::future::join_all(names.iter().enumerate().map(|(k, name)| {
+        let pool: HugePagePool = serde_json::from_value(json!({
+            "apiVersion": "hugepool.dev/v1alpha1",
+            "kind": "HugePagePool",
+            "metadata": {"name": name},
+            "spec": {
+                "nodeSelector": {"matchLabels": {"bench": "true", "group": format!("g{k}")}},
+                "pageSize": "2Mi",
+                "pages": 64,
+                "rollout": {"maxUnavailable": "100%"},
+            },
+        }))
+        .expect("pool");
+        let pools = pools.clone();
+        async move { pools.create(&PostParams::default(), &pool).await }
+    }))
+    .await
+    .into_iter()
+    .map(|p| p.expect("create pool").metadata.generation.unwrap_or(1))
+    .collect::<Vec<i64>>();
     wait_until("every node to carry 64", budget, all_carry(64)).await;
     let apply = t.elapsed();
-    wait_available(&pools, created.metadata.generation.unwrap_or(1), budget).await;
+    all_available(created).await;
 
     // 2. Change pages.
     let before = apiserver_writes(&client).await;
     let t = Instant::now();
-    let changed = pools
-        .patch(
-            POOL,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"pages": 128}})),
-        )
-        .await
-        .expect("patch pages");
+    let changed = patch_all(json!({"spec": {"pages": 128}})).await;
     wait_until("every node to carry 128", budget, all_carry(128)).await;
     let change = t.elapsed();
-    wait_available(&pools, changed.metadata.generation.unwrap_or(2), budget).await;
+    all_available(changed).await;
     let writes = operator_writes(&before, &apiserver_writes(&client).await);
 
     // 3. A rollout at 10%.
     let passes_before = operator.reconciles();
     let t = Instant::now();
-    let rolled = pools
-        .patch(
-            POOL,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"pages": 256, "rollout": {"maxUnavailable": "10%"}}})),
-        )
-        .await
-        .expect("patch rollout");
-    wait_available(&pools, rolled.metadata.generation.unwrap_or(3), budget).await;
+    let rolled =
+        patch_all(json!({"spec": {"pages": 256, "rollout": {"maxUnavailable": "10%"}}})).await;
+    all_available(rolled).await;
     let rollout = t.elapsed();
-    let per_wave = nodes.div_ceil(10);
-    let waves = nodes.div_ceil(per_wave) as u32;
     let passes = operator.reconciles().saturating_sub(passes_before);
 
     let row = Row {
         nodes,
+        pools: pool_count,
         floor,
         apply,
         change,
         rollout,
-        ideal: delay * waves,
         writes_per_node: writes / nodes as f64,
         peak_rss_mib: operator.peak_rss_mib(),
         cpu: operator.cpu(),
@@ -563,9 +632,20 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("runtime");
+    let pool_counts: Vec<usize> = if smoke {
+        vec![1]
+    } else {
+        std::env::var("HUGEPOOL_FLEET_POOLS")
+            .unwrap_or_else(|_| "1,5".into())
+            .split(',')
+            .filter_map(|n| n.trim().parse().ok())
+            .collect()
+    };
     let mut rows = Vec::new();
     for nodes in sizes {
-        rows.push(runtime.block_on(measure(nodes, delay, &root)));
+        for &pools in &pool_counts {
+            rows.push(runtime.block_on(measure(nodes, pools, delay, &root)));
+        }
     }
     let too_many: Vec<String> = rows
         .iter()
@@ -578,19 +658,25 @@ fn main() -> ExitCode {
         })
         .collect();
     println!(
-        "| nodes | apiserver floor (N applies, 32 in flight) | apply -> all targets | change -> all targets | rollout at 10% (ideal) | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
+        "| nodes | pools | apply -> all targets (floor, x) | change -> all targets (floor, x) | rollout at 10% (floor, x) | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
+    let versus = |ours: Duration, floor: Duration| {
+        format!(
+            "{:.1} s ({:.1} s, {:.2}x)",
+            ours.as_secs_f64(),
+            floor.as_secs_f64(),
+            ours.as_secs_f64() / floor.as_secs_f64().max(1e-9)
+        )
+    };
     for row in rows {
         println!(
-            "| {} | {:.1} s | {:.1} s | {:.1} s | {:.1} s ({:.1} s, {:.2}x) | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
+            "| {} | {} | {} | {} | {} | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
             row.nodes,
-            row.floor.as_secs_f64(),
-            row.apply.as_secs_f64(),
-            row.change.as_secs_f64(),
-            row.rollout.as_secs_f64(),
-            row.ideal.as_secs_f64(),
-            row.rollout.as_secs_f64() / row.ideal.as_secs_f64(),
+            row.pools,
+            versus(row.apply, row.floor.apply),
+            versus(row.change, row.floor.change),
+            versus(row.rollout, row.floor.rollout),
             row.writes_per_node,
             row.peak_rss_mib,
             row.cpu.as_secs_f64(),
