@@ -1848,3 +1848,171 @@ async fn a_node_no_agent_serves_is_passed_over_named_and_not_waited_for_once_del
     .await;
     fleet.shutdown().await;
 }
+
+/// A write still in flight when its replica's Lease window closes is not
+/// applied after another replica led. Replica A reaches the apiserver
+/// through a proxy the test holds right after A renewed: A's renewals and
+/// its spec write for the pool's change to 128 pages stay in the proxy;
+/// B takes over and writes the next change, 256; then the proxy lets A's
+/// bytes through. The HugePageNode never goes back to 128.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(&env, "held", FleetSpec::new(1).label(ROLE_LABEL, "dpdk")).await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&env.client, &scope).await;
+    let lease = "hugepool-operator";
+    let replica = |identity: &str| LeaderConfig {
+        namespace: scope.clone(),
+        lease_name: lease.to_string(),
+        identity: identity.to_string(),
+        duration: Duration::from_secs(3),
+        grace: Duration::from_secs(1),
+    };
+    let proxy = support::HoldingProxy::start(fleet.apiserver_addr().await).await;
+    fleet
+        .start_operator_through(Some(replica("replica-a")), proxy.url())
+        .await;
+    wait_for("replica A leads", Duration::from_secs(60), || async {
+        match lease_holder(&env.client, &scope, lease).await {
+            Some(holder) if holder == "replica-a" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(1)))
+        .await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    let node = fleet.node_names()[0].clone();
+
+    // Every spec the HugePageNode carries from here on.
+    let targets = Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
+    let recorder = {
+        let targets = Arc::clone(&targets);
+        let api: Api<HugePageNode> = Api::all(env.client.clone());
+        let config =
+            kube::runtime::watcher::Config::default().fields(&format!("metadata.name={node}"));
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            use kube::runtime::WatchStreamExt;
+            let mut stream = std::pin::pin!(kube::runtime::watcher(api, config).applied_objects());
+            while let Some(Ok(state)) = stream.next().await {
+                if let Some((_, pages)) = entry_pool(&state, MI2) {
+                    let mut seen = targets.lock().expect("targets");
+                    if seen.last() != Some(&pages) {
+                        seen.push(pages);
+                    }
+                }
+            }
+        })
+    };
+
+    // Hold A's traffic right after a renewal of its: A has most of its
+    // window left to send the write for the change, which stays held.
+    let leases: Api<Lease> = Api::namespaced(env.client.clone(), &scope);
+    let renewed = |lease: &Lease| lease.spec.as_ref().and_then(|s| s.renew_time.clone());
+    let before = renewed(&leases.get(lease).await.expect("Lease"));
+    wait_for("a renewal by A", Duration::from_secs(30), || async {
+        let now = renewed(&leases.get(lease).await.map_err(|e| e.to_string())?);
+        if now != before {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+    proxy.hold();
+    fleet.patch_pool(&pool, json!({"pages": 128})).await;
+    wait_for(
+        "A's write held in the proxy",
+        Duration::from_secs(30),
+        || async {
+            if proxy.held() > 0 {
+                Ok(())
+            } else {
+                Err("nothing held".into())
+            }
+        },
+    )
+    .await;
+
+    // B takes over once A's Lease runs out, and writes the next change.
+    fleet.start_operator(Some(replica("replica-b"))).await;
+    wait_for("replica B leads", Duration::from_secs(60), || async {
+        match lease_holder(&env.client, &scope, lease).await {
+            Some(holder) if holder == "replica-b" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    fleet.patch_pool(&pool, json!({"pages": 256})).await;
+    fleet
+        .wait_pool(
+            &pool,
+            "Available",
+            "True",
+            Duration::from_secs(60),
+            |pool| {
+                let pages = status_of(pool).pages.target;
+                if pages == 256 {
+                    Ok(())
+                } else {
+                    Err(format!("target {pages}"))
+                }
+            },
+        )
+        .await;
+
+    // A's held bytes go through now; whatever A left in flight must not
+    // land on B's spec.
+    proxy.release();
+    wait_for(
+        "the proxy forwarded what it held",
+        Duration::from_secs(30),
+        || async {
+            if proxy.held() == 0 {
+                Ok(())
+            } else {
+                Err(format!("{} bytes", proxy.held()))
+            }
+        },
+    )
+    .await;
+    // A write that lands is seen by the watch; let the apiserver answer
+    // every forwarded request (B's next write would follow any of A's).
+    fleet.patch_pool(&pool, json!({"pages": 320})).await;
+    fleet
+        .wait_pool(
+            &pool,
+            "Available",
+            "True",
+            Duration::from_secs(60),
+            |pool| {
+                let pages = status_of(pool).pages.target;
+                if pages == 320 {
+                    Ok(())
+                } else {
+                    Err(format!("target {pages}"))
+                }
+            },
+        )
+        .await;
+    recorder.abort();
+    let seen = targets.lock().expect("targets").clone();
+    let b_wrote = seen
+        .iter()
+        .position(|&pages| pages == 256)
+        .unwrap_or_else(|| panic!("B's target was written: {seen:?}"));
+    assert!(
+        !seen[b_wrote..].contains(&128),
+        "A's stale write of 128 landed after B led: {seen:?}"
+    );
+    drop(proxy);
+    fleet.shutdown().await;
+}

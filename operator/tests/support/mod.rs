@@ -319,6 +319,33 @@ impl Fleet {
         leader: Option<LeaderConfig>,
         listen: Option<std::net::SocketAddr>,
     ) -> usize {
+        self.start_operator_at(leader, listen, None).await
+    }
+
+    /// Starts an operator replica that reaches the apiserver at `url` (a
+    /// proxy), not where the kubeconfig says.
+    pub async fn start_operator_through(
+        &mut self,
+        leader: Option<LeaderConfig>,
+        url: http::Uri,
+    ) -> usize {
+        self.start_operator_at(leader, None, Some(url)).await
+    }
+
+    /// The apiserver's address, as the kubeconfig gives it.
+    pub async fn apiserver_addr(&self) -> std::net::SocketAddr {
+        let url = self.kube_config().await.cluster_url;
+        let host = url.host().expect("apiserver host");
+        let port = url.port_u16().unwrap_or(443);
+        format!("{host}:{port}").parse().expect("apiserver address")
+    }
+
+    async fn start_operator_at(
+        &mut self,
+        leader: Option<LeaderConfig>,
+        listen: Option<std::net::SocketAddr>,
+        url: Option<http::Uri>,
+    ) -> usize {
         let index = self.operators.len();
         let config = OperatorConfig {
             listen,
@@ -327,7 +354,10 @@ impl Fleet {
             resync: Duration::from_secs(60),
             drain_poll: Duration::from_millis(500),
         };
-        let kube_config = self.kube_config().await;
+        let mut kube_config = self.kube_config().await;
+        if let Some(url) = url {
+            kube_config.cluster_url = url;
+        }
         let selector = self.scope_selector();
         let (stop, stopped) = oneshot::channel::<()>();
         let (kill, killed) = oneshot::channel::<()>();
@@ -870,4 +900,97 @@ pub async fn run_pod(client: &Client, namespace: &str, pod: Pod) -> Pod {
     )
     .await
     .expect("pod Running and Ready")
+}
+
+/// A TCP proxy in front of the apiserver that can hold what clients send:
+/// while held, it reads their bytes and keeps them; released, it forwards
+/// them (and a client's close after them). Answers always pass.
+pub struct HoldingProxy {
+    pub addr: std::net::SocketAddr,
+    hold: watch::Sender<bool>,
+    /// Bytes read from clients while held and not forwarded yet.
+    held: Arc<std::sync::atomic::AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl HoldingProxy {
+    pub async fn start(upstream: std::net::SocketAddr) -> HoldingProxy {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let (hold, holding) = watch::channel(false);
+        let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = Arc::clone(&held);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                });
+                let mut holding = holding.clone();
+                let counter = Arc::clone(&counter);
+                tokio::spawn(async move {
+                    let mut buffer = vec![0u8; 16 * 1024];
+                    loop {
+                        let read = match client_read.read(&mut buffer).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(read) => read,
+                        };
+                        let was_held = *holding.borrow();
+                        if was_held {
+                            counter.fetch_add(read, Ordering::SeqCst);
+                        }
+                        if holding.wait_for(|held| !held).await.is_err() {
+                            break;
+                        }
+                        if was_held {
+                            counter.fetch_sub(read, Ordering::SeqCst);
+                        }
+                        if server_write.write_all(&buffer[..read]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = server_write.shutdown().await;
+                });
+            }
+        });
+        HoldingProxy {
+            addr,
+            hold,
+            held,
+            task,
+        }
+    }
+
+    /// `https://` and the proxy's address (the apiserver's certificate is
+    /// for 127.0.0.1, so TLS holds through it).
+    pub fn url(&self) -> http::Uri {
+        format!("https://{}", self.addr).parse().expect("proxy URL")
+    }
+
+    pub fn hold(&self) {
+        self.hold.send_replace(true);
+    }
+
+    pub fn release(&self) {
+        self.hold.send_replace(false);
+    }
+
+    /// Bytes clients sent while held that are not forwarded yet.
+    pub fn held(&self) -> usize {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for HoldingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
