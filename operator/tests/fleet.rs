@@ -1849,6 +1849,20 @@ async fn a_node_no_agent_serves_is_passed_over_named_and_not_waited_for_once_del
     fleet.shutdown().await;
 }
 
+/// Waits until the pool is Available with `pages` per node as its target.
+async fn wait_available_at(fleet: &Fleet, pool: &str, pages: i64) {
+    fleet
+        .wait_pool(pool, "Available", "True", Duration::from_secs(60), |pool| {
+            let target = status_of(pool).pages.target;
+            if target == pages {
+                Ok(())
+            } else {
+                Err(format!("target {target}"))
+            }
+        })
+        .await;
+}
+
 /// A write still in flight when its replica's Lease window closes is not
 /// applied after another replica led. Replica A reaches the apiserver
 /// through a proxy the test holds right after A renewed: A's renewals and
@@ -1952,22 +1966,7 @@ async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() 
     })
     .await;
     fleet.patch_pool(&pool, json!({"pages": 256})).await;
-    fleet
-        .wait_pool(
-            &pool,
-            "Available",
-            "True",
-            Duration::from_secs(60),
-            |pool| {
-                let pages = status_of(pool).pages.target;
-                if pages == 256 {
-                    Ok(())
-                } else {
-                    Err(format!("target {pages}"))
-                }
-            },
-        )
-        .await;
+    wait_available_at(&fleet, &pool, 256).await;
 
     // A's held bytes go through now; whatever A left in flight must not
     // land on B's spec.
@@ -1987,22 +1986,7 @@ async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() 
     // A write that lands is seen by the watch; let the apiserver answer
     // every forwarded request (B's next write would follow any of A's).
     fleet.patch_pool(&pool, json!({"pages": 320})).await;
-    fleet
-        .wait_pool(
-            &pool,
-            "Available",
-            "True",
-            Duration::from_secs(60),
-            |pool| {
-                let pages = status_of(pool).pages.target;
-                if pages == 320 {
-                    Ok(())
-                } else {
-                    Err(format!("target {pages}"))
-                }
-            },
-        )
-        .await;
+    wait_available_at(&fleet, &pool, 320).await;
     recorder.abort();
     let seen = targets.lock().expect("targets").clone();
     let b_wrote = seen

@@ -203,16 +203,10 @@ fn degraded_names_the_nodes_own_reason_and_a_mix_as_nodes_failed() {
         condition(&plan, "dpdk", PoolConditionType::Degraded),
         ("True", "NodesFailed")
     );
-    let degraded = find_condition(
-        &plan.pools["dpdk"].status.conditions,
-        PoolConditionType::Degraded,
-    )
-    .unwrap();
+    let degraded = degraded_message(&plan, "dpdk");
     assert!(
-        degraded.message.contains("w-00 (InvalidTarget")
-            && degraded.message.contains("w-01 (AllocationFailed"),
-        "{}",
-        degraded.message
+        degraded.contains("w-00 (InvalidTarget") && degraded.contains("w-01 (AllocationFailed"),
+        "{degraded}"
     );
 }
 
@@ -1037,20 +1031,23 @@ fn a_node_the_operator_cannot_write_to_degrades_its_pool_and_names_the_error() {
         condition(&plan, "dpdk", PoolConditionType::Degraded),
         ("True", "NodeWritesFailed")
     );
-    let degraded = find_condition(
-        &plan.pools["dpdk"].status.conditions,
-        PoolConditionType::Degraded,
-    )
-    .unwrap();
+    let degraded = degraded_message(&plan, "dpdk");
     assert!(
-        degraded
-            .message
-            .contains("w-01: writing HugePageNode w-01: etcdserver"),
-        "{}",
-        degraded.message
+        degraded.contains("w-01: writing HugePageNode w-01: etcdserver"),
+        "{degraded}"
     );
     // The other node is planned as if nothing happened.
     assert!(plan.nodes["w-00"].spec_changed);
+}
+
+/// The message of the pool's Degraded condition.
+fn degraded_message(plan: &Plan, pool: &str) -> String {
+    find_condition(
+        &plan.pools[pool].status.conditions,
+        PoolConditionType::Degraded,
+    )
+    .map(|c| c.message.clone())
+    .unwrap_or_default()
 }
 
 /// Plans with what the controller observed.
@@ -1107,20 +1104,11 @@ fn a_node_whose_agent_does_not_answer_gives_back_its_slot_and_is_named() {
         condition(&silent, "dpdk", PoolConditionType::Degraded),
         ("True", "NodesUnresponsive")
     );
-    let degraded = find_condition(
-        &silent.pools["dpdk"].status.conditions,
-        PoolConditionType::Degraded,
-    )
-    .unwrap();
+    let degraded = degraded_message(&silent, "dpdk");
     assert!(
-        degraded
-            .message
-            .contains("w-00 (its agent has not acknowledged generation 1")
-            && degraded
-                .message
-                .contains("the rollout goes on without them"),
-        "{}",
-        degraded.message
+        degraded.contains("w-00 (its agent has not acknowledged generation 1")
+            && degraded.contains("the rollout goes on without them"),
+        "{degraded}"
     );
     // It answers: it converges like any node.
     converge(&mut hpns[0]);
@@ -1158,16 +1146,10 @@ fn a_node_not_ready_past_the_bound_gets_no_slot() {
     let late = run_plan(&pools, &nodes, &[], 60);
     assert_eq!(target_of(&late, "w-00", "2Mi"), None);
     assert_eq!(target_of(&late, "w-01", "2Mi"), Some(64));
-    let degraded = find_condition(
-        &late.pools["dpdk"].status.conditions,
-        PoolConditionType::Degraded,
-    )
-    .unwrap();
+    let degraded = degraded_message(&late, "dpdk");
     assert!(
-        degraded.message.contains("w-00 (NotReady since")
-            && degraded.message.contains("NodeStatusUnknown"),
-        "{}",
-        degraded.message
+        degraded.contains("w-00 (NotReady since") && degraded.contains("NodeStatusUnknown"),
+        "{degraded}"
     );
 }
 
