@@ -180,10 +180,7 @@ pub fn report(
     WhyReport {
         node: name.to_string(),
         node_exists: node.is_some(),
-        draining_taint: node
-            .and_then(|n| n.spec.as_ref())
-            .and_then(|s| s.taints.as_ref())
-            .is_some_and(|taints| taints.iter().any(|t| t.key == DRAINING_TAINT)),
+        draining_taint: node.is_some_and(|n| crate::planner::has_taint(n, DRAINING_TAINT)),
         sizes,
         conditions,
         events: events
