@@ -81,6 +81,8 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a pass waits for the caches to show the writes of the pass
 /// before it; past that it plans from what they show.
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How soon a pass whose write found its object changed plans again.
+const STALE_REPLAN: Duration = Duration::from_millis(100);
 /// How many HugePageNode specs one pass writes at once.
 const NODE_WRITES_IN_FLIGHT: usize = 32;
 /// The first retry of a failed node comes after about this long, doubling.
@@ -887,7 +889,9 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
         next = next.min(retry.saturating_duration_since(Instant::now()));
     }
     if stale {
-        next = Duration::ZERO;
+        // Soon, not at once: the watch may not have delivered the version
+        // that refused the write yet.
+        next = next.min(STALE_REPLAN);
     }
     ctx.metrics.observe_reconcile(started.elapsed());
     Ok(Pass { next })
