@@ -315,7 +315,18 @@ impl Planner {
         // needs more room (with HVO: 10-15 ms), never below half of that.
         let fraction_aim = budget.mul_f64(self.settings.budget_fraction);
         let tail = model.map(CostModel::overrun_tail).unwrap_or_default();
-        let full_aim = fraction_aim.min(budget.saturating_sub(tail).max(fraction_aim / 2));
+        let mut full_aim = fraction_aim.min(budget.saturating_sub(tail).max(fraction_aim / 2));
+        // An aim under the fit's fixed cost has room for no page: every
+        // write would be one page paying the whole fixed cost, and a model
+        // fed only such writes loses its fixed cost and stays there (seen:
+        // 10,000 one-page writes at 29 ms fixed + 30 us a page, 50 ms
+        // budget). Aim at the fraction then; writes stay within the budget.
+        if model
+            .and_then(CostModel::fit)
+            .is_some_and(|fit| fit.pages_within(full_aim) == 0)
+        {
+            full_aim = fraction_aim;
+        }
         let mut aim = full_aim;
         if !state.warmed {
             // The first writes of a resize have run longer than the fit says
