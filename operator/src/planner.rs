@@ -1268,7 +1268,7 @@ fn plan_drain(
         // reports what the pods will be scheduled against: until then a new
         // pod would land on the old capacity, or take a Memory Manager
         // assignment the restart then holds for (or loses).
-        let settled = settled && kubelet_reports(node, state, spec);
+        let settled = settled && kubelet_reports(node, spec);
         return match (active, settled) {
             (true, true) => DrainPlan {
                 condition: Some(
@@ -1399,25 +1399,15 @@ fn plan_drain(
 }
 
 /// Whether the kubelet has caught up with `spec` wherever a pool restarts it
-/// (`kubelet.restart: AfterResize`): the agent does not report its capacity
-/// stale, and the Node reports each such entry's pages.
-fn kubelet_reports(node: Option<&Node>, state: &HugePageNode, spec: &HugePageNodeSpec) -> bool {
-    let restarted: Vec<&PageSizeTarget> = spec
-        .page_sizes
+/// (`kubelet.restart: AfterResize`): the Node reports each such entry's
+/// pages, by the rule that makes a pool Available (the scheduler reads the
+/// Node; the agent's KubeletCapacityStale follows the same Node a moment
+/// later, so waiting for it too would leave the taint on an Available pool).
+fn kubelet_reports(node: Option<&Node>, spec: &HugePageNodeSpec) -> bool {
+    spec.page_sizes
         .iter()
         .filter(|e| e.kubelet_restart == KubeletRestart::AfterResize)
-        .collect();
-    if restarted.is_empty() {
-        return true;
-    }
-    let agent_says_stale = state
-        .status
-        .as_ref()
-        .is_some_and(|s| is_true(&s.conditions, NodeConditionType::KubeletCapacityStale));
-    !agent_says_stale
-        && restarted
-            .iter()
-            .all(|e| !kubelet_capacity_stale(node, e.size, e.pages))
+        .all(|e| !kubelet_capacity_stale(node, e.size, e.pages))
 }
 
 /// The pods a kubelet restart waits for, as the agent lists them while it

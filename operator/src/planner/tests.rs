@@ -993,13 +993,29 @@ fn a_drained_node_keeps_the_taint_until_its_restarted_kubelet_reports_the_new_ca
         ),
     );
     assert!(run_plan(&pools, &old, &hpns, 21).nodes["w-00"].drain.taint);
-    // The Node reports the 64 pages: the drain ends and the taint goes.
+    // The Node reports the 64 pages: the drain ends and the taint goes, in
+    // the pass that makes the pool Available (even before the agent says
+    // its capacity matches).
+    report(
+        &mut hpns[0],
+        ConditionUpdate::new(
+            NodeConditionType::KubeletCapacityStale,
+            true,
+            Reason::KubeletRestarted,
+            "restarting",
+        ),
+    );
     let new = vec![with_capacity(nodes[0].clone(), "hugepages-2Mi", "128Mi")];
-    let drain = &run_plan(&pools, &new, &hpns, 22).nodes["w-00"].drain;
+    let plan = run_plan(&pools, &new, &hpns, 22);
+    let drain = &plan.nodes["w-00"].drain;
     assert!(!drain.taint);
     assert_eq!(
         drain.condition.clone().map(|c| c.reason),
         Some(Reason::DrainComplete)
+    );
+    assert_eq!(
+        condition(&plan, "vm", PoolConditionType::Available),
+        ("True", "AllNodesConverged")
     );
 }
 
