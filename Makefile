@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CONTROLPLANE_DIR := e2e/controlplane
 
-.PHONY: all build test lint fmt crds manifests controlplane images krew bench bench-fragment bench-fleet demo clean
+.PHONY: all build test lint fmt crds manifests controlplane images krew bench bench-fragment bench-fleet demo diagrams clean
 
 all: build
 
@@ -61,6 +61,11 @@ bench-fleet: controlplane
 ## A local control plane, the operator and an agent on this machine's kernel (root).
 demo:
 	bash e2e/demo.sh
+
+## Render the docs' Graphviz diagrams (docs/images/*.dot -> .svg; needs `dot`: apt-get install graphviz).
+diagrams:
+	@command -v dot >/dev/null || { echo "dot not found: apt-get install -y graphviz"; exit 1; }
+	for source in docs/images/*.dot; do dot -Tsvg "$$source" -o "$${source%.dot}.svg"; done
 
 clean:
 	$(CARGO) clean
