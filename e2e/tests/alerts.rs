@@ -272,3 +272,34 @@ fn alert_unit_tests_fail_when_a_rule_is_broken() {
         survived.join("\n")
     );
 }
+
+#[test]
+fn every_alert_links_its_runbook_heading() {
+    let Some(helm) = helm() else { return };
+    let base = "https://github.com/hugepool-dev/hugepool/blob/main/docs/runbooks.md";
+    let rules = rendered_rules(&helm);
+    for rule in alert_rules(&rules) {
+        let name = rule["alert"].as_str().expect("alert name");
+        assert_eq!(
+            rule["annotations"]["runbook_url"],
+            format!("{base}#{}", name.to_lowercase()),
+            "{name}: runbook_url is docs/runbooks.md's heading named after the alert"
+        );
+    }
+    // The base is a value: a fork or a mirror points the links at its own.
+    let yaml = helm_template(
+        &helm,
+        &[
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.runbookBaseUrl=https://wiki.example.com/hugepool/",
+            "--show-only",
+            "templates/prometheusrule.yaml",
+        ],
+    );
+    assert!(
+        yaml.contains("runbook_url: https://wiki.example.com/hugepool#hugepoolnodenotreadytaint"),
+        "{yaml}"
+    );
+}

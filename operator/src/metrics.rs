@@ -21,6 +21,11 @@ pub struct PoolStateLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    pub pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolKindLabels {
     pub pool: String,
     pub kind: String,
@@ -63,6 +68,8 @@ pub struct Metrics {
     pub registry: Registry,
     pub pool_nodes: Family<PoolStateLabels, Gauge>,
     pub pool_pages: Family<PoolKindLabels, Gauge>,
+    /// Converged nodes whose kubelet reports a stale capacity, per pool.
+    pub pool_kubelet_stale_nodes: Family<PoolLabels, Gauge>,
     pub evictions: Family<EvictionLabels, Counter>,
     pub reconciles: Counter,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
@@ -78,6 +85,7 @@ impl Default for Metrics {
         let mut registry = Registry::default();
         let pool_nodes = Family::<PoolStateLabels, Gauge>::default();
         let pool_pages = Family::<PoolKindLabels, Gauge>::default();
+        let pool_kubelet_stale_nodes = Family::<PoolLabels, Gauge>::default();
         let evictions = Family::<EvictionLabels, Counter>::default();
         let reconciles = Counter::default();
         let reconcile_errors = Family::<ErrorLabels, Counter>::default();
@@ -101,6 +109,13 @@ impl Default for Metrics {
             "hugepool_pool_pages",
             "Pages of a pool summed over its nodes (target, current)",
             pool_pages.clone(),
+        );
+        registry.register(
+            "hugepool_pool_kubelet_stale_nodes",
+            "Converged nodes of a pool whose kubelet still reports another hugepages-<size> capacity \
+             (pods cannot use the pages there until it restarts; with every node converged the pool \
+             is Available=False/KubeletCapacityStale)",
+            pool_kubelet_stale_nodes.clone(),
         );
         registry.register(
             "hugepool_evictions",
@@ -143,6 +158,7 @@ impl Default for Metrics {
             registry,
             pool_nodes,
             pool_pages,
+            pool_kubelet_stale_nodes,
             evictions,
             reconciles,
             reconcile_errors,
@@ -189,6 +205,9 @@ impl Metrics {
                 })
                 .set(value);
         }
+        self.pool_kubelet_stale_nodes
+            .get_or_create(&PoolLabels { pool: pool.into() })
+            .set(plan.capacity_stale.len() as i64);
     }
 
     /// Drops the series of a pool that is gone.
@@ -212,6 +231,8 @@ impl Metrics {
                 kind: kind.into(),
             });
         }
+        self.pool_kubelet_stale_nodes
+            .remove(&PoolLabels { pool: pool.into() });
     }
 
     /// Records whether this replica leads. Only the leader plans, so only it
@@ -225,6 +246,7 @@ impl Metrics {
         if !leading {
             self.pool_nodes.clear();
             self.pool_pages.clear();
+            self.pool_kubelet_stale_nodes.clear();
         }
     }
 
@@ -396,6 +418,46 @@ mod tests {
                 .encode()
                 .contains(r#"hugepool_reconcile_errors_total{error="taint"} 1"#),
             "the first error moves its series from 0 to 1"
+        );
+    }
+
+    #[test]
+    fn stale_kubelets_are_counted_per_pool_and_dropped_with_it() {
+        let metrics = Metrics::default();
+        metrics.set_leading(true);
+        let mut stale = plan_with_failed(0);
+        stale.capacity_stale = vec!["w-1".into(), "w-2".into()];
+        metrics.observe_pool("db", &stale);
+        metrics.observe_pool("web", &plan_with_failed(0));
+        let text = metrics.encode();
+        assert!(
+            text.contains(r#"hugepool_pool_kubelet_stale_nodes{pool="db"} 2"#),
+            "{text}"
+        );
+        // A pool with none exports 0, so an alert's quiet side is a series.
+        assert!(
+            text.contains(r#"hugepool_pool_kubelet_stale_nodes{pool="web"} 0"#),
+            "{text}"
+        );
+
+        // The kubelets restarted: the next pass sets the count back.
+        metrics.observe_pool("db", &plan_with_failed(0));
+        assert!(
+            metrics
+                .encode()
+                .contains(r#"hugepool_pool_kubelet_stale_nodes{pool="db"} 0"#)
+        );
+
+        metrics.forget_pool("db");
+        let text = metrics.encode();
+        assert!(!text.contains(r#"stale_nodes{pool="db"}"#), "{text}");
+        assert!(text.contains(r#"stale_nodes{pool="web"}"#), "{text}");
+        metrics.set_leading(false);
+        assert!(
+            !metrics
+                .encode()
+                .contains("hugepool_pool_kubelet_stale_nodes{"),
+            "a replica that lost the Lease drops the series"
         );
     }
 

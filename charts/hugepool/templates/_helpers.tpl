@@ -94,3 +94,12 @@ client config reads them, and explicit env wins over the kubelet's. */}}
   value: {{ $.Values.apiServer.port | quote }}
 {{- end }}
 {{- end }}
+
+{{/*
+An alert's runbook: (list $ "AlertName") -> <runbookBaseUrl>#alertname, the
+anchor of the heading named after the alert in docs/runbooks.md.
+*/}}
+{{- define "hugepool.runbookUrl" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s#%s" (trimSuffix "/" $root.Values.monitoring.prometheusRule.runbookBaseUrl) (lower (index . 1)) -}}
+{{- end }}

@@ -72,6 +72,17 @@ pub struct StallLabels {
     pub reason: String,
 }
 
+/// The taints the operator puts on a Node (`hugepool_node_taint`).
+pub const OPERATOR_TAINTS: &[&str] = &[
+    hugepool_crds::NOT_READY_TAINT,
+    hugepool_crds::DRAINING_TAINT,
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TaintLabels {
+    pub taint: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SizeLabels {
     pub size: String,
@@ -110,6 +121,8 @@ pub struct Metrics {
     /// Writes of a pool by someone else, seen as the pool moving away from
     /// a target the agent had reached.
     pub foreign_writes: Family<SizeLabels, Counter>,
+    /// 1 while this node's Node carries the operator's taint, else 0.
+    pub node_taints: Family<TaintLabels, Gauge>,
 }
 
 impl Metrics {
@@ -129,6 +142,7 @@ impl Metrics {
             kernel_log_watching: Gauge::default(),
             events_dropped: Counter::default(),
             foreign_writes: Family::default(),
+            node_taints: Family::default(),
         };
         // At 0 from the start: increase() over a series born at 1 is 0, so
         // a node's first stall would never fire HugepoolResizeStalled.
@@ -137,6 +151,9 @@ impl Metrics {
                 reason: reason.as_str().into(),
             });
         }
+        // At 0 until the Node is seen with the taint: an alert's quiet side
+        // is a series, and the series outlives the taint.
+        metrics.set_node_taints(&[]);
         let prefix = registry.sub_registry_with_prefix("hugepool");
         prefix.register(
             "agent_build",
@@ -215,7 +232,24 @@ impl Metrics {
             "Times another writer moved a pool away from a target the agent had reached",
             metrics.foreign_writes.clone(),
         );
+        prefix.register(
+            "node_taint",
+            "1 while this node carries the operator's taint (hugepool.dev/not-ready, hugepool.dev/draining), else 0",
+            metrics.node_taints.clone(),
+        );
         metrics
+    }
+
+    /// Publishes which of the operator's taints the Node carries, from the
+    /// keys of all its taints.
+    pub fn set_node_taints(&self, keys: &[&str]) {
+        for taint in OPERATOR_TAINTS {
+            self.node_taints
+                .get_or_create(&TaintLabels {
+                    taint: (*taint).into(),
+                })
+                .set(i64::from(keys.contains(taint)));
+        }
     }
 
     /// Publishes one page size's kernel counts, node-wide and per NUMA node.
@@ -337,6 +371,30 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line:?} in:\n{text}");
         }
+    }
+
+    #[test]
+    fn node_taints_are_exported_at_zero_and_follow_the_node() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let not_ready = r#"hugepool_node_taint{taint="hugepool.dev/not-ready"}"#;
+        let draining = r#"hugepool_node_taint{taint="hugepool.dev/draining"}"#;
+        let text = encode(&registry);
+        assert_eq!(sample(&text, not_ready), Some(0), "{text}");
+        assert_eq!(sample(&text, draining), Some(0), "{text}");
+
+        metrics.set_node_taints(&["node.kubernetes.io/not-ready", "hugepool.dev/not-ready"]);
+        let text = encode(&registry);
+        assert_eq!(sample(&text, not_ready), Some(1), "{text}");
+        assert_eq!(sample(&text, draining), Some(0), "{text}");
+        assert!(
+            !text.contains("node.kubernetes.io"),
+            "only the operator's taints are exported: {text}"
+        );
+
+        metrics.set_node_taints(&[]);
+        let text = encode(&registry);
+        assert_eq!(sample(&text, not_ready), Some(0), "{text}");
     }
 
     /// The sample of `series` in `text`.

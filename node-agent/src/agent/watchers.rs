@@ -70,6 +70,7 @@ pub(super) async fn watch_kubelet_capacity(api: Api<Node>, name: String, shared:
             Ok(node) => {
                 let capacity = node_capacity(&node);
                 let ready = node_ready(&node);
+                shared.metrics.set_node_taints(&taint_keys(&node));
                 let mut memory = shared.memory();
                 memory.kubelet.node_ready = ready;
                 if memory.kubelet.capacity.as_ref() != Some(&capacity) {
@@ -81,6 +82,15 @@ pub(super) async fn watch_kubelet_capacity(api: Api<Node>, name: String, shared:
             Err(err) => warn!(error = %err, "watch of the Node failed; retrying with backoff"),
         }
     }
+}
+
+/// The keys of a Node's taints.
+fn taint_keys(node: &Node) -> Vec<&str> {
+    node.spec
+        .iter()
+        .flat_map(|spec| spec.taints.iter().flatten())
+        .map(|taint| taint.key.as_str())
+        .collect()
 }
 
 /// `hugepages-<size>` capacities of a Node, in bytes (none before the
