@@ -198,10 +198,12 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
     ]);
     if restart {
         // The Memory Manager's checkpoint, removed before a restart.
-        mounts
-            .as_array_mut()
-            .unwrap()
-            .push(json!({"name": "kubelet-root", "mountPath": "/host/var/lib/kubelet"}));
+        mounts.as_array_mut().unwrap().push(json!({
+            "name": "kubelet-root",
+            "mountPath": "/host/var/lib/kubelet",
+            // Pod volumes the kubelet mounts later are seen, not pinned.
+            "mountPropagation": "HostToContainer",
+        }));
         volumes.as_array_mut().unwrap().push(
             json!({"name": "kubelet-root", "hostPath": {"path": "/var/lib/kubelet", "type": "Directory"}}),
         );
@@ -436,6 +438,153 @@ fn operator_deployment_is_ha_and_locked_down() {
             "{kind} rendered by default"
         );
     }
+}
+
+/// Every optional part of the chart turned on (the values e2e/tests/
+/// lint_manifests.rs lints with too).
+const EVERYTHING_ON: &[&str] = &[
+    "--set",
+    "agent.kubeletRestart.enabled=true,agent.bootFile.enabled=true",
+    "--set",
+    "monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true",
+    "--set",
+    "monitoring.prometheusRule.enabled=true,monitoring.kubeStateMetrics.enabled=true",
+    "--set",
+    "monitoring.kubeStateMetrics.rbac.serviceAccountName=kube-state-metrics",
+    "--set",
+    "monitoring.kubeStateMetrics.rbac.serviceAccountNamespace=monitoring",
+    "--set",
+    "namespace.create=true,apiServer.host=10.88.0.1,apiServer.port=6443",
+];
+
+/// The uninstall hook is a pod like any other: a namespace with a
+/// ResourceQuota refuses it without requests and limits, and then `helm
+/// uninstall` fails at the hook.
+#[test]
+fn the_uninstall_hook_has_resources() {
+    let Some(helm) = helm() else { return };
+    let docs = documents(&helm_template(&helm, &[]));
+    let job = find(&docs, "Job", "hugepool-operator-uninstall");
+    assert_eq!(
+        job["spec"]["template"]["spec"]["containers"][0]["resources"],
+        json!({"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}})
+    );
+    let docs = documents(&helm_template(
+        &helm,
+        &[
+            "--set",
+            "operator.uninstallHook.resources.limits.memory=1Gi",
+        ],
+    ));
+    let job = find(&docs, "Job", "hugepool-operator-uninstall");
+    assert_eq!(
+        job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"], "1Gi",
+        "a value"
+    );
+}
+
+/// Two crash-looping replicas are not Ready: counted by the PDB they would
+/// block every drain of their nodes.
+#[test]
+fn the_operator_pdb_lets_unhealthy_replicas_go() {
+    let docs = committed_manifests();
+    let pdb = find(&docs, "PodDisruptionBudget", "hugepool-operator");
+    assert_eq!(pdb["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
+    assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+}
+
+/// The operator alone removes hugepool.dev/not-ready, the agent guards the
+/// node's memory: neither may be preempted by the pods they make room for.
+#[test]
+fn the_operator_and_the_agent_have_priority_classes() {
+    let docs = committed_manifests();
+    let pod = |kind, name| find(&docs, kind, name)["spec"]["template"]["spec"].clone();
+    assert_eq!(
+        pod("Deployment", "hugepool-operator")["priorityClassName"],
+        "system-cluster-critical"
+    );
+    assert_eq!(
+        pod("DaemonSet", "hugepool-agent")["priorityClassName"],
+        "system-node-critical"
+    );
+    let Some(helm) = helm() else { return };
+    let docs = documents(&helm_template(&helm, &[]));
+    let job = find(&docs, "Job", "hugepool-operator-uninstall");
+    assert_eq!(
+        job["spec"]["template"]["spec"]["priorityClassName"], "system-cluster-critical",
+        "the hook stands in for the operator"
+    );
+    let docs = documents(&helm_template(
+        &helm,
+        &["--set", "operator.priorityClassName="],
+    ));
+    let deployment = find(&docs, "Deployment", "hugepool-operator");
+    assert!(
+        deployment["spec"]["template"]["spec"]
+            .get("priorityClassName")
+            .is_none(),
+        "empty: none"
+    );
+}
+
+/// Grafana would let a user edit a provisioned dashboard, and lose the
+/// edit at the next sidecar sync.
+#[test]
+fn the_dashboard_is_read_only() {
+    let file = repo().join("charts/hugepool/dashboards/hugepool.json");
+    let dashboard: Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("read the dashboard"))
+            .expect("dashboard JSON");
+    assert_eq!(dashboard["editable"], false);
+    let docs = committed_manifests();
+    let rendered: Value = serde_json::from_str(
+        find(&docs, "ConfigMap", "hugepool-dashboard")["data"]["hugepool.json"]
+            .as_str()
+            .expect("dashboard"),
+    )
+    .expect("dashboard JSON");
+    assert_eq!(rendered["editable"], false);
+}
+
+/// Lines of `text` that are blank but not empty, numbered from 1.
+fn whitespace_only_lines(text: &str) -> Vec<usize> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, line)| !line.is_empty() && line.trim().is_empty())
+        .map(|(at, _)| at + 1)
+        .collect()
+}
+
+#[test]
+fn no_rendered_manifest_has_a_whitespace_only_line() {
+    assert_eq!(whitespace_only_lines("a:\n\n  b: 1\n  \n"), [4]);
+    for (name, text) in tree(&repo().join("deploy")) {
+        let text = String::from_utf8(text).expect("UTF-8");
+        assert_eq!(
+            whitespace_only_lines(&text),
+            [0usize; 0],
+            "deploy/{name}: lines of spaces only"
+        );
+    }
+    let Some(helm) = helm() else { return };
+    for values in [&[][..], EVERYTHING_ON] {
+        let text = helm_template(&helm, values);
+        assert_eq!(
+            whitespace_only_lines(&text),
+            [0usize; 0],
+            "helm template {values:?}: lines of spaces only"
+        );
+    }
+    // The API server env the blank line came from is still there when set.
+    let docs = documents(&helm_template(&helm, EVERYTHING_ON));
+    let env = &find(&docs, "Deployment", "hugepool-operator")["spec"]["template"]["spec"]["containers"]
+        [0]["env"];
+    assert!(
+        env.as_array()
+            .expect("env")
+            .contains(&json!({"name": "KUBERNETES_SERVICE_HOST", "value": "10.88.0.1"})),
+        "{env}"
+    );
 }
 
 /// Runs kubectl with `stdin` as its input.
