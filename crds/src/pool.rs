@@ -14,6 +14,40 @@ use crate::settings::{
 /// Schema pattern of a page size: a power of two in canonical binary form.
 pub const PAGE_SIZE_PATTERN: &str = r"^(1|2|4|8|16|32|64|128|256|512)(Ki|Mi|Gi|Ti)$";
 
+/// The operators of a label selector's `matchExpressions`.
+pub const SELECTOR_OPERATORS: [&str; 4] = ["In", "NotIn", "Exists", "DoesNotExist"];
+
+/// Makes the apiserver refuse the selector requirements that Kubernetes
+/// refuses only when the selector is used (k8s-openapi's schema says just
+/// "a string" and "an array"): an operator other than
+/// [`SELECTOR_OPERATORS`], no values for In and NotIn, values for Exists
+/// and DoesNotExist. Each refusal names `matchExpressions[i]`'s field.
+fn selector_requirements(schema: &mut schemars::Schema) {
+    let Some(requirement) = schema
+        .get_mut("properties")
+        .and_then(|properties| properties.get_mut("matchExpressions"))
+        .and_then(|expressions| expressions.get_mut("items"))
+        .and_then(serde_json::Value::as_object_mut)
+    else {
+        return;
+    };
+    if let Some(operator) = requirement
+        .get_mut("properties")
+        .and_then(|properties| properties.get_mut("operator"))
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        operator.insert("enum".into(), serde_json::json!(SELECTOR_OPERATORS));
+    }
+    requirement.insert(
+        "x-kubernetes-validations".into(),
+        serde_json::json!([{
+            "rule": "self.operator == 'In' || self.operator == 'NotIn' ? has(self.values) && size(self.values) > 0 : !has(self.values) || size(self.values) == 0",
+            "message": "values must be non-empty for operator In and NotIn, and empty for Exists and DoesNotExist",
+            "fieldPath": ".values",
+        }]),
+    );
+}
+
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "hugepool.dev",
@@ -40,6 +74,7 @@ pub const PAGE_SIZE_PATTERN: &str = r"^(1|2|4|8|16|32|64|128|256|512)(Ki|Mi|Gi|T
 pub struct HugePagePoolSpec {
     /// Nodes this pool applies to; `{}` selects every node.
     #[serde(default)]
+    #[schemars(transform = selector_requirements)]
     pub node_selector: LabelSelector,
     /// Huge page size, such as 2Mi or 1Gi. Immutable.
     #[schemars(regex(pattern = PAGE_SIZE_PATTERN), length(max = 8))]

@@ -421,6 +421,108 @@ async fn invalid_pools_are_rejected_naming_the_field() {
     );
 }
 
+/// A selector requirement Kubernetes would refuse only when the selector is
+/// used (an operator that does not exist, values where they make no sense)
+/// is refused at admission, naming the requirement's field; the four
+/// operators with the values each takes are accepted.
+#[tokio::test]
+async fn selector_operators_and_values_are_checked_at_admission() {
+    let Some(env) = setup().await else { return };
+    let pool = |expressions: Value| json!({"pageSize": "2Mi", "pages": 16, "nodeSelector": {"matchExpressions": expressions}});
+    let in_zone = json!({"key": "zone", "operator": "In", "values": ["a"]});
+    let refused = [
+        (
+            "an operator that does not exist",
+            pool(json!([{"key": "zone", "operator": "Near", "values": ["a"]}])),
+            "spec.nodeSelector.matchExpressions[0].operator: Unsupported value: \"Near\"",
+        ),
+        (
+            "In without values",
+            pool(json!([{"key": "zone", "operator": "In"}])),
+            "spec.nodeSelector.matchExpressions[0].values",
+        ),
+        (
+            "NotIn with no value",
+            pool(json!([in_zone, {"key": "zone", "operator": "NotIn", "values": []}])),
+            "spec.nodeSelector.matchExpressions[1].values",
+        ),
+        (
+            "Exists with values",
+            pool(json!([{"key": "gpu", "operator": "Exists", "values": ["x"]}])),
+            "spec.nodeSelector.matchExpressions[0].values",
+        ),
+        (
+            "DoesNotExist with values",
+            pool(json!([{"key": "gpu", "operator": "DoesNotExist", "values": ["x"]}])),
+            "spec.nodeSelector.matchExpressions[0].values",
+        ),
+        (
+            "an operator of another selector kind (node affinity's Gt)",
+            pool(json!([{"key": "cores", "operator": "Gt", "values": ["8"]}])),
+            "spec.nodeSelector.matchExpressions[0].operator",
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (what, spec, field) in refused {
+        let name = unique_name("selector");
+        match apply_pool(&env.client, &name, spec.clone()).await {
+            Ok(_) => {
+                failures.push(format!("{what}: accepted {spec}"));
+                delete_pool(&env.client, &name).await;
+            }
+            Err(err) => {
+                let message = api_message(err);
+                if !message.contains(field) {
+                    failures.push(format!(
+                        "{what}: message does not name {field:?}: {message}"
+                    ));
+                }
+                if field.ends_with(".values")
+                    && !message.contains("values must be non-empty for operator In and NotIn")
+                {
+                    failures.push(format!(
+                        "{what}: message does not say what values take: {message}"
+                    ));
+                }
+            }
+        }
+    }
+    let accepted = [
+        pool(json!([in_zone])),
+        pool(json!([{"key": "zone", "operator": "NotIn", "values": ["b", "c"]}])),
+        pool(json!([{"key": "gpu", "operator": "Exists"}])),
+        pool(json!([{"key": "gpu", "operator": "DoesNotExist"}])),
+        // What a client that writes empty lists sends.
+        pool(json!([{"key": "gpu", "operator": "Exists", "values": []}])),
+        pool(json!([in_zone, {"key": "gpu", "operator": "DoesNotExist"}])),
+    ];
+    for spec in accepted {
+        let name = unique_name("selector");
+        match apply_pool(&env.client, &name, spec.clone()).await {
+            Ok(stored) => {
+                let expressions = stored
+                    .spec
+                    .node_selector
+                    .match_expressions
+                    .unwrap_or_default();
+                if serde_json::to_value(&expressions).unwrap()
+                    != spec["nodeSelector"]["matchExpressions"]
+                {
+                    failures.push(format!("{spec}: stored as {expressions:?}"));
+                }
+                delete_pool(&env.client, &name).await;
+            }
+            Err(err) => failures.push(format!("refused {spec}: {err}")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} case(s) wrong:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 #[tokio::test]
 async fn page_size_cannot_change_after_creation() {
     let Some(env) = setup().await else { return };
