@@ -20,21 +20,12 @@ use crate::settings::{AllocationSettings, KubeletRestart, NumaTarget, ResizeSett
     status = "HugePageNodeStatus",
     derive = "PartialEq",
     doc = "The hugetlb pool targets of one node and what its agent reports",
-    printcolumn(name = "Size", type_ = "string", json_path = ".spec.pageSizes[*].size"),
+    // One column for every size: a `[*]` path shows only its first match.
     printcolumn(
-        name = "Target",
+        name = "Pages",
         type_ = "string",
-        json_path = ".status.pageSizes[*].target"
-    ),
-    printcolumn(
-        name = "Total",
-        type_ = "string",
-        json_path = ".status.pageSizes[*].total"
-    ),
-    printcolumn(
-        name = "Free",
-        type_ = "string",
-        json_path = ".status.pageSizes[*].free"
+        json_path = ".status.summary",
+        description = "per page size: pages the kernel holds/the target (- for none)"
     ),
     printcolumn(
         name = "Converged",
@@ -143,6 +134,13 @@ pub struct HugePageNodeStatus {
     /// The node's memory from /proc/meminfo.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryInfo>,
+    /// Every size with pages or a target, as `SIZE:TOTAL/TARGET` (`-` for
+    /// no target), such as `2Mi:64/64 1Gi:2/4`; `none` for no such size.
+    /// The agent writes it for `kubectl get hpn`, which can show only one
+    /// element of a list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    pub summary: Option<String>,
     /// Every page size the kernel offers, as it reports it.
     #[serde(default)]
     #[schemars(length(max = 8))]

@@ -59,11 +59,12 @@ fn selector_requirements(schema: &mut schemars::Schema) {
     derive = "PartialEq",
     doc = "A hugetlb page pool to hold on every node a selector picks",
     printcolumn(name = "Size", type_ = "string", json_path = ".spec.pageSize"),
-    printcolumn(name = "Pages", type_ = "integer", json_path = ".spec.pages"),
+    printcolumn(name = "Pages", type_ = "integer", json_path = ".status.pagesPerNode", description = "pages per node: spec.pages, or spec.memory over pageSize"),
     printcolumn(name = "Memory", type_ = "string", json_path = ".spec.memory", priority = 1),
     printcolumn(name = "Converged", type_ = "string", json_path = ".status.nodes.ready", description = "converged/selected nodes"),
     printcolumn(name = "Available", type_ = "string", json_path = ".status.conditions[?(@.type==\"Available\")].status"),
     printcolumn(name = "Degraded", type_ = "string", json_path = ".status.conditions[?(@.type==\"Degraded\")].status"),
+    printcolumn(name = "Reason", type_ = "string", json_path = ".status.conditions[?(@.type==\"Available\")].reason", description = "why the pool is or is not Available"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     validation = Rule::new("has(self.spec.pages) != has(self.spec.memory)").message("exactly one of spec.pages and spec.memory must be set").field_path(".spec"),
 )]
@@ -206,6 +207,11 @@ pub struct HugePagePoolStatus {
     /// The pool generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Pages per node the pool asks for: `spec.pages`, or `spec.memory`
+    /// over `pageSize` (for `kubectl get hpp`); absent while the spec is
+    /// invalid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages_per_node: Option<i64>,
     /// Selected nodes by where they stand.
     #[serde(default)]
     pub nodes: PoolNodeCounts,

@@ -1023,6 +1023,7 @@ fn settle_pool(
     };
     let status = HugePagePoolStatus {
         observed_generation: Some(pool.generation),
+        pages_per_node: pool.invalid.is_none().then_some(pool.pages),
         nodes,
         pages,
         failed_nodes,

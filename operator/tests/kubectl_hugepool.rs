@@ -286,3 +286,423 @@ async fn plan_refuses_a_pool_the_server_refuses() {
         "{stderr}"
     );
 }
+
+/// The row of `name` in `kubectl get KIND` output, by column: cells are cut
+/// at the header's column offsets (a cell may hold spaces).
+fn kubectl_get(
+    kubeconfig: &Path,
+    kind: &str,
+    name: &str,
+) -> std::collections::BTreeMap<String, String> {
+    let output = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["get", kind, name])
+        .output()
+        .expect("run kubectl");
+    assert!(
+        output.status.success(),
+        "kubectl get {kind} {name}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout).expect("UTF-8");
+    let mut lines = text.lines();
+    let header = lines.next().expect("a header");
+    let row = lines.next().unwrap_or_else(|| panic!("no row: {text}"));
+    let mut starts: Vec<(usize, &str)> = Vec::new();
+    let mut at = 0;
+    for word in header.split_whitespace() {
+        let start = header[at..].find(word).expect("header word") + at;
+        starts.push((start, word));
+        at = start + word.len();
+    }
+    starts
+        .iter()
+        .enumerate()
+        .map(|(i, (start, word))| {
+            let end = starts
+                .get(i + 1)
+                .map_or(row.len(), |next| next.0.min(row.len()));
+            let cell = row.get(*start..end).unwrap_or_default().trim();
+            (word.to_string(), cell.to_string())
+        })
+        .collect()
+}
+
+/// Merge-patches the Node's status as its kubelet would publish hugepages:
+/// `capacity` pages of each size (allocatable the same).
+async fn publish_hugepages(client: &kube::Client, node: &str, pages: &[(&str, u64)]) {
+    use k8s_openapi::api::core::v1::Node;
+    let mut capacity = serde_json::Map::new();
+    for (size, count) in pages {
+        let bytes = size
+            .parse::<hugepool_crds::PageSize>()
+            .expect("size")
+            .bytes()
+            * count;
+        capacity.insert(format!("hugepages-{size}"), json!(bytes.to_string()));
+    }
+    capacity.insert("cpu".into(), json!("4"));
+    capacity.insert("memory".into(), json!("16Gi"));
+    capacity.insert("pods".into(), json!("110"));
+    kube::Api::<Node>::all(client.clone())
+        .patch_status(
+            node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"status": {"capacity": capacity, "allocatable": capacity}}),
+            ),
+        )
+        .await
+        .expect("patch the Node's status");
+}
+
+/// A pod asking `pages_2mi` pages of 2Mi, left Pending (nothing schedules
+/// here) with the scheduler's message, restricted to the fleet's nodes.
+async fn pending_pod(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    scope: &str,
+    pages_2mi: u64,
+) {
+    use k8s_openapi::api::core::v1::Pod;
+    let amount = format!("{}Mi", pages_2mi * 2);
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeSelector": {SCOPE_LABEL: scope},
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "main", "image": "registry.example/app:1", "resources": {
+                "requests": {"cpu": "10m", "memory": "32Mi", "hugepages-2Mi": amount},
+                "limits": {"memory": "32Mi", "hugepages-2Mi": amount},
+            }}],
+        },
+    }))
+    .expect("Pod object");
+    let api: kube::Api<Pod> = kube::Api::namespaced(client.clone(), namespace);
+    wait_for(
+        &format!("pod {name} created"),
+        Duration::from_secs(30),
+        || async {
+            api.create(&kube::api::PostParams::default(), &pod)
+                .await
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await;
+    api.patch_status(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"status": {"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/2 nodes are available: 2 Insufficient hugepages-2Mi.",
+        }]}})),
+    )
+    .await
+    .expect("pod status");
+}
+
+/// The printer columns, `status` (Available and its reason; `-w`), `why
+/// NODE` (every hugepool taint) and `why pod/NAME` on one node with pools
+/// of two sizes and one with a stale kubelet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_shows_every_size_the_blocking_reason_and_why_a_pod_is_pending() {
+    let Some(env) = setup().await else { return };
+    let kubeconfig = env.control_plane.kubeconfig.clone();
+    let mut fleet = Fleet::start(&env, "truth", FleetSpec::new(2)).await;
+    let scope = fleet.scope.clone();
+    let names = fleet.node_names();
+    fleet.start_operator(None).await;
+    let selector = json!({"matchLabels": {SCOPE_LABEL: scope}});
+    let small = format!("{scope}-2m");
+    let large = format!("{scope}-1g");
+    fleet
+        .create_pool(&small, json!({"nodeSelector": selector, "pageSize": "2Mi", "pages": 64, "rollout": {"maxUnavailable": 2}}))
+        .await;
+    fleet
+        .create_pool(&large, json!({"nodeSelector": selector, "pageSize": "1Gi", "memory": "2Gi", "rollout": {"maxUnavailable": 2}}))
+        .await;
+    for pool in [&small, &large] {
+        fleet
+            .wait_pool(pool, "Available", "True", Duration::from_secs(120), |_| {
+                Ok(())
+            })
+            .await;
+    }
+
+    // kubectl get: one column for both sizes; PAGES of the memory-sized pool.
+    let hpn = kubectl_get(&kubeconfig, "hpn", &names[0]);
+    assert_eq!(hpn["PAGES"], "2Mi:64/64 1Gi:2/2", "{hpn:?}");
+    assert_eq!(hpn["CONVERGED"], "True", "{hpn:?}");
+    assert!(!hpn.contains_key("SIZE"), "{hpn:?}");
+    let hpp = kubectl_get(&kubeconfig, "hpp", &large);
+    assert_eq!(
+        (
+            hpp["SIZE"].as_str(),
+            hpp["PAGES"].as_str(),
+            hpp["AVAILABLE"].as_str(),
+            hpp["REASON"].as_str()
+        ),
+        ("1Gi", "2", "True", "AllNodesConverged"),
+        "{hpp:?}"
+    );
+
+    // status: Available and its reason.
+    let status = plugin_json(&kubeconfig, &["status", &small]);
+    assert_eq!(status[0]["available"]["status"], "True", "{status}");
+    assert_eq!(
+        status[0]["available"]["reason"], "AllNodesConverged",
+        "{status}"
+    );
+    assert_eq!(status[0]["pages"], 64);
+
+    // status -w: prints now, then again on a change; ends after --updates.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-hugepool"))
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["status", &small, "-w", "--updates", "2", "-o", "json"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run status -w");
+    let stdout = child.stdout.take().expect("stdout");
+    let (lines_tx, mut lines_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines_tx.send(line);
+        }
+    });
+    let first = tokio::time::timeout(Duration::from_secs(30), lines_rx.recv())
+        .await
+        .expect("a first print within 30s")
+        .expect("a line");
+    let first: Value = serde_json::from_str(&first).expect("JSON rows");
+    assert_eq!(
+        (&first[0]["pages"], &first[0]["converged"]),
+        (&json!(64), &json!(2)),
+        "{first}"
+    );
+    fleet.patch_pool(&small, json!({"pages": 32})).await;
+    let second = tokio::time::timeout(Duration::from_secs(30), lines_rx.recv())
+        .await
+        .expect("a print on the change within 30s")
+        .expect("a line");
+    let second: Value = serde_json::from_str(&second).expect("JSON rows");
+    assert_eq!(second[0]["pages"], 32, "{second}");
+    let exited = wait_for(
+        "status -w to end after 2 updates",
+        Duration::from_secs(10),
+        || {
+            let status = child.try_wait().expect("try_wait");
+            std::future::ready(status.ok_or_else(|| "running".to_string()))
+        },
+    )
+    .await;
+    assert!(exited.success(), "{exited:?}");
+    // Without --updates it runs until asked to stop (SIGTERM, as Ctrl-C).
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-hugepool"))
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["status", &small, "-w"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run status -w");
+    let mut stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut header = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut header).expect("read");
+    assert!(header.starts_with("POOL"), "{header}");
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let exited = wait_for(
+        "status -w to end on SIGTERM",
+        Duration::from_secs(10),
+        || {
+            let status = child.try_wait().expect("try_wait");
+            std::future::ready(status.ok_or_else(|| "running".to_string()))
+        },
+    )
+    .await;
+    assert!(exited.success(), "{exited:?}");
+    fleet
+        .wait_pool(
+            &small,
+            "Available",
+            "True",
+            Duration::from_secs(120),
+            |_| Ok(()),
+        )
+        .await;
+
+    // A kubelet that read the pool before the resize: Available=False,
+    // KubeletCapacityStale, in kubectl get and in status.
+    publish_hugepages(&fleet.client, &names[0], &[("2Mi", 0), ("1Gi", 2)]).await;
+    publish_hugepages(&fleet.client, &names[1], &[("2Mi", 32), ("1Gi", 2)]).await;
+    fleet
+        .wait_pool(
+            &small,
+            "Available",
+            "False",
+            Duration::from_secs(60),
+            |_| Ok(()),
+        )
+        .await;
+    let hpp = kubectl_get(&kubeconfig, "hpp", &small);
+    assert_eq!(
+        (
+            hpp["PAGES"].as_str(),
+            hpp["AVAILABLE"].as_str(),
+            hpp["REASON"].as_str()
+        ),
+        ("32", "False", "KubeletCapacityStale"),
+        "{hpp:?}"
+    );
+    let status = plugin_json(&kubeconfig, &["status", &small]);
+    assert_eq!(
+        status[0]["available"]["reason"], "KubeletCapacityStale",
+        "{status}"
+    );
+    let text = plugin(&kubeconfig, &["status", &small]);
+    assert!(text.contains("False/KubeletCapacityStale"), "{text}");
+    assert!(
+        text.contains(&format!("{small}: Available False/KubeletCapacityStale: ")),
+        "{text}"
+    );
+
+    // why pod/NAME: too large for any target, then stale here and taken there.
+    support::create_namespace(&fleet.client, &scope).await;
+    pending_pod(&fleet.client, &scope, "big", &scope, 100).await;
+    let why = plugin_json(&kubeconfig, &["why", "pod/big", "-n", &scope]);
+    assert_eq!(
+        why["requests"],
+        json!([{"size": "2Mi", "pages": 100}]),
+        "{why}"
+    );
+    let targets: Vec<(&str, &Value)> = why["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .map(|n| (n["node"].as_str().unwrap(), &n["target"]))
+        .collect();
+    assert_eq!(
+        targets,
+        [
+            (names[0].as_str(), &json!(32)),
+            (names[1].as_str(), &json!(32))
+        ],
+        "{why}"
+    );
+    assert_eq!(
+        why["verdict"],
+        format!(
+            "the pod asks for 100 pages of 2Mi, the largest target is 32: grow the pool {small}"
+        ),
+        "{why}"
+    );
+    let holder = support::pod("holder", &names[1], "app", Some("40Mi"));
+    support::run_pod(&fleet.client, &scope, holder).await;
+    pending_pod(&fleet.client, &scope, "small", &scope, 16).await;
+    let why = plugin_json(&kubeconfig, &["why", "pod/small", "-n", &scope]);
+    let rows = why["nodes"].as_array().expect("nodes");
+    assert_eq!(
+        (
+            &rows[0]["kernel"],
+            &rows[0]["allocatable"],
+            &rows[0]["stale"]
+        ),
+        (&json!(32), &json!(0), &json!(true)),
+        "{why}"
+    );
+    assert_eq!(
+        (
+            &rows[1]["allocatable"],
+            &rows[1]["requested"],
+            &rows[1]["blockedBy"]
+        ),
+        (
+            &json!(32),
+            &json!(20),
+            &json!("20 of 32 requested by other pods")
+        ),
+        "{why}"
+    );
+    assert_eq!(
+        why["verdict"],
+        format!(
+            "node {}: the kernel holds 32 pages of 2Mi but the kubelet publishes 0 (stale: it reads the pool only when it starts): restart the kubelet there, or set the pool's kubelet.restart: AfterResize (needs the chart's agent.kubeletRestart.enabled=true) (1 other node(s) blocked otherwise: see BLOCKED BY)",
+            names[0]
+        ),
+        "{why}"
+    );
+    let text = plugin(&kubeconfig, &["why", "pod/small", "-n", &scope]);
+    assert!(
+        text.contains("scheduler: Unschedulable: 0/2 nodes are available"),
+        "{text}"
+    );
+    assert!(text.contains("\nverdict: node "), "{text}");
+
+    // why NODE names every hugepool taint (the operator stopped, so the
+    // taints stay as set).
+    let operator = fleet.take_operator(0);
+    operator.stop().await;
+    kube::Api::<k8s_openapi::api::core::v1::Node>::all(fleet.client.clone())
+        .patch(
+            &names[0],
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"taints": [
+                {"key": hugepool_crds::DRAINING_TAINT, "effect": "NoSchedule"},
+                {"key": hugepool_crds::NOT_READY_TAINT, "effect": "NoSchedule"},
+            ]}})),
+        )
+        .await
+        .expect("taint the Node");
+    let why = plugin_json(&kubeconfig, &["why", &names[0]]);
+    let taints: Vec<&str> = why["taints"]
+        .as_array()
+        .expect("taints")
+        .iter()
+        .map(|t| t["taint"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        taints,
+        [
+            "hugepool.dev/draining:NoSchedule",
+            "hugepool.dev/not-ready:NoSchedule"
+        ],
+        "{why}"
+    );
+    let text = plugin(&kubeconfig, &["why", &names[0]]);
+    assert!(
+        text.starts_with(&format!(
+            "Node {} (tainted hugepool.dev/draining:NoSchedule, hugepool.dev/not-ready:NoSchedule)\n",
+            names[0]
+        )),
+        "{text}"
+    );
+    let why = plugin_json(&kubeconfig, &["why", "pod/small", "-n", &scope]);
+    assert_eq!(
+        why["nodes"][0]["taints"],
+        json!([
+            "hugepool.dev/draining:NoSchedule",
+            "hugepool.dev/not-ready:NoSchedule"
+        ]),
+        "{why}"
+    );
+    assert!(
+        why["verdict"].as_str().unwrap().starts_with("node ")
+            && why["verdict"]
+                .as_str()
+                .unwrap()
+                .contains("the kubelet publishes 0"),
+        "{why}"
+    );
+
+    let client = fleet.client.clone();
+    fleet.shutdown().await;
+    support::delete_namespace(&client, &scope).await;
+}

@@ -783,7 +783,7 @@ pub fn build(
     for update in conditions(snapshot, memory) {
         set_condition(conditions_list, update, now);
     }
-    let page_sizes = snapshot
+    let page_sizes: Vec<PageSizeStatus> = snapshot
         .sizes
         .iter()
         .map(|sizes| {
@@ -792,6 +792,7 @@ pub fn build(
         })
         .collect();
     HugePageNodeStatus {
+        summary: Some(summary(&page_sizes)),
         observed_generation: memory.generation,
         kernel: Some(KernelInfo {
             release: snapshot.release.clone(),
@@ -805,6 +806,27 @@ pub fn build(
         conditions: conditions_list.clone(),
         memory_manager_pods: memory_manager_pods(conditions_list, memory),
     }
+}
+
+/// `status.summary`: every size with pages or a target as
+/// `SIZE:TOTAL/TARGET` (`-` for no target), smallest first, or `none`.
+pub fn summary(page_sizes: &[PageSizeStatus]) -> String {
+    let mut shown: Vec<&PageSizeStatus> = page_sizes
+        .iter()
+        .filter(|s| s.total > 0 || s.target.is_some())
+        .collect();
+    if shown.is_empty() {
+        return "none".into();
+    }
+    shown.sort_by_key(|s| s.size);
+    shown
+        .iter()
+        .map(|s| {
+            let target = s.target.map_or_else(|| "-".to_string(), |t| t.to_string());
+            format!("{}:{}/{target}", s.size, s.total)
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The pods a held kubelet restart waits for (KubeletCapacityStale, reason
@@ -883,6 +905,23 @@ mod tests {
 
     fn cond(status: &HugePageNodeStatus, t: NodeConditionType) -> &Condition {
         find_condition(&status.conditions, t).unwrap_or_else(|| panic!("no {t} condition"))
+    }
+
+    #[test]
+    fn the_summary_shows_every_size_with_pages_or_a_target_smallest_first() {
+        // 2Mi at 64 of 64, 1Gi targeted at 4 but still empty: both shown
+        // (a `[*]` printer column would show only the first).
+        let status = built(
+            &snapshot(64, 64, 0, 0),
+            &memory(vec![target("1Gi", 4), target("2Mi", 64)]),
+        );
+        assert_eq!(status.summary.as_deref(), Some("2Mi:64/64 1Gi:0/4"));
+        // Pages of a size no pool targets: shown, with no target.
+        let status = built(&snapshot(10, 10, 0, 0), &memory(vec![]));
+        assert_eq!(status.summary.as_deref(), Some("2Mi:10/-"));
+        // Nothing held, nothing targeted.
+        let status = built(&snapshot(0, 0, 0, 0), &memory(vec![]));
+        assert_eq!(status.summary.as_deref(), Some("none"));
     }
 
     #[test]

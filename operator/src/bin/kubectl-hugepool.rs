@@ -1,6 +1,6 @@
 //! `kubectl hugepool`: status of pools and nodes, what applying a pool would
-//! do, and why a node is where it is. Reads only (the plan's dry run stores
-//! nothing).
+//! do, why a node or a pod is where it is, and whether the install works.
+//! Reads only (the plan's dry run stores nothing).
 
 use std::path::PathBuf;
 
@@ -22,6 +22,13 @@ struct Cli {
     context: Option<String>,
     #[arg(short, long, global = true, value_enum, default_value_t = Output::Text)]
     output: Output,
+    /// Namespace of `why pod/NAME` (default: the context's); for `check`,
+    /// where the install is (default: any namespace).
+    #[arg(short, long, global = true)]
+    namespace: Option<String>,
+    /// Only pools with these labels (`status`, `check`), e.g. team=net.
+    #[arg(short = 'l', long, global = true)]
+    selector: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -34,10 +41,17 @@ enum Output {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Pools at a glance; with POOL, its nodes too.
+    /// Pools at a glance (Available and its reason, the rollout); with
+    /// POOL, its nodes too.
     Status {
         /// One pool.
         pool: Option<String>,
+        /// Print again whenever the status changes, until interrupted.
+        #[arg(short, long)]
+        watch: bool,
+        /// With --watch: stop after printing this many times.
+        #[arg(long, requires = "watch")]
+        updates: Option<u64>,
     },
     /// What applying the pool in FILE would do: which nodes change, in which
     /// waves of maxUnavailable, which need a drain, which conflict.
@@ -46,11 +60,21 @@ enum Command {
         #[arg(short = 'f', long = "filename")]
         file: PathBuf,
     },
-    /// A node's conditions, last resizes, recent Events and the pods holding its pages.
-    Why { node: String },
+    /// NODE: a node's taints, conditions, last resizes, recent Events and
+    /// the pods holding its pages. pod/NAME: why a pod requesting
+    /// hugepages-<size> is Pending.
+    Why {
+        /// NODE, node/NAME or pod/NAME.
+        target: String,
+    },
+    /// Whether the install works: CRDs served, the operator leading, an
+    /// agent reporting on every selected node, versions matching. Exits 1
+    /// when a check fails.
+    Check,
 }
 
-async fn client(cli: &Cli) -> anyhow::Result<kube::Client> {
+/// The client, and the kubeconfig context's namespace.
+async fn client(cli: &Cli) -> anyhow::Result<(kube::Client, String)> {
     let options = KubeConfigOptions {
         context: cli.context.clone(),
         ..KubeConfigOptions::default()
@@ -65,7 +89,9 @@ async fn client(cli: &Cli) -> anyhow::Result<kube::Client> {
             .await
             .context("reading the kubeconfig (KUBECONFIG or ~/.kube/config)")?,
     };
-    kube::Client::try_from(config).context("building the Kubernetes client")
+    let namespace = config.default_namespace.clone();
+    let client = kube::Client::try_from(config).context("building the Kubernetes client")?;
+    Ok((client, namespace))
 }
 
 fn print(
@@ -83,13 +109,56 @@ fn print(
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let client = client(&cli).await?;
+    let (client, context_namespace) = client(&cli).await?;
+    let selector = cli.selector.as_deref();
     match &cli.command {
-        Command::Status { pool } => {
-            let rows = plugin::status(&client, pool.as_deref()).await?;
+        Command::Status {
+            pool, watch: false, ..
+        } => {
+            let rows = plugin::status(&client, pool.as_deref(), selector).await?;
             print(cli.output, &rows, || {
                 plugin::render_status(&rows, pool.is_some())
             })
+        }
+        Command::Status {
+            pool,
+            watch: true,
+            updates,
+        } => {
+            let mut printed = 0u64;
+            let mut failed = None;
+            plugin::watch_status(
+                &client,
+                pool.as_deref(),
+                selector,
+                std::time::Duration::from_millis(200),
+                interrupted(),
+                |rows| {
+                    if printed > 0 && matches!(cli.output, Output::Text) {
+                        println!();
+                    }
+                    let shown = match cli.output {
+                        Output::Json => serde_json::to_string(rows).map(|json| println!("{json}")),
+                        Output::Text => {
+                            print!("{}", plugin::render_status(rows, pool.is_some()));
+                            Ok(())
+                        }
+                    };
+                    // Each update reaches a pipe at once.
+                    let _ = std::io::Write::flush(&mut std::io::stdout());
+                    if let Err(err) = shown {
+                        failed = Some(err);
+                        return false;
+                    }
+                    printed += 1;
+                    updates.is_none_or(|limit| printed < limit)
+                },
+            )
+            .await?;
+            match failed {
+                Some(err) => Err(err.into()),
+                None => Ok(()),
+            }
         }
         Command::Plan { file } => {
             let text = if file.as_os_str() == "-" {
@@ -102,9 +171,60 @@ async fn main() -> anyhow::Result<()> {
             let report = plugin::plan_pool(&client, &pool).await?;
             print(cli.output, &report, || plugin::render_plan(&report))
         }
-        Command::Why { node } => {
-            let report = plugin::why(&client, node).await?;
-            print(cli.output, &report, || plugin::render_why(&report))
+        Command::Why { target } => match target.split_once('/') {
+            Some(("pod" | "pods" | "po", name)) => {
+                let namespace = cli.namespace.as_deref().unwrap_or(&context_namespace);
+                let report = plugin::why_pod(&client, namespace, name).await?;
+                print(cli.output, &report, || plugin::render_why_pod(&report))
+            }
+            Some(("node" | "nodes" | "no", name)) | Some(("", name)) => {
+                let report = plugin::why(&client, name).await?;
+                print(cli.output, &report, || plugin::render_why(&report))
+            }
+            Some((kind, _)) => anyhow::bail!("why explains a node or pod/NAME, not a {kind}"),
+            None => {
+                let report = plugin::why(&client, target).await?;
+                print(cli.output, &report, || plugin::render_why(&report))
+            }
+        },
+        Command::Check => {
+            let report = plugin::check(&client, cli.namespace.as_deref(), selector).await?;
+            print(cli.output, &report, || plugin::render_check(&report))?;
+            if !report.passed() {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM. The handlers are in place when this
+/// returns, before the future is first polled (a signal between the
+/// first print and the first wait must not kill the process).
+fn interrupted() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt()).ok();
+    let mut terminate = signal(SignalKind::terminate()).ok();
+    async move {
+        let interrupt = async {
+            match &mut interrupt {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let terminate = async {
+            match &mut terminate {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate => {}
         }
     }
 }

@@ -528,8 +528,17 @@ fn memory_pool_targets_memory_divided_by_page_size() {
     let mut by_memory = pool("db", 0, "db", "1Gi", 0);
     by_memory.spec.pages = None;
     by_memory.spec.memory = Some("8Gi".into());
-    let plan = run_plan(&[by_memory], &[node("w", &["db"])], &[], 0);
+    let by_pages = pool("dpdk", 0, "dpdk", "2Mi", 64);
+    let plan = run_plan(
+        &[by_memory, by_pages],
+        &[node("w", &["db", "dpdk"])],
+        &[],
+        0,
+    );
     assert_eq!(target_of(&plan, "w", "1Gi"), Some(8));
+    // `kubectl get hpp` shows these as PAGES.
+    assert_eq!(plan.pools["db"].status.pages_per_node, Some(8));
+    assert_eq!(plan.pools["dpdk"].status.pages_per_node, Some(64));
 }
 
 #[test]
@@ -547,6 +556,7 @@ fn what_the_schema_cannot_reject_becomes_invalid_spec_and_touches_nothing() {
     assert_eq!(plan.nodes["w"].spec, held.spec);
     let (status, reason) = condition(&plan, "bad", PoolConditionType::Degraded);
     assert_eq!((status, reason), ("True", "InvalidSpec"));
+    assert_eq!(plan.pools["bad"].status.pages_per_node, None);
     let message = &find_condition(
         &plan.pools["bad"].status.conditions,
         PoolConditionType::Degraded,

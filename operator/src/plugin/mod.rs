@@ -3,7 +3,9 @@
 //! `why` decide in pure functions; this module reads the cluster and
 //! prints.
 
+pub mod check;
 pub mod plan;
+pub mod pod;
 pub mod status;
 pub mod why;
 
@@ -33,6 +35,13 @@ pub enum PluginError {
     NoSuchPool(String),
     #[error("no Node or HugePageNode named {0}")]
     NoSuchNode(String),
+    #[error("no pod {1} in namespace {0}")]
+    NoSuchPod(String, String),
+    #[error("watching {what}: {source}")]
+    Watch {
+        what: &'static str,
+        source: kube::runtime::watcher::Error,
+    },
 }
 
 /// Pools, Nodes and HugePageNodes, listed once.
@@ -150,16 +159,141 @@ pub async fn plan_pool(
     Ok(plan::simulate(&cluster.view(), pool, &pods, now))
 }
 
+/// Names of the pools `selector` (a label selector) picks; None without one.
+async fn pools_selected(
+    client: &Client,
+    selector: Option<&str>,
+) -> Result<Option<Vec<String>>, PluginError> {
+    let Some(selector) = selector else {
+        return Ok(None);
+    };
+    let pools = Api::<HugePagePool>::all(client.clone())
+        .list(&ListParams::default().labels(selector))
+        .await
+        .map_err(|source| PluginError::List {
+            what: "HugePagePools",
+            source,
+        })?;
+    Ok(Some(
+        pools
+            .items
+            .iter()
+            .filter_map(|p| p.metadata.name.clone())
+            .collect(),
+    ))
+}
+
+/// `status`: every pool (or `only`, or those `selector` picks), planned
+/// over the whole cluster (other pools' conflicts count).
 pub async fn status(
     client: &Client,
     only: Option<&str>,
+    selector: Option<&str>,
 ) -> Result<Vec<status::PoolRow>, PluginError> {
     let cluster = Cluster::read(client).await?;
-    let rows = status::report(&cluster.view(), only, jiff::Timestamp::now());
+    let picked = pools_selected(client, selector).await?;
+    let mut rows = status::report(&cluster.view(), only, jiff::Timestamp::now());
+    if let Some(picked) = &picked {
+        rows.retain(|r| picked.contains(&r.name));
+    }
     match only {
         Some(name) if rows.is_empty() => Err(PluginError::NoSuchPool(name.to_string())),
         _ => Ok(rows),
     }
+}
+
+/// `status -w`: calls `show` with the status now and again whenever a
+/// pool, Node or HugePageNode changes and the status with it, until `show`
+/// returns false or `stop` resolves. Changes that come together (a watch
+/// delivers a burst) are read once, after `settle`.
+pub async fn watch_status(
+    client: &Client,
+    only: Option<&str>,
+    selector: Option<&str>,
+    settle: std::time::Duration,
+    stop: impl std::future::Future<Output = ()>,
+    mut show: impl FnMut(&[status::PoolRow]) -> bool,
+) -> Result<(), PluginError> {
+    use futures::StreamExt;
+    use kube::runtime::watcher;
+    let config = watcher::Config::default();
+    let events = futures::stream::select_all([
+        watcher::watcher(Api::<HugePagePool>::all(client.clone()), config.clone())
+            .map(|e| e.map(|_| ()).map_err(|source| ("HugePagePools", source)))
+            .boxed(),
+        watcher::watcher(Api::<HugePageNode>::all(client.clone()), config.clone())
+            .map(|e| e.map(|_| ()).map_err(|source| ("HugePageNodes", source)))
+            .boxed(),
+        watcher::watcher(Api::<Node>::all(client.clone()), config)
+            .map(|e| e.map(|_| ()).map_err(|source| ("Nodes", source)))
+            .boxed(),
+    ]);
+    tokio::pin!(stop);
+    let mut events = events;
+    let mut last: Option<Vec<status::PoolRow>> = None;
+    loop {
+        let rows = status(client, only, selector).await?;
+        if last.as_ref() != Some(&rows) {
+            if !show(&rows) {
+                return Ok(());
+            }
+            last = Some(rows);
+        }
+        // Wait for a change, then let the burst it belongs to arrive.
+        tokio::select! {
+            _ = &mut stop => return Ok(()),
+            event = events.next() => match event {
+                None => return Ok(()),
+                Some(Err((what, source))) => return Err(PluginError::Watch { what, source }),
+                Some(Ok(())) => {}
+            },
+        }
+        let quiet = tokio::time::sleep(settle);
+        tokio::pin!(quiet);
+        loop {
+            tokio::select! {
+                _ = &mut quiet => break,
+                _ = &mut stop => return Ok(()),
+                event = events.next() => match event {
+                    None => break,
+                    Some(Err((what, source))) => return Err(PluginError::Watch { what, source }),
+                    Some(Ok(())) => {}
+                },
+            }
+        }
+    }
+}
+
+/// `why pod/NAME`: the pod, every Node and HugePageNode, and the pods
+/// bound to nodes.
+pub async fn why_pod(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<pod::PodReport, PluginError> {
+    let target = Api::<Pod>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await
+        .map_err(|source| PluginError::List {
+            what: "Pods",
+            source,
+        })?
+        .ok_or_else(|| PluginError::NoSuchPod(namespace.to_string(), name.to_string()))?;
+    let cluster = Cluster::read(client).await?;
+    let pods = Api::<Pod>::all(client.clone())
+        .list(&ListParams::default().fields("spec.nodeName!="))
+        .await
+        .map_err(|source| PluginError::List {
+            what: "Pods",
+            source,
+        })?
+        .items;
+    Ok(pod::report(
+        &target,
+        &cluster.nodes,
+        &cluster.node_states,
+        &pods,
+    ))
 }
 
 pub async fn why(client: &Client, name: &str) -> Result<why::WhyReport, PluginError> {
@@ -254,8 +388,18 @@ fn age(seconds: Option<i64>) -> String {
 pub fn render_status(rows: &[status::PoolRow], with_nodes: bool) -> String {
     let mut text = table(
         &[
-            "POOL", "SIZE", "PAGES", "SELECTED", "REACHED", "CHANGING", "PENDING", "FAILED",
-            "STALLED", "BLOCKED", "REASON",
+            "POOL",
+            "SIZE",
+            "PAGES",
+            "SELECTED",
+            "REACHED",
+            "CHANGING",
+            "PENDING",
+            "FAILED",
+            "STALLED",
+            "BLOCKED",
+            "AVAILABLE",
+            "ROLLOUT",
         ],
         &rows
             .iter()
@@ -271,6 +415,7 @@ pub fn render_status(rows: &[status::PoolRow], with_nodes: bool) -> String {
                     r.failed.to_string(),
                     r.stalled.to_string(),
                     r.blocked.to_string(),
+                    r.available.short(),
                     if r.paused {
                         format!("{} (paused)", r.reason)
                     } else {
@@ -282,7 +427,18 @@ pub fn render_status(rows: &[status::PoolRow], with_nodes: bool) -> String {
     );
     if with_nodes {
         for row in rows {
-            let _ = writeln!(text, "\n{}: {}", row.name, row.message);
+            let _ = writeln!(
+                text,
+                "\n{}: Available {}: {}",
+                row.name,
+                row.available.short(),
+                row.available.message
+            );
+            let _ = writeln!(
+                text,
+                "{}: rollout {}: {}",
+                row.name, row.reason, row.message
+            );
             text.push_str(&table(
                 &[
                     "NODE", "STATE", "CURRENT", "TARGET", "STALLED", "BLOCKED", "REASON",
@@ -383,14 +539,14 @@ pub fn render_why(report: &why::WhyReport) -> String {
     if !report.node_exists {
         text.push_str(" (no Node object)");
     }
-    if report.draining_taint {
-        let _ = write!(
-            text,
-            " (tainted {}:NoSchedule)",
-            hugepool_crds::DRAINING_TAINT
-        );
+    if !report.taints.is_empty() {
+        let taints: Vec<&str> = report.taints.iter().map(|t| t.taint.as_str()).collect();
+        let _ = write!(text, " (tainted {})", taints.join(", "));
     }
     text.push('\n');
+    for taint in &report.taints {
+        let _ = writeln!(text, "  {}: {}", taint.taint, taint.meaning);
+    }
     text.push_str(&table(
         &[
             "SIZE", "POOL", "TARGET", "TOTAL", "FREE", "RESERVED", "IN USE", "SURPLUS", "KUBELET",
@@ -497,4 +653,172 @@ pub fn render_why(report: &why::WhyReport) -> String {
         ));
     }
     text
+}
+
+/// `why pod/NAME` as text.
+pub fn render_why_pod(report: &pod::PodReport) -> String {
+    let mut text = format!("Pod {} ({}", report.pod, report.phase);
+    if let Some(node) = &report.node {
+        let _ = write!(text, " on {node}");
+    }
+    text.push_str(")\n");
+    let requests: Vec<String> = report
+        .requests
+        .iter()
+        .map(|r| format!("{} pages of {}", r.pages, r.size))
+        .collect();
+    let _ = writeln!(
+        text,
+        "requests: {}",
+        if requests.is_empty() {
+            "no hugepages".to_string()
+        } else {
+            requests.join(", ")
+        }
+    );
+    if let Some(scheduler) = &report.scheduler {
+        let _ = writeln!(text, "scheduler: {scheduler}");
+    }
+    if report.excluded_by_node_selector > 0 {
+        let _ = writeln!(
+            text,
+            "{} node(s) with the size left out: the pod's nodeSelector rules them out",
+            report.excluded_by_node_selector
+        );
+    }
+    if !report.nodes.is_empty() {
+        text.push('\n');
+        text.push_str(&table(
+            &[
+                "NODE",
+                "SIZE",
+                "POOL",
+                "TARGET",
+                "KERNEL",
+                "ALLOCATABLE",
+                "REQUESTED",
+                "STALE",
+                "TAINTS",
+                "BLOCKED BY",
+            ],
+            &report
+                .nodes
+                .iter()
+                .map(|n| {
+                    vec![
+                        n.node.clone(),
+                        n.size.to_string(),
+                        n.pool.clone().unwrap_or_else(|| "-".into()),
+                        or_dash(n.target),
+                        or_dash(n.kernel),
+                        or_dash(n.allocatable),
+                        n.requested.to_string(),
+                        yes(n.stale),
+                        if n.taints.is_empty() {
+                            "-".into()
+                        } else {
+                            n.taints.join(",")
+                        },
+                        if n.blocked_by.is_empty() {
+                            "- (fits)".into()
+                        } else {
+                            n.blocked_by.clone()
+                        },
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ));
+    }
+    let _ = writeln!(text, "\nverdict: {}", report.verdict);
+    text
+}
+
+/// `check` as text: one line a check.
+pub fn render_check(report: &check::CheckReport) -> String {
+    let mut text = String::new();
+    for check in &report.checks {
+        let _ = writeln!(
+            text,
+            "{:<4}  {}: {}",
+            if check.ok { "OK" } else { "FAIL" },
+            check.name,
+            check.detail
+        );
+    }
+    let failed = report.checks.iter().filter(|c| !c.ok).count();
+    if failed == 0 {
+        let _ = writeln!(text, "all {} checks passed", report.checks.len());
+    } else {
+        let _ = writeln!(text, "{failed} of {} checks failed", report.checks.len());
+    }
+    text
+}
+
+/// `check`: reads what [`check::report`] decides on. The operator and agent
+/// are found by the chart's labels, in `namespace` or in any.
+pub async fn check(
+    client: &Client,
+    namespace: Option<&str>,
+    selector: Option<&str>,
+) -> Result<check::CheckReport, PluginError> {
+    use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::CustomResourceExt;
+
+    let list = |what: &'static str| move |source| PluginError::List { what, source };
+    let crd_api = Api::<CustomResourceDefinition>::all(client.clone());
+    let mut crds = Vec::new();
+    for name in [HugePagePool::crd_name(), HugePageNode::crd_name()] {
+        let crd = crd_api
+            .get_opt(name)
+            .await
+            .map_err(list("CustomResourceDefinitions"))?;
+        crds.push((name.to_string(), crd));
+    }
+    let (deployments, daemonsets): (Api<Deployment>, Api<DaemonSet>) = match namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let operators = deployments
+        .list(&ListParams::default().labels(check::OPERATOR_SELECTOR))
+        .await
+        .map_err(list("Deployments"))?
+        .items;
+    let agents = daemonsets
+        .list(&ListParams::default().labels(check::AGENT_SELECTOR))
+        .await
+        .map_err(list("DaemonSets"))?
+        .items;
+    let lease = match operators.first().and_then(check::lease_of) {
+        Some((ns, name)) => {
+            let lease = Api::<Lease>::namespaced(client.clone(), &ns)
+                .get_opt(&name)
+                .await
+                .map_err(list("Leases"))?;
+            Some((ns, name, lease))
+        }
+        None => None,
+    };
+    let pools = status(client, None, selector).await?;
+    let node_states = Api::<HugePageNode>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(list("HugePageNodes"))?
+        .items;
+    Ok(check::report(
+        &check::CheckInput {
+            crds,
+            operators,
+            agents,
+            lease,
+            pools,
+            node_states,
+            plugin_version: env!("CARGO_PKG_VERSION").to_string(),
+        },
+        jiff::Timestamp::now(),
+    ))
 }

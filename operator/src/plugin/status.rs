@@ -28,7 +28,31 @@ pub struct PoolRow {
     /// Degraded's reason while it is True, else Progressing's.
     pub reason: String,
     pub message: String,
+    /// Available: whether pods can get the pool's pages on every selected
+    /// node, and if not why (a finished rollout on stale kubelets is not).
+    pub available: ConditionRow,
     pub nodes: Vec<NodeRow>,
+}
+
+/// One pool condition as the planner sees the cluster now.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConditionRow {
+    /// True, False or Unknown.
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+}
+
+impl ConditionRow {
+    /// `True`, or `False/REASON` (what blocks it).
+    pub fn short(&self) -> String {
+        if self.status == "True" || self.reason.is_empty() {
+            self.status.clone()
+        } else {
+            format!("{}/{}", self.status, self.reason)
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -70,6 +94,16 @@ pub fn report(view: &ClusterView<'_>, only: Option<&str>, now: Timestamp) -> Vec
         let degraded =
             find_condition(conditions, PoolConditionType::Degraded).filter(|c| c.status == "True");
         let shown = degraded.or_else(|| find_condition(conditions, PoolConditionType::Progressing));
+        let available = find_condition(conditions, PoolConditionType::Available)
+            .map(|c| ConditionRow {
+                status: c.status.clone(),
+                reason: c.reason.clone(),
+                message: c.message.clone(),
+            })
+            .unwrap_or_else(|| ConditionRow {
+                status: "Unknown".into(),
+                ..ConditionRow::default()
+            });
         let mut nodes: Vec<NodeRow> = pool_plan
             .members
             .iter()
@@ -127,6 +161,7 @@ pub fn report(view: &ClusterView<'_>, only: Option<&str>, now: Timestamp) -> Vec
             paused: pool.spec.rollout.paused,
             reason: shown.map(|c| c.reason.clone()).unwrap_or_default(),
             message: shown.map(|c| c.message.clone()).unwrap_or_default(),
+            available,
             nodes,
         });
     }

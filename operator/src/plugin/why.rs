@@ -2,7 +2,7 @@
 //! Events and the pods holding its pages.
 
 use hugepool_crds::node::ResizeSummary;
-use hugepool_crds::{DRAINING_TAINT, HugePageNode, PageSize};
+use hugepool_crds::{DRAINING_TAINT, HugePageNode, NOT_READY_TAINT, PageSize};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use serde::Serialize;
@@ -17,11 +17,50 @@ pub struct WhyReport {
     pub node_exists: bool,
     /// Whether the operator's draining taint is on the Node.
     pub draining_taint: bool,
+    /// Every hugepool taint on the Node (draining, not-ready), with what it means.
+    pub taints: Vec<TaintRow>,
     pub sizes: Vec<SizeRow>,
     pub conditions: Vec<ConditionRow>,
     /// Newest first, at most `MAX_EVENTS`.
     pub events: Vec<EventRow>,
     pub pods: Vec<PodRow>,
+}
+
+/// A hugepool taint on a Node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaintRow {
+    /// `key:Effect`, such as `hugepool.dev/not-ready:NoSchedule`.
+    pub taint: String,
+    /// What it means and what lifts it.
+    pub meaning: String,
+}
+
+/// Every hugepool taint (`hugepool.dev/...`) on `node`, in its order.
+pub fn hugepool_taints(node: &Node) -> Vec<TaintRow> {
+    let prefix = format!("{}/", hugepool_crds::GROUP);
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|t| t.key.starts_with(&prefix))
+        .map(|t| TaintRow {
+            taint: format!("{}:{}", t.key, t.effect),
+            meaning: match t.key.as_str() {
+                DRAINING_TAINT => {
+                    "the operator evicts pods holding pages so a shrink can finish; \
+                     lifted when the node reaches its target"
+                }
+                NOT_READY_TAINT => {
+                    "the node's pools are not back at target, or its kubelet does not \
+                     report them yet (a reboot, a new node); lifted when both are"
+                }
+                _ => "not a taint this version of hugepool sets",
+            }
+            .to_string(),
+        })
+        .collect()
 }
 
 /// Events shown, newest first.
@@ -181,6 +220,7 @@ pub fn report(
         node: name.to_string(),
         node_exists: node.is_some(),
         draining_taint: node.is_some_and(|n| crate::planner::has_taint(n, DRAINING_TAINT)),
+        taints: node.map(hugepool_taints).unwrap_or_default(),
         sizes,
         conditions,
         events: events
