@@ -706,3 +706,207 @@ async fn kubectl_shows_every_size_the_blocking_reason_and_why_a_pod_is_pending()
     fleet.shutdown().await;
     support::delete_namespace(&client, &scope).await;
 }
+
+/// Runs `kubectl-hugepool ARGS`; its exit code and standard output.
+fn plugin_exit(kubeconfig: &Path, args: &[&str]) -> (i32, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_kubectl-hugepool"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .output()
+        .expect("run kubectl-hugepool");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
+/// The operator's Deployment and the agent's DaemonSet as the chart labels
+/// them (nothing runs their pods here: the check reads the Lease and the
+/// HugePageNodes, not the pods).
+async fn install_objects(
+    client: &kube::Client,
+    namespace: &str,
+    operator_tag: &str,
+    agent_tag: &str,
+) {
+    use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+    let labels = |component: &str| json!({"app.kubernetes.io/name": "hugepool", "app.kubernetes.io/part-of": "hugepool", "app.kubernetes.io/component": component});
+    let deployment: Deployment = serde_json::from_value(json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "hugepool-operator", "labels": labels("operator")},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels("operator")},
+            "template": {
+                "metadata": {"labels": labels("operator")},
+                "spec": {"containers": [{
+                    "name": "operator",
+                    "image": format!("ghcr.io/hugepool-dev/hugepool-operator:{operator_tag}"),
+                    "args": ["run", "--leader-elect", "--lease-name=hugepool-operator"],
+                }]},
+            },
+        },
+    }))
+    .expect("Deployment");
+    let daemonset: DaemonSet = serde_json::from_value(json!({
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "hugepool-agent", "labels": labels("agent")},
+        "spec": {
+            "selector": {"matchLabels": labels("agent")},
+            "template": {
+                "metadata": {"labels": labels("agent")},
+                "spec": {
+                    "nodeSelector": {"hugepool.dev/no-such-node": "true"},
+                    "containers": [{
+                        "name": "agent",
+                        "image": format!("ghcr.io/hugepool-dev/hugepool-agent:{agent_tag}"),
+                    }],
+                },
+            },
+        },
+    }))
+    .expect("DaemonSet");
+    let params = kube::api::PatchParams::apply("kubectl-hugepool-test").force();
+    kube::Api::<Deployment>::namespaced(client.clone(), namespace)
+        .patch(
+            "hugepool-operator",
+            &params,
+            &kube::api::Patch::Apply(&deployment),
+        )
+        .await
+        .expect("apply the Deployment");
+    kube::Api::<DaemonSet>::namespaced(client.clone(), namespace)
+        .patch(
+            "hugepool-agent",
+            &params,
+            &kube::api::Patch::Apply(&daemonset),
+        )
+        .await
+        .expect("apply the DaemonSet");
+}
+
+/// `check` passes on a working install, one line a check; then fails, with
+/// exit code 1, for a stopped operator, a selected node no agent reports
+/// for, and an agent of another version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_passes_a_working_install_and_names_each_failure() {
+    let Some(env) = setup().await else { return };
+    let kubeconfig = env.control_plane.kubeconfig.clone();
+    let mut fleet = Fleet::start(&env, "check", FleetSpec::new(2)).await;
+    let scope = fleet.scope.clone();
+    let replica = fleet.start_leading_replica().await;
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(
+            &pool,
+            json!({"nodeSelector": {"matchLabels": {SCOPE_LABEL: scope}}, "pageSize": "2Mi", "pages": 16}),
+        )
+        .await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |_| {
+            Ok(())
+        })
+        .await;
+    install_objects(&fleet.client, &scope, "0.1.0", "0.1.0").await;
+    let only = format!("{SCOPE_LABEL}={scope}");
+    let args = ["check", "-n", scope.as_str(), "-l", only.as_str()];
+
+    let (code, text) = plugin_exit(&kubeconfig, &args);
+    assert_eq!(code, 0, "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 6, "{text}");
+    assert_eq!(
+        lines[0],
+        "OK    CRD hugepagepools.hugepool.dev: v1alpha1 served, Established"
+    );
+    assert_eq!(
+        lines[1],
+        "OK    CRD hugepagenodes.hugepool.dev: v1alpha1 served, Established"
+    );
+    assert!(
+        lines[2].starts_with(&format!(
+            "OK    operator leading: Deployment {scope}/hugepool-operator, 0/1 ready; Lease {scope}/{} held by {}, renewed ",
+            replica.lease, replica.identity
+        )),
+        "{text}"
+    );
+    assert!(
+        lines[3].starts_with(&format!(
+            "OK    agents report: 2 of 2 selected nodes report their current spec; DaemonSet {scope}/hugepool-agent, "
+        )),
+        "{text}"
+    );
+    assert_eq!(
+        lines[4], "OK    versions match: operator 0.1.0, agent 0.1.0",
+        "{text}"
+    );
+    assert_eq!(lines[5], "all 5 checks passed");
+
+    // A selected node with no agent, an agent of another version.
+    let bare = format!("{scope}-bare");
+    let node: k8s_openapi::api::core::v1::Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": bare, "labels": {SCOPE_LABEL: scope}},
+    }))
+    .expect("Node");
+    kube::Api::<k8s_openapi::api::core::v1::Node>::all(fleet.client.clone())
+        .create(&kube::api::PostParams::default(), &node)
+        .await
+        .expect("create the Node");
+    install_objects(&fleet.client, &scope, "0.1.0", "0.0.9").await;
+    let text = wait_for(
+        "check to find the agentless node",
+        Duration::from_secs(60),
+        || {
+            let (code, text) = plugin_exit(&kubeconfig, &args);
+            std::future::ready(
+                (code == 1 && text.contains("FAIL  agents report"))
+                    .then_some(text.clone())
+                    .ok_or(text),
+            )
+        },
+    )
+    .await;
+    assert!(
+        text.contains(&format!(
+            "FAIL  agents report: 1 of 3 selected nodes have no agent reporting their spec: {bare} (no status: no agent has reported)"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "FAIL  versions match: operator 0.1.0, agent 0.0.9: upgrade both to one release"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("OK    operator leading"), "{text}");
+    assert!(text.ends_with("2 of 5 checks failed\n"), "{text}");
+
+    // The operator stopped: its Lease is let go, nobody leads.
+    let operator = fleet.take_operator(0);
+    operator.stop().await;
+    let text = wait_for("check to see no leader", Duration::from_secs(30), || {
+        let (code, text) = plugin_exit(&kubeconfig, &args);
+        std::future::ready(
+            (code == 1 && text.contains("FAIL  operator leading"))
+                .then_some(text.clone())
+                .ok_or(text),
+        )
+    })
+    .await;
+    let leading = text
+        .lines()
+        .find(|l| l.contains("operator leading"))
+        .expect("the leading line");
+    assert!(
+        leading.contains("has no holder: no replica leads") || leading.contains("expired"),
+        "{leading}"
+    );
+
+    let client = fleet.client.clone();
+    fleet.shutdown().await;
+    support::delete_namespace(&client, &scope).await;
+}
