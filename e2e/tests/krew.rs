@@ -133,11 +133,12 @@ fn make_krew_builds_an_archive_the_real_krew_installs() {
         .expect("run the installed plugin");
     let help = String::from_utf8_lossy(&help.stdout);
     for word in [
-        "See and plan hugepool's hugepage pools",
+        "See, plan and check hugepool's hugepage pools",
         "Usage: kubectl hugepool",
         "status",
         "plan",
         "why",
+        "check",
     ] {
         assert!(help.contains(word), "{word} missing from:\n{help}");
     }

@@ -9,8 +9,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use hugepool_operator::plugin;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-/// See and plan hugepool's hugepage pools: status of pools and nodes, what
-/// applying a pool would do, and why a node is where it is.
+/// See, plan and check hugepool's hugepage pools: status of pools and
+/// nodes, what applying a pool would do, why a node or a pod is where it
+/// is, and whether the install works.
 #[derive(Parser, Debug)]
 #[command(name = "kubectl-hugepool", bin_name = "kubectl hugepool", version)]
 struct Cli {
