@@ -467,7 +467,10 @@ fn the_uninstall_hook_has_resources() {
     let job = find(&docs, "Job", "hugepool-operator-uninstall");
     assert_eq!(
         job["spec"]["template"]["spec"]["containers"][0]["resources"],
-        json!({"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}})
+        json!({
+            "requests": {"cpu": "50m", "memory": "64Mi", "ephemeral-storage": "16Mi"},
+            "limits": {"memory": "256Mi"}
+        })
     );
     let docs = documents(&helm_template(
         &helm,
