@@ -870,6 +870,13 @@ fn an_alert_is_queried_without_its_threshold() {
                 r#"max by (pool) (hugepool_pool_nodes{state="selected"})"#,
             ],
         ),
+        // A product with a comparison inside parentheses: one query.
+        (
+            "max by (pool) (hugepool_pool_kubelet_stale_nodes)\n* on (pool) (max by (pool) (hugepool_pool_nodes{state=\"converged\"})\n== bool max by (pool) (hugepool_pool_nodes{state=\"selected\"}))\n> 0",
+            &[
+                "max by (pool) (hugepool_pool_kubelet_stale_nodes)\n* on (pool) (max by (pool) (hugepool_pool_nodes{state=\"converged\"})\n== bool max by (pool) (hugepool_pool_nodes{state=\"selected\"}))",
+            ],
+        ),
         // The fallback would always answer.
         (
             "(max(hugepool_leader) or vector(0)) < 1",
