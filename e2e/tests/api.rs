@@ -794,6 +794,7 @@ async fn kubectl_get_prints_the_printer_columns() {
         .unwrap();
     let pools = Api::<HugePagePool>::all(env.client.clone());
     let status = HugePagePoolStatus {
+        pages_per_node: Some(64),
         nodes: PoolNodeCounts {
             selected: 4,
             converged: 3,
@@ -834,13 +835,23 @@ async fn kubectl_get_prints_the_printer_columns() {
             "CONVERGED",
             "AVAILABLE",
             "DEGRADED",
+            "REASON",
             "AGE"
         ],
         "{stdout}"
     );
+    // REASON: Available's, picked by a JSONPath filter.
     assert_eq!(
-        &row[..6],
-        [name.as_str(), "2Mi", "64", "3/4", "False", "True"],
+        &row[..7],
+        [
+            name.as_str(),
+            "2Mi",
+            "64",
+            "3/4",
+            "False",
+            "True",
+            "NodesNotConverged"
+        ],
         "{stdout}"
     );
 
@@ -864,6 +875,7 @@ async fn kubectl_get_prints_the_printer_columns() {
     hpn.metadata.managed_fields = None;
     nodes.create(&PostParams::default(), &hpn).await.unwrap();
     let node_status = HugePageNodeStatus {
+        summary: Some("2Mi:64/64 1Gi:0/4".into()),
         page_sizes: vec![PageSizeStatus {
             target: Some(64),
             total: 64,
@@ -899,21 +911,13 @@ async fn kubectl_get_prints_the_printer_columns() {
     let (header, row) = table_row(&stdout, &node_name);
     assert_eq!(
         header,
-        [
-            "NAME",
-            "SIZE",
-            "TARGET",
-            "TOTAL",
-            "FREE",
-            "CONVERGED",
-            "STALLED",
-            "AGE"
-        ],
+        ["NAME", "PAGES", "CONVERGED", "STALLED", "AGE"],
         "{stdout}"
     );
+    // Every size in the one PAGES column (a cell with a space: two words).
     assert_eq!(
-        &row[..7],
-        [node_name.as_str(), "2Mi", "64", "64", "60", "True", "False"],
+        &row[..5],
+        [node_name.as_str(), "2Mi:64/64", "1Gi:0/4", "True", "False"],
         "{stdout}"
     );
     let _ = nodes.delete(&node_name, &DeleteParams::default()).await;
