@@ -62,6 +62,8 @@ pub struct CheckInput {
     pub lease: Option<(String, String, Option<Lease>)>,
     /// Every pool with its selected nodes (`status`'s rows).
     pub pools: Vec<PoolRow>,
+    /// Why the pools or HugePageNodes could not be read (a CRD missing).
+    pub unreadable: Option<String>,
     pub node_states: Vec<HugePageNode>,
     /// This plugin's version.
     pub plugin_version: String,
@@ -260,6 +262,9 @@ fn leader_check(input: &CheckInput, now: Timestamp) -> Check {
 
 fn agents_check(input: &CheckInput) -> Check {
     let title = "agents report";
+    if let Some(error) = &input.unreadable {
+        return Check::new(title, false, format!("cannot read the pools: {error}"));
+    }
     let mut selected: Vec<&str> = input
         .pools
         .iter()
@@ -412,5 +417,96 @@ fn versions_check(input: &CheckInput) -> Check {
                 agent.unwrap_or_else(|| "not found".into())
             ),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn deployment(image: &str, args: &[&str]) -> Deployment {
+        serde_json::from_value(json!({
+            "metadata": {"name": "op", "namespace": "hp", "labels": {"app.kubernetes.io/version": "0.2.0"}},
+            "spec": {"selector": {}, "template": {"spec": {"containers": [
+                {"name": "operator", "image": image, "args": args},
+            ]}}},
+        }))
+        .expect("Deployment")
+    }
+
+    fn lease(renewed: i64) -> Lease {
+        serde_json::from_value(json!({
+            "metadata": {"name": "l", "namespace": "hp"},
+            "spec": {"holderIdentity": "op-1", "leaseDurationSeconds": 15,
+                     "renewTime": Timestamp::from_second(renewed).unwrap().to_string()},
+        }))
+        .expect("Lease")
+    }
+
+    fn check<'a>(report: &'a CheckReport, name: &str) -> &'a Check {
+        report
+            .checks
+            .iter()
+            .find(|c| c.name.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} check"))
+    }
+
+    #[test]
+    fn a_missing_crd_an_expired_lease_and_unreadable_pools_each_fail_their_line() {
+        let input = CheckInput {
+            crds: vec![("hugepagepools.hugepool.dev".into(), None)],
+            operators: vec![deployment("op:0.1.0", &["run", "--leader-elect"])],
+            lease: Some(("hp".into(), "hugepool-operator".into(), Some(lease(1000)))),
+            unreadable: Some("the server could not find the requested resource".into()),
+            ..CheckInput::default()
+        };
+        let report = report(&input, Timestamp::from_second(1016).unwrap());
+        assert!(!report.passed());
+        let crd = check(&report, "CRD hugepagepools");
+        assert!(
+            !crd.ok && crd.detail.starts_with("not installed"),
+            "{crd:?}"
+        );
+        let leading = check(&report, "operator leading");
+        assert!(!leading.ok, "{leading:?}");
+        assert!(
+            leading
+                .detail
+                .ends_with("held by op-1 expired: renewed 16s ago, valid 15s"),
+            "{leading:?}"
+        );
+        let agents = check(&report, "agents report");
+        assert!(
+            !agents.ok && agents.detail.contains("could not find"),
+            "{agents:?}"
+        );
+        // 15s after the renewal the Lease still holds.
+        let report = super::report(&input, Timestamp::from_second(1015).unwrap());
+        assert!(check(&report, "operator leading").ok);
+    }
+
+    #[test]
+    fn the_lease_comes_from_the_args_and_a_digest_pinned_image_reads_its_version_label() {
+        let d = deployment(
+            "ghcr.io/x/op@sha256:abcd",
+            &[
+                "run",
+                "--leader-elect",
+                "--lease-name",
+                "mine",
+                "--lease-namespace=elsewhere",
+            ],
+        );
+        assert_eq!(lease_of(&d), Some(("elsewhere".into(), "mine".into())));
+        assert_eq!(lease_of(&deployment("op:1", &["run"])), None);
+        assert_eq!(
+            version_of(&d.metadata, Some("ghcr.io/x/op@sha256:abcd")).as_deref(),
+            Some("0.2.0")
+        );
+        assert_eq!(
+            version_of(&d.metadata, Some("registry:5000/x/op:0.1.0")).as_deref(),
+            Some("0.1.0")
+        );
     }
 }

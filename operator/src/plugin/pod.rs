@@ -403,3 +403,46 @@ fn verdict(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn taint(key: &str) -> Taint {
+        serde_json::from_value(json!({"key": key, "effect": "NoSchedule"})).unwrap()
+    }
+
+    fn toleration(value: serde_json::Value) -> Toleration {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn tolerations_match_as_the_scheduler_matches_them() {
+        let not_ready = taint(hugepool_crds::NOT_READY_TAINT);
+        assert!(tolerates(
+            &toleration(json!({"operator": "Exists"})),
+            &not_ready
+        ));
+        assert!(tolerates(
+            &toleration(
+                json!({"key": "hugepool.dev/not-ready", "operator": "Exists", "effect": "NoSchedule"})
+            ),
+            &not_ready
+        ));
+        assert!(!tolerates(
+            &toleration(
+                json!({"key": "hugepool.dev/not-ready", "operator": "Exists", "effect": "NoExecute"})
+            ),
+            &not_ready
+        ));
+        assert!(!tolerates(
+            &toleration(json!({"key": "hugepool.dev/draining", "operator": "Exists"})),
+            &not_ready
+        ));
+        assert!(tolerates(
+            &toleration(json!({"key": "hugepool.dev/not-ready"})),
+            &not_ready
+        ));
+    }
+}
