@@ -1442,6 +1442,24 @@ fn name_nodes(names: &[String]) -> String {
     text
 }
 
+/// What finishes a pool whose kernels converged while kubelets still report
+/// the old capacity, for the pool's `kubelet.restart` (docs/user-guide.md,
+/// "Kubelet restart").
+fn ways_to_refresh_the_kubelet(restart: KubeletRestart) -> &'static str {
+    match restart {
+        KubeletRestart::Never => {
+            "To finish, either restart the kubelet on each (`systemctl restart kubelet`), or let \
+             the agents do it: set spec.kubelet.restart: AfterResize (the chart needs \
+             agent.kubeletRestart.enabled=true), or set the pool at boot (agent.bootFile.enabled)"
+        }
+        KubeletRestart::AfterResize => {
+            "The agents restart it (kubelet.restart: AfterResize); `kubectl hugepool why NODE` \
+             says what a node waits for (an agent installed without \
+             agent.kubeletRestart.enabled=true cannot restart it)"
+        }
+    }
+}
+
 /// Available, Progressing and Degraded for one pool (docs/design.md).
 fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3] {
     use PoolConditionType::{Available, Degraded, Progressing};
@@ -1483,10 +1501,11 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             false,
             Reason::KubeletCapacityStale,
             format!(
-                "{summary}; the kubelet on {} still reports the old {} capacity (it reads it \
-                 when it starts: restart it, or set kubelet.restart: AfterResize)",
+                "{summary}; the kubelet on {} still reports the old {} capacity (a kubelet \
+                 reads it only when it starts). {}",
                 name_nodes(&plan.capacity_stale),
                 pool.size.resource_name(),
+                ways_to_refresh_the_kubelet(pool.pool.spec.kubelet.restart),
             ),
         )
     } else if counts.converged == counts.selected {

@@ -1676,6 +1676,16 @@ fn a_pool_is_not_available_while_a_kubelet_reports_the_old_capacity() {
         message.contains("the kubelet on w-00 still reports the old hugepages-2Mi"),
         "{message}"
     );
+    // The pool restarts no kubelet (kubelet.restart: Never): the message
+    // names every way to finish.
+    for way in [
+        "systemctl restart kubelet",
+        "spec.kubelet.restart: AfterResize",
+        "agent.kubeletRestart.enabled=true",
+        "agent.bootFile.enabled",
+    ] {
+        assert!(message.contains(way), "{way} missing: {message}");
+    }
     // The rollout itself is done: only the kubelet is behind.
     assert_eq!(
         condition(&plan, "dpdk", PoolConditionType::Progressing),
