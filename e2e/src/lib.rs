@@ -188,6 +188,12 @@ impl OwnedControlPlane {
         })
     }
 
+    /// The `controlplane up` process; etcd, the apiserver and the
+    /// controller-manager are its children.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
     /// SIGTERM and wait until every component has exited.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -57,6 +57,8 @@ struct Row {
     nodes: usize,
     pools: usize,
     floor: Floors,
+    /// Where each phase's time went, floors first.
+    profiles: Vec<(String, Profile)>,
     apply: Duration,
     change: Duration,
     rollout: Duration,
@@ -71,6 +73,8 @@ struct Row {
 #[derive(Default)]
 struct Targets {
     by_node: HashMap<String, i64>,
+    /// Status writes the simulated agents have made.
+    reported: usize,
 }
 
 impl Targets {
@@ -89,11 +93,19 @@ fn target_of(state: &HugePageNode) -> Option<i64> {
 }
 
 /// What the same writes take a bare client on the same apiserver.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Debug, Default)]
 struct Floors {
     apply: Duration,
     change: Duration,
     rollout: Duration,
+    /// The apply with the simulated agents and their watch beside it, as in
+    /// the operator's run (not a floor the issue defines: it shows how much
+    /// of the gap is the agents' share of the apiserver).
+    apply_with_agents: Duration,
+    /// The change likewise, on objects that carry the agents' status.
+    change_with_agents: Duration,
+    /// Each phase's profile, by name.
+    profiles: Vec<(String, Profile)>,
 }
 
 /// The status an agent writes once the kernel holds `pages`.
@@ -128,12 +140,18 @@ fn converged_status(state: &HugePageNode, pages: i64) -> serde_json::Value {
 
 /// Simulated agents: every HugePageNode whose spec generation has not been
 /// reported is reported converged `delay` after it is first seen.
-fn start_agents(client: Client, delay: Duration, targets: Arc<Mutex<Targets>>) {
+fn start_agents(
+    client: Client,
+    delay: Duration,
+    targets: Arc<Mutex<Targets>>,
+    selector: &str,
+) -> tokio::task::JoinHandle<()> {
+    let config = watcher::Config::default().labels(selector);
     tokio::spawn(async move {
         let api: Api<HugePageNode> = Api::all(client);
         let slots = Arc::new(Semaphore::new(AGENT_WRITES_IN_FLIGHT));
         let mut scheduled: HashMap<String, i64> = HashMap::new();
-        let mut events = watcher(api.clone(), watcher::Config::default())
+        let mut events = watcher(api.clone(), config)
             .default_backoff()
             .boxed();
         while let Some(event) = events.next().await {
@@ -164,7 +182,7 @@ fn start_agents(client: Client, delay: Duration, targets: Arc<Mutex<Targets>>) {
                     continue;
                 };
                 scheduled.insert(name.clone(), generation);
-                let (api, slots) = (api.clone(), slots.clone());
+                let (api, slots, targets) = (api.clone(), slots.clone(), targets.clone());
                 tokio::spawn(async move {
                     tokio::time::sleep(delay).await;
                     let _slot = slots.acquire().await.expect("semaphore");
@@ -176,6 +194,7 @@ fn start_agents(client: Client, delay: Duration, targets: Arc<Mutex<Targets>>) {
                             .await
                             .is_ok()
                         {
+                            targets.lock().expect("targets").reported += 1;
                             break;
                         }
                         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -183,7 +202,7 @@ fn start_agents(client: Client, delay: Duration, targets: Arc<Mutex<Targets>>) {
                 });
             }
         }
-    });
+    })
 }
 
 /// The operator's release binary, run against `kubeconfig`.
@@ -228,20 +247,7 @@ impl Operator {
 
     /// User + system CPU time so far.
     fn cpu(&self) -> Duration {
-        let stat = self.proc_file("stat");
-        // Fields after the command name (which may hold spaces).
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .map_or("", |(_, rest)| rest)
-            .split_whitespace()
-            .collect();
-        let ticks: u64 = [11, 12]
-            .iter()
-            .filter_map(|i| fields.get(*i).and_then(|f| f.parse::<u64>().ok()))
-            .sum();
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-        Duration::from_secs_f64(ticks as f64 / hz)
+        cpu_of(self.child.id())
     }
 
     /// One sample of its /metrics.
@@ -274,14 +280,139 @@ impl Drop for Operator {
     }
 }
 
-/// Mutating requests the apiserver has served, by resource/subresource,
+/// The fields of /proc/PID/stat after the command name (which may hold
+/// spaces): state is field 0, ppid 1, utime 11, stime 12.
+fn stat_fields(pid: u32) -> Vec<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap_or_default()
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// User + system CPU time a process has used so far.
+fn cpu_of(pid: u32) -> Duration {
+    let fields = stat_fields(pid);
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|i| fields.get(*i).and_then(|f| f.parse::<u64>().ok()))
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Duration::from_secs_f64(ticks as f64 / hz)
+}
+
+/// CPU used so far by each process on the apiserver's side of the bench
+/// (etcd, kube-apiserver, kube-controller-manager: the children of
+/// `controlplane up`, named by their subcommand), the operator and this
+/// process (the simulated agents, the watch that times the bench and the
+/// floors' client).
+fn cpu_by_role(up: u32, operator: Option<u32>) -> BTreeMap<String, Duration> {
+    let mut roles = BTreeMap::new();
+    let pids = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok());
+    for pid in pids {
+        if stat_fields(pid).get(1).and_then(|p| p.parse::<u32>().ok()) != Some(up) {
+            continue;
+        }
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let role = cmdline
+            .split(|b| *b == 0)
+            .nth(1)
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .unwrap_or_default();
+        *roles.entry(role).or_insert(Duration::ZERO) += cpu_of(pid);
+    }
+    if let Some(pid) = operator {
+        roles.insert("operator".into(), cpu_of(pid));
+    }
+    roles.insert("bench".into(), cpu_of(std::process::id()));
+    roles
+}
+
+/// What one phase cost: its wall time, the CPU each process used in it and
+/// the requests the apiserver served in it (`VERB resource`).
+#[derive(Debug, Default)]
+struct Profile {
+    wall: Duration,
+    cpu: BTreeMap<String, Duration>,
+    requests: BTreeMap<String, f64>,
+}
+
+/// A reading at the start of a phase; `finish` makes its profile.
+struct Reading {
+    cpu: BTreeMap<String, Duration>,
+    requests: BTreeMap<String, f64>,
+    up: u32,
+    operator: Option<u32>,
+}
+
+impl Reading {
+    async fn take(client: &Client, up: u32, operator: Option<u32>) -> Reading {
+        Reading {
+            cpu: cpu_by_role(up, operator),
+            requests: apiserver_requests(client).await,
+            up,
+            operator,
+        }
+    }
+
+    /// The profile from this reading to now; `wall` is the phase's own
+    /// measured time.
+    async fn finish(self, client: &Client, wall: Duration) -> Profile {
+        let cpu = cpu_by_role(self.up, self.operator)
+            .into_iter()
+            .map(|(role, used)| {
+                let before = self.cpu.get(&role).copied().unwrap_or_default();
+                (role, used.saturating_sub(before))
+            })
+            .collect();
+        let requests = apiserver_requests(client)
+            .await
+            .into_iter()
+            .map(|(key, count)| {
+                let before = self.requests.get(&key).copied().unwrap_or(0.0);
+                (key, count - before)
+            })
+            .filter(|(_, count)| *count >= 1.0)
+            .collect();
+        Profile {
+            wall,
+            cpu,
+            requests,
+        }
+    }
+}
+
+impl std::fmt::Display for Profile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.1} s wall; CPU s:", self.wall.as_secs_f64())?;
+        for (role, used) in &self.cpu {
+            write!(f, " {role} {:.1}", used.as_secs_f64())?;
+        }
+        let mut requests: Vec<(&String, &f64)> = self.requests.iter().collect();
+        requests.sort_by(|a, b| b.1.total_cmp(a.1));
+        write!(f, "; requests:")?;
+        for (key, count) in requests.iter().take(8) {
+            write!(f, " {key} {count:.0},")?;
+        }
+        Ok(())
+    }
+}
+
+/// Requests the apiserver has served, by `VERB resource[/subresource]`,
 /// from its own `apiserver_request_total`.
-async fn apiserver_writes(client: &Client) -> BTreeMap<String, f64> {
+async fn apiserver_requests(client: &Client) -> BTreeMap<String, f64> {
     let request = http::Request::get("/metrics")
         .body(Vec::new())
         .expect("request");
     let text = client.request_text(request).await.unwrap_or_default();
-    let mut writes = BTreeMap::new();
+    let mut requests = BTreeMap::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("apiserver_request_total{") else {
             continue;
@@ -296,19 +427,27 @@ async fn apiserver_writes(client: &Client) -> BTreeMap<String, f64> {
                 .map(|v| v.trim_end_matches('"').to_string())
                 .unwrap_or_default()
         };
-        let verb = label("verb");
-        if ![
-            "POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE",
-        ]
-        .contains(&verb.to_uppercase().as_str())
-        {
-            continue;
-        }
-        let key = match label("subresource") {
+        let resource = match label("subresource") {
             sub if sub.is_empty() => label("resource"),
             sub => format!("{}/{sub}", label("resource")),
         };
-        *writes.entry(key).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+        let key = format!("{} {resource}", label("verb").to_uppercase());
+        *requests.entry(key).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+    }
+    requests
+}
+
+/// Mutating requests the apiserver has served, by resource/subresource.
+async fn apiserver_writes(client: &Client) -> BTreeMap<String, f64> {
+    const MUTATING: [&str; 7] = ["POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE"];
+    let mut writes = BTreeMap::new();
+    for (key, count) in apiserver_requests(client).await {
+        let Some((verb, resource)) = key.split_once(' ') else {
+            continue;
+        };
+        if MUTATING.contains(&verb) {
+            *writes.entry(resource.to_string()).or_insert(0.0) += count;
+        }
     }
     writes
 }
@@ -424,16 +563,22 @@ async fn apply_specs(api: &Api<HugePageNode>, names: &[String], pages: i64, in_f
 
 /// The apiserver's own floors, measured by a bare client doing the
 /// operator's writes (and, for the rollout, the agents') at the same
-/// concurrency; its objects are deleted after.
-async fn apiserver_floors(client: &Client, nodes: usize, delay: Duration) -> Floors {
+/// concurrency; its objects are deleted after. `up` is the control plane's
+/// process, for the profiles.
+async fn apiserver_floors(client: &Client, nodes: usize, delay: Duration, up: u32) -> Floors {
     let api: Api<HugePageNode> = Api::all(client.clone());
     let names: Vec<String> = (0..nodes).map(|i| format!("floor-{i:05}")).collect();
+    let mut profiles = Vec::new();
+    let reading = Reading::take(client, up, None).await;
     let started = Instant::now();
     apply_specs(&api, &names, 64, 32).await;
     let apply = started.elapsed();
+    profiles.push(("floor: apply".into(), reading.finish(client, apply).await));
+    let reading = Reading::take(client, up, None).await;
     let started = Instant::now();
     apply_specs(&api, &names, 128, 32).await;
     let change = started.elapsed();
+    profiles.push(("floor: change".into(), reading.finish(client, change).await));
     // Ten waves: the wave's specs, the agents' delay, their status writes.
     let started = Instant::now();
     let per_wave = nodes.div_ceil(10);
@@ -457,17 +602,95 @@ async fn apiserver_floors(client: &Client, nodes: usize, delay: Duration) -> Flo
             .expect("floor status writes");
     }
     let rollout = started.elapsed();
+    delete_floor_objects(&api).await;
+    let mut loaded = floors_with_agents(client, nodes, delay, up).await.into_iter();
+    let (apply_with_agents, profile) = loaded.next().expect("the loaded apply");
+    profiles.push(("floor + agents and their watch: apply".into(), profile));
+    let (change_with_agents, profile) = loaded.next().expect("the loaded change");
+    profiles.push(("floor + agents and their watch: change".into(), profile));
+    Floors {
+        apply,
+        change,
+        rollout,
+        apply_with_agents,
+        change_with_agents,
+        profiles,
+    }
+}
+
+async fn delete_floor_objects(api: &Api<HugePageNode>) {
     api.delete_collection(
         &kube::api::DeleteParams::default(),
         &kube::api::ListParams::default().labels("bench-floor=true"),
     )
     .await
     .expect("delete the floor's objects");
-    Floors {
-        apply,
-        change,
-        rollout,
+}
+
+/// The apply and change floors with what shares the apiserver in the
+/// operator's run: the simulated agents watch the objects and report each
+/// target `delay` after they see it, and the clock stops when their watch
+/// has seen every target (as the operator's phases are timed). Between the
+/// two, every status is written, so the change meets objects shaped like
+/// the operator's (with the agents' status and managed fields).
+async fn floors_with_agents(
+    client: &Client,
+    nodes: usize,
+    delay: Duration,
+    up: u32,
+) -> Vec<(Duration, Profile)> {
+    let api: Api<HugePageNode> = Api::all(client.clone());
+    let targets = Arc::new(Mutex::new(Targets::default()));
+    let agents = start_agents(client.clone(), delay, targets.clone(), "bench-floor=true");
+    let seen = |pages: i64, count: usize| {
+        let targets = targets.clone();
+        move || {
+            let seen = targets.lock().expect("targets").count(pages);
+            (seen == count)
+                .then_some(())
+                .ok_or(format!("the agents' watch saw {seen}/{count} targets"))
+        }
+    };
+    let all_reported = |count: usize| {
+        let targets = targets.clone();
+        move || {
+            let reported = targets.lock().expect("targets").reported;
+            (reported >= count)
+                .then_some(())
+                .ok_or(format!("{reported}/{count} reported"))
+        }
+    };
+    // One object first, so the watch is running when the clock starts.
+    let first = ["loaded-start".to_string()];
+    apply_specs(&api, &first, 64, 1).await;
+    wait_until("the agents' watch", Duration::from_secs(60), seen(64, 1)).await;
+    let names: Vec<String> = (0..nodes).map(|i| format!("loaded-{i:05}")).collect();
+    let mut phases = Vec::new();
+    for (pages, reports) in [(64, nodes + 1), (128, 2 * nodes + 2)] {
+        let reading = Reading::take(client, up, None).await;
+        let started = Instant::now();
+        apply_specs(&api, &names, pages, 32).await;
+        if pages == 128 {
+            apply_specs(&api, &first, pages, 1).await;
+        }
+        wait_until(
+            "the agents' watch",
+            Duration::from_secs(600),
+            seen(pages, nodes + 1),
+        )
+        .await;
+        let elapsed = started.elapsed();
+        phases.push((elapsed, reading.finish(client, elapsed).await));
+        wait_until(
+            "the agents' status writes",
+            Duration::from_secs(600),
+            all_reported(reports),
+        )
+        .await;
     }
+    agents.abort();
+    delete_floor_objects(&api).await;
+    phases
 }
 
 async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) -> Row {
@@ -481,10 +704,19 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     create_nodes(&client, nodes, pool_count).await;
     eprintln!("{nodes} Nodes created in {:.1?}", started.elapsed());
 
-    let floor = apiserver_floors(&client, nodes, delay).await;
-    eprintln!("{nodes} nodes: floors {floor:?}");
+    let up = control_plane.pid().expect("the control plane runs");
+    let mut floor = apiserver_floors(&client, nodes, delay, up).await;
+    eprintln!(
+        "{nodes} nodes: floors apply {:?}, change {:?}, rollout {:?}; with the agents: apply {:?}, change {:?}",
+        floor.apply,
+        floor.change,
+        floor.rollout,
+        floor.apply_with_agents,
+        floor.change_with_agents
+    );
+    let mut profiles = std::mem::take(&mut floor.profiles);
     let targets = Arc::new(Mutex::new(Targets::default()));
-    start_agents(client.clone(), delay, targets.clone());
+    let _agents = start_agents(client.clone(), delay, targets.clone(), "");
     let operator = Operator::start(
         &control_plane.control_plane.kubeconfig,
         &dir.join("operator.log"),
@@ -532,6 +764,8 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     };
 
     // 1. Apply at maxUnavailable 100%.
+    let operator_pid = Some(operator.child.id());
+    let reading = Reading::take(&client, up, operator_pid).await;
     let t = Instant::now();
     let created = futures::future::join_all(names.iter().enumerate().map(|(k, name)| {
         let pool: HugePagePool = serde_json::from_value(json!({
@@ -555,14 +789,17 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     .collect::<Vec<i64>>();
     wait_until("every node to carry 64", budget, all_carry(64)).await;
     let apply = t.elapsed();
+    profiles.push(("operator: apply".into(), reading.finish(&client, apply).await));
     all_available(created).await;
 
     // 2. Change pages.
     let before = apiserver_writes(&client).await;
+    let reading = Reading::take(&client, up, operator_pid).await;
     let t = Instant::now();
     let changed = patch_all(json!({"spec": {"pages": 128}})).await;
     wait_until("every node to carry 128", budget, all_carry(128)).await;
     let change = t.elapsed();
+    profiles.push(("operator: change".into(), reading.finish(&client, change).await));
     all_available(changed).await;
     let writes = operator_writes(&before, &apiserver_writes(&client).await);
 
@@ -579,6 +816,7 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
         nodes,
         pools: pool_count,
         floor,
+        profiles,
         apply,
         change,
         rollout,
@@ -658,9 +896,9 @@ fn main() -> ExitCode {
         })
         .collect();
     println!(
-        "| nodes | pools | apply -> all targets (floor, x) | change -> all targets (floor, x) | rollout at 10% (floor, x) | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
+        "| nodes | pools | apply -> all targets (floor, x) | change -> all targets (floor, x) | rollout at 10% (floor, x) | apply, change against the floors with agents (x) | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let versus = |ours: Duration, floor: Duration| {
         format!(
             "{:.1} s ({:.1} s, {:.2}x)",
@@ -669,20 +907,56 @@ fn main() -> ExitCode {
             ours.as_secs_f64() / floor.as_secs_f64().max(1e-9)
         )
     };
-    for row in rows {
+    for row in &rows {
         println!(
-            "| {} | {} | {} | {} | {} | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
+            "| {} | {} | {} | {} | {} | {}; {} | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
             row.nodes,
             row.pools,
             versus(row.apply, row.floor.apply),
             versus(row.change, row.floor.change),
             versus(row.rollout, row.floor.rollout),
+            versus(row.apply, row.floor.apply_with_agents),
+            versus(row.change, row.floor.change_with_agents),
             row.writes_per_node,
             row.peak_rss_mib,
             row.cpu.as_secs_f64(),
             row.passes,
             row.plan.as_secs_f64() * 1e3,
         );
+    }
+    println!();
+    println!("Where the time goes (CPU seconds each process used in the phase; the apiserver's requests in it, most first):");
+    println!();
+    println!("| nodes | pools | phase | wall | CPU: apiserver, etcd, controller-manager, operator, bench | requests |");
+    println!("|---|---|---|---|---|---|");
+    for row in &rows {
+        for (phase, profile) in &row.profiles {
+            let cpu = |role: &str| {
+                profile
+                    .cpu
+                    .get(role)
+                    .map_or("-".to_string(), |used| format!("{:.1}", used.as_secs_f64()))
+            };
+            let mut requests: Vec<(&String, &f64)> = profile.requests.iter().collect();
+            requests.sort_by(|a, b| b.1.total_cmp(a.1));
+            let requests: Vec<String> = requests
+                .iter()
+                .take(6)
+                .map(|(key, count)| format!("{key} {count:.0}"))
+                .collect();
+            println!(
+                "| {} | {} | {phase} | {:.1} s | {}, {}, {}, {}, {} | {} |",
+                row.nodes,
+                row.pools,
+                profile.wall.as_secs_f64(),
+                cpu("apiserver"),
+                cpu("etcd"),
+                cpu("controller-manager"),
+                cpu("operator"),
+                cpu("bench"),
+                requests.join(", "),
+            );
+        }
     }
     if !too_many.is_empty() {
         eprintln!("the operator writes more than 3 times per node per change: {too_many:?}");
