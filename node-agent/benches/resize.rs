@@ -12,12 +12,15 @@
 //! each strategy's medians. Then it repeats the 2Mi engine resizes until
 //! each engine row has HUGEPOOL_BENCH_MIN_WRITES writes (default 1000), for
 //! a p99 that is not just the largest write. Raw results go to
-//! node-agent/bench-results/ as JSON. Holds the real-kernel test lock;
+//! node-agent/bench-results/ as JSON, with an SVG of each write's latency
+//! over its resize beside them (benches/common/plot.rs). Holds the real-kernel test lock;
 //! saves and restores every pool and HVO.
 //!
 //! Environment: HUGEPOOL_BENCH_REPS (default 5), HUGEPOOL_BENCH_PAGES
 //! (default 8192), HUGEPOOL_BENCH_1GI_PAGES, HUGEPOOL_BENCH_MIN_WRITES.
 
+#[path = "common/plot.rs"]
+mod plot;
 #[path = "common/raw.rs"]
 mod raw;
 
@@ -246,6 +249,14 @@ fn bench() -> Result<(), String> {
     }
     let saved = save_raw(&results, reps, &table)?;
     println!("\nRaw results: {}", saved.display());
+    // Drawn from the saved file, as the plot-resize example redraws it.
+    let document: serde_json::Value = std::fs::read_to_string(&saved)
+        .map_err(|e| e.to_string())
+        .and_then(|text| serde_json::from_str(&text).map_err(|e| e.to_string()))
+        .map_err(|e| format!("{}: {e}", saved.display()))?;
+    let picture = saved.with_extension("svg");
+    plot::plot_raw(&document, &picture)?;
+    println!("Write latency plot: {}", picture.display());
     Ok(())
 }
 
