@@ -6,6 +6,8 @@
 pub mod check;
 pub mod plan;
 pub mod pod;
+#[cfg(test)]
+mod samples;
 pub mod status;
 pub mod why;
 
