@@ -347,6 +347,24 @@ fn relative_links_in_the_readme_and_docs_resolve() {
 }
 
 #[test]
+fn the_handbook_index_lists_every_page() {
+    let index = read("docs/README.md");
+    let linked: BTreeSet<String> = link_targets(&index)
+        .into_iter()
+        .map(|target| target.split('#').next().unwrap_or_default().to_string())
+        .collect();
+    let unlisted: Vec<String> = handbook_pages()
+        .into_iter()
+        .filter_map(|page| page.strip_prefix("docs/").map(String::from))
+        .filter(|page| page != "README.md" && !linked.contains(page))
+        .collect();
+    assert!(
+        unlisted.is_empty(),
+        "docs/README.md does not list {unlisted:?}: add a row for each"
+    );
+}
+
+#[test]
 fn slugs_follow_githubs_rule() {
     assert_eq!(slug("HugepoolResizeStalled"), "hugepoolresizestalled");
     assert_eq!(
