@@ -294,7 +294,8 @@ fn kubectl_get(
     kind: &str,
     name: &str,
 ) -> std::collections::BTreeMap<String, String> {
-    let output = Command::new("kubectl")
+    // The kubectl built with the control plane (its version), as api.rs runs it.
+    let output = Command::new(hugepool_e2e::kubectl_path())
         .arg("--kubeconfig")
         .arg(kubeconfig)
         .args(["get", kind, name])
