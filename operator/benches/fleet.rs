@@ -29,6 +29,11 @@
 //! HUGEPOOL_FLEET_OPERATOR (another operator binary, such as the image's
 //! musl build). Under `cargo test` (no `--bench`) it runs 50 nodes with
 //! 200 ms agents and fails above 3 operator writes per node per change.
+//! Each row also draws its rollout (nodes changing and converged every
+//! 100 ms against maxUnavailable) as target/bench-fleet/rollout-N-P.svg.
+
+#[path = "fleet/plot.rs"]
+mod plot;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -75,12 +80,65 @@ struct Targets {
     by_node: HashMap<String, i64>,
     /// Status writes the simulated agents have made.
     reported: usize,
+    /// The target each node's agent last reported converged at.
+    reported_by_node: HashMap<String, i64>,
 }
 
 impl Targets {
     fn count(&self, pages: i64) -> usize {
         self.by_node.values().filter(|p| **p == pages).count()
     }
+
+    /// Nodes carrying `pages` not yet reported at it, and nodes reported at it.
+    fn rollout(&self, pages: i64) -> (usize, usize) {
+        let converged = self
+            .reported_by_node
+            .values()
+            .filter(|p| **p == pages)
+            .count();
+        let changing = self
+            .by_node
+            .iter()
+            .filter(|(name, p)| **p == pages && self.reported_by_node.get(*name) != Some(&pages))
+            .count();
+        (changing, converged)
+    }
+}
+
+/// Samples `targets` every `every` from `started` until `stop` fires, then
+/// once more.
+fn sample_rollout(
+    targets: Arc<Mutex<Targets>>,
+    pages: i64,
+    started: Instant,
+    every: Duration,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Vec<plot::RolloutSample>>,
+) {
+    let (stop, mut stopped) = tokio::sync::oneshot::channel();
+    let sampler = tokio::spawn(async move {
+        let sample = || {
+            let (changing, converged) = targets.lock().expect("targets").rollout(pages);
+            plot::RolloutSample {
+                seconds: started.elapsed().as_secs_f64(),
+                changing,
+                converged,
+            }
+        };
+        let mut samples = Vec::new();
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = &mut stopped => break,
+                _ = ticks.tick() => samples.push(sample()),
+            }
+        }
+        samples.push(sample());
+        samples
+    });
+    (stop, sampler)
 }
 
 fn target_of(state: &HugePageNode) -> Option<i64> {
@@ -151,9 +209,7 @@ fn start_agents(
         let api: Api<HugePageNode> = Api::all(client);
         let slots = Arc::new(Semaphore::new(AGENT_WRITES_IN_FLIGHT));
         let mut scheduled: HashMap<String, i64> = HashMap::new();
-        let mut events = watcher(api.clone(), config)
-            .default_backoff()
-            .boxed();
+        let mut events = watcher(api.clone(), config).default_backoff().boxed();
         while let Some(event) = events.next().await {
             let Ok(event) = event else { continue };
             let objects: Vec<HugePageNode> = match event {
@@ -194,7 +250,9 @@ fn start_agents(
                             .await
                             .is_ok()
                         {
-                            targets.lock().expect("targets").reported += 1;
+                            let mut targets = targets.lock().expect("targets");
+                            targets.reported += 1;
+                            targets.reported_by_node.insert(name.clone(), pages);
                             break;
                         }
                         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -439,7 +497,9 @@ async fn apiserver_requests(client: &Client) -> BTreeMap<String, f64> {
 
 /// Mutating requests the apiserver has served, by resource/subresource.
 async fn apiserver_writes(client: &Client) -> BTreeMap<String, f64> {
-    const MUTATING: [&str; 7] = ["POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE"];
+    const MUTATING: [&str; 7] = [
+        "POST", "PUT", "PATCH", "DELETE", "APPLY", "CREATE", "UPDATE",
+    ];
     let mut writes = BTreeMap::new();
     for (key, count) in apiserver_requests(client).await {
         let Some((verb, resource)) = key.split_once(' ') else {
@@ -603,7 +663,9 @@ async fn apiserver_floors(client: &Client, nodes: usize, delay: Duration, up: u3
     }
     let rollout = started.elapsed();
     delete_floor_objects(&api).await;
-    let mut loaded = floors_with_agents(client, nodes, delay, up).await.into_iter();
+    let mut loaded = floors_with_agents(client, nodes, delay, up)
+        .await
+        .into_iter();
     let (apply_with_agents, profile) = loaded.next().expect("the loaded apply");
     profiles.push(("floor + agents and their watch: apply".into(), profile));
     let (change_with_agents, profile) = loaded.next().expect("the loaded change");
@@ -708,11 +770,7 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     let mut floor = apiserver_floors(&client, nodes, delay, up).await;
     eprintln!(
         "{nodes} nodes: floors apply {:?}, change {:?}, rollout {:?}; with the agents: apply {:?}, change {:?}",
-        floor.apply,
-        floor.change,
-        floor.rollout,
-        floor.apply_with_agents,
-        floor.change_with_agents
+        floor.apply, floor.change, floor.rollout, floor.apply_with_agents, floor.change_with_agents
     );
     let mut profiles = std::mem::take(&mut floor.profiles);
     let targets = Arc::new(Mutex::new(Targets::default()));
@@ -789,7 +847,10 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     .collect::<Vec<i64>>();
     wait_until("every node to carry 64", budget, all_carry(64)).await;
     let apply = t.elapsed();
-    profiles.push(("operator: apply".into(), reading.finish(&client, apply).await));
+    profiles.push((
+        "operator: apply".into(),
+        reading.finish(&client, apply).await,
+    ));
     all_available(created).await;
 
     // 2. Change pages.
@@ -799,18 +860,32 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     let changed = patch_all(json!({"spec": {"pages": 128}})).await;
     wait_until("every node to carry 128", budget, all_carry(128)).await;
     let change = t.elapsed();
-    profiles.push(("operator: change".into(), reading.finish(&client, change).await));
+    profiles.push((
+        "operator: change".into(),
+        reading.finish(&client, change).await,
+    ));
     all_available(changed).await;
     let writes = operator_writes(&before, &apiserver_writes(&client).await);
 
     // 3. A rollout at 10%.
     let passes_before = operator.reconciles();
     let t = Instant::now();
+    let (stop_sampling, sampler) =
+        sample_rollout(targets.clone(), 256, t, Duration::from_millis(100));
     let rolled =
         patch_all(json!({"spec": {"pages": 256, "rollout": {"maxUnavailable": "10%"}}})).await;
     all_available(rolled).await;
     let rollout = t.elapsed();
     let passes = operator.reconciles().saturating_sub(passes_before);
+    let _ = stop_sampling.send(());
+    let samples = sampler.await.expect("the rollout's samples");
+    let picture = root.join(format!("rollout-{nodes}-{pool_count}.svg"));
+    plot_rollout(&picture, &samples, nodes, pool_count, delay);
+    let picture = picture.canonicalize().unwrap_or(picture);
+    println!(
+        "{nodes} nodes, {pool_count} pools: rollout plot {}",
+        picture.display()
+    );
 
     let row = Row {
         nodes,
@@ -833,6 +908,31 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     drop(operator);
     drop(control_plane);
     row
+}
+
+/// The rollout's picture: each pool selects every `pool_count`-th node and
+/// admits 10% of its own (rounded up), so the fleet's limit is their sum.
+fn plot_rollout(
+    path: &Path,
+    samples: &[plot::RolloutSample],
+    nodes: usize,
+    pool_count: usize,
+    delay: Duration,
+) {
+    let percent = k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("10%".into());
+    let max_unavailable: usize = (0..pool_count)
+        .map(|k| {
+            let selected = (k..nodes).step_by(pool_count).count();
+            hugepool_crds::quantity::resolve_max_unavailable(&percent, selected).expect("10%")
+        })
+        .sum();
+    let title = format!(
+        "Rollout at maxUnavailable 10%: {nodes} nodes, {pool_count} pool{}, agents report {:?} after a new target",
+        if pool_count == 1 { "" } else { "s" },
+        delay
+    );
+    plot::write_svg(path, &title, samples, nodes, max_unavailable, "10%")
+        .unwrap_or_else(|e| panic!("rollout plot: {e}"));
 }
 
 fn main() -> ExitCode {
@@ -925,9 +1025,13 @@ fn main() -> ExitCode {
         );
     }
     println!();
-    println!("Where the time goes (CPU seconds each process used in the phase; the apiserver's requests in it, most first):");
+    println!(
+        "Where the time goes (CPU seconds each process used in the phase; the apiserver's requests in it, most first):"
+    );
     println!();
-    println!("| nodes | pools | phase | wall | CPU: apiserver, etcd, controller-manager, operator, bench | requests |");
+    println!(
+        "| nodes | pools | phase | wall | CPU: apiserver, etcd, controller-manager, operator, bench | requests |"
+    );
     println!("|---|---|---|---|---|---|");
     for row in &rows {
         for (phase, profile) in &row.profiles {

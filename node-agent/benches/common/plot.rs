@@ -204,6 +204,8 @@ pub fn write_svg(path: &Path, title: &str, panels: &[Panel], budget_ms: f64) -> 
             .configure_mesh()
             .x_desc(X_LABEL)
             .y_desc(Y_LABEL)
+            .x_label_formatter(&|ms| format!("{ms:.0}"))
+            .y_label_formatter(&|ms| format!("{ms:.0}"))
             .light_line_style(WHITE.mix(0.0))
             .draw()
             .map_err(draw_error)?;
