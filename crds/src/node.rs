@@ -139,7 +139,7 @@ pub struct HugePageNodeStatus {
     /// The agent writes it for `kubectl get hpn`, which can show only one
     /// element of a list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 256))]
+    #[schemars(length(max = 512))]
     pub summary: Option<String>,
     /// Every page size the kernel offers, as it reports it.
     #[serde(default)]

@@ -792,7 +792,7 @@ pub fn build(
         })
         .collect();
     HugePageNodeStatus {
-        summary: Some(summary(&page_sizes)),
+        summary: Some(summary(&page_sizes, &memory.targets)),
         observed_generation: memory.generation,
         kernel: Some(KernelInfo {
             release: snapshot.release.clone(),
@@ -809,22 +809,27 @@ pub fn build(
 }
 
 /// `status.summary`: every size with pages or a target as
-/// `SIZE:TOTAL/TARGET` (`-` for no target), smallest first, or `none`.
-pub fn summary(page_sizes: &[PageSizeStatus]) -> String {
-    let mut shown: Vec<&PageSizeStatus> = page_sizes
+/// `SIZE:TOTAL/TARGET` (`-` for no target, and for the total of a targeted
+/// size the kernel does not offer), smallest first, or `none`.
+pub fn summary(page_sizes: &[PageSizeStatus], targets: &[PageSizeTarget]) -> String {
+    let mut shown: Vec<(PageSize, Option<i64>, Option<i64>)> = page_sizes
         .iter()
         .filter(|s| s.total > 0 || s.target.is_some())
+        .map(|s| (s.size, Some(s.total), s.target))
         .collect();
+    for target in targets {
+        if !page_sizes.iter().any(|s| s.size == target.size) {
+            shown.push((target.size, None, Some(target.pages)));
+        }
+    }
     if shown.is_empty() {
         return "none".into();
     }
-    shown.sort_by_key(|s| s.size);
+    shown.sort_by_key(|(size, _, _)| *size);
+    let count = |n: Option<i64>| n.map_or_else(|| "-".to_string(), |n| n.to_string());
     shown
         .iter()
-        .map(|s| {
-            let target = s.target.map_or_else(|| "-".to_string(), |t| t.to_string());
-            format!("{}:{}/{target}", s.size, s.total)
-        })
+        .map(|(size, total, target)| format!("{size}:{}/{}", count(*total), count(*target)))
         .collect::<Vec<_>>()
         .join(" ")
 }
@@ -922,6 +927,12 @@ mod tests {
         // Nothing held, nothing targeted.
         let status = built(&snapshot(0, 0, 0, 0), &memory(vec![]));
         assert_eq!(status.summary.as_deref(), Some("none"));
+        // A target of a size this kernel does not offer: no total.
+        let status = built(
+            &snapshot(8, 8, 0, 0),
+            &memory(vec![target("2Mi", 8), target("16Gi", 1)]),
+        );
+        assert_eq!(status.summary.as_deref(), Some("2Mi:8/8 16Gi:-/1"));
     }
 
     #[test]

@@ -92,7 +92,10 @@ fn sample() -> Sample {
         state.metadata.creation_timestamp = Some(Time(at(0)));
         let stale = state.metadata.name.as_deref() == Some("worker-a");
         let status = state.status.get_or_insert_with(Default::default);
-        status.summary = Some(hugepool_agent::agent::status::summary(&status.page_sizes));
+        status.summary = Some(hugepool_agent::agent::status::summary(
+            &status.page_sizes,
+            &state.spec.page_sizes,
+        ));
         // What every agent reports besides Converged.
         let updates = [
             ConditionUpdate::new(
