@@ -4,13 +4,16 @@
 # helm), starts a real control plane with a real kubelet and containerd
 # (`controlplane up --node`), installs charts/hugepool with `helm install`
 # from the local images, applies examples/pool-2mi.yaml and shows it
-# converge on this machine's kernel; then deletes the pool (Release: the
-# pages go back), uninstalls the chart and stops everything. Root only.
+# converge on this machine's kernel, and what `kubectl hugepool status` and
+# `why NODE` say of it; then deletes the pool (Release: the pages go back),
+# uninstalls the chart and stops everything. Root only.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 dir="$root/target/demo"
 kubectl="$root/e2e/controlplane/bin/kubectl"
+# kubectl-hugepool, built by hack/images.sh beside the images' binaries.
+plugin_dir="$root/target/$(uname -m)-unknown-linux-musl/release"
 sysfs=/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages
 start=$SECONDS
 
@@ -74,6 +77,11 @@ echo "kernel now: $(cat "$sysfs") x 2Mi pages (written by the agent in its conta
 echo "kubelet capacity: $("$kubectl" get node "$node" -o jsonpath='{.status.capacity.hugepages-2Mi}') of hugepages-2Mi (the agent restarted the kubelet)"
 "$kubectl" get hugepagenode "$node" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
 echo "last resize: $("$kubectl" get hugepagenode "$node" -o jsonpath='{.status.pageSizes[0].lastResize}')"
+
+say "kubectl hugepool status; kubectl hugepool why $node (the plugin, on PATH from $plugin_dir)"
+PATH="$plugin_dir:$PATH" "$kubectl" hugepool status
+echo
+PATH="$plugin_dir:$PATH" "$kubectl" hugepool why "$node"
 
 say "deleting the pool (deletionPolicy Release: the operator shrinks the node to 0 first)"
 "$kubectl" delete -f examples/pool-2mi.yaml --wait=true --timeout=300s
