@@ -46,7 +46,7 @@ images:
 krew:
 	bash hack/krew.sh
 
-## Side-by-side benchmark of the resize engine against one write and fixed steps (real kernel, root).
+## Side-by-side benchmark of the resize engine against one write and fixed steps (real kernel, root); raw JSON and an SVG of write latency in node-agent/bench-results/.
 bench:
 	HUGEPOOL_BENCH_REPS=$${HUGEPOOL_BENCH_REPS:-7} $(CARGO) bench -p hugepool-agent --bench resize
 
@@ -54,7 +54,7 @@ bench:
 bench-fragment:
 	$(CARGO) bench -p hugepool-agent --bench fragment
 
-## The operator at fleet size: N Nodes on a real control plane, simulated agents (HUGEPOOL_FLEET_NODES).
+## The operator at fleet size: N Nodes on a real control plane, simulated agents (HUGEPOOL_FLEET_NODES); an SVG of each rollout in target/bench-fleet/.
 bench-fleet: controlplane
 	HUGEPOOL_FLEET_NODES=$${HUGEPOOL_FLEET_NODES:-2000,10000} $(CARGO) bench -p hugepool-operator --bench fleet
 
