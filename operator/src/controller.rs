@@ -806,14 +806,13 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
                 debug!(node = %eviction.node, pod = %key, %message, attempts = backoff.attempts, "eviction refused");
             }
         }
-        let tell = matches!(outcome, Eviction::Evicted)
-            || (first_refusal && !matches!(outcome, Eviction::Gone));
-        if tell && let Some(&node) = nodes_by_name.get(eviction.node.as_str()) {
-            ctx.publish(
-                events::eviction_event(&key, &outcome),
-                &node_reference(node),
-            )
-            .await;
+        // A refusal is told once per streak; it retries with backoff.
+        let tell = matches!(outcome, Eviction::Evicted) || first_refusal;
+        if tell
+            && let Some(event) = events::eviction_event(&key, &outcome)
+            && let Some(&node) = nodes_by_name.get(eviction.node.as_str())
+        {
+            ctx.publish(event, &node_reference(node)).await;
         }
     }
 

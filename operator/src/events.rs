@@ -121,34 +121,30 @@ pub fn drain_event(old: Option<&Condition>, update: &ConditionUpdate) -> Option<
     Some(event(type_, reason, "Drain", update.message.clone()))
 }
 
-/// The Event for one eviction attempt.
-pub fn eviction_event(pod: &str, outcome: &crate::drain::Eviction) -> Event {
+/// The Event for one eviction attempt; none for a pod that was already
+/// gone (not an eviction, nothing to tell).
+pub fn eviction_event(pod: &str, outcome: &crate::drain::Eviction) -> Option<Event> {
     use crate::drain::Eviction;
     match outcome {
-        Eviction::Evicted => event(
+        Eviction::Evicted => Some(event(
             EventType::Normal,
             "Evicted",
             "Evict",
             format!("evicted pod {pod} to free its huge pages"),
-        ),
-        Eviction::Blocked(message) => event(
+        )),
+        Eviction::Blocked(message) => Some(event(
             EventType::Warning,
             "EvictionBlocked",
             "Evict",
             format!("eviction of pod {pod} refused, will retry: {message}"),
-        ),
-        Eviction::Failed(message) => event(
+        )),
+        Eviction::Failed(message) => Some(event(
             EventType::Warning,
             "EvictionFailed",
             "Evict",
             format!("eviction of pod {pod} failed: {message}"),
-        ),
-        Eviction::Gone => event(
-            EventType::Normal,
-            "EvictionSkipped",
-            "Evict",
-            format!("pod {pod} was already gone"),
-        ),
+        )),
+        Eviction::Gone => None,
     }
 }
 
