@@ -1955,3 +1955,138 @@ async fn boot_mode_gives_a_rebooted_node_its_pool_before_the_kubelet_starts() {
     assert_eq!(read_sys("nr_hugepages"), 64);
     assert_eq!(node.kubelet_run(), kubelet, "no kubelet restart was needed");
 }
+
+/// kubectl-hugepool as `make images` builds it (beside the images' binaries).
+fn kubectl_hugepool_dir() -> PathBuf {
+    let arch = std::env::consts::ARCH;
+    repo()
+        .join("target")
+        .join(format!("{arch}-unknown-linux-musl"))
+        .join("release")
+}
+
+/// The commands NOTES.txt gives, from `kubectl label node` to the
+/// `kubectl hugepool status` after the wait, as a shell script.
+fn notes_commands(notes: &str, node: &str) -> String {
+    let start = notes
+        .find("  kubectl label node <node>")
+        .unwrap_or_else(|| panic!("NOTES has no `kubectl label node <node>`:\n{notes}"));
+    let rest = &notes[start..];
+    let status = "  kubectl hugepool status dpdk-2m\n";
+    let end = rest
+        .find(status)
+        .unwrap_or_else(|| panic!("NOTES has no `kubectl hugepool status dpdk-2m`:\n{notes}"))
+        + status.len();
+    rest[..end]
+        .lines()
+        .map(|line| line.strip_prefix("  ").unwrap_or(line))
+        .collect::<Vec<_>>()
+        .join("\n")
+        .replace("<node>", node)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_first_install_with_the_charts_defaults_follows_its_notes_to_a_true_state() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    // The chart's defaults; only where pods reach this test's apiserver is set.
+    let chart = repo().join("charts").join("hugepool");
+    let host = format!("apiServer.host={}", node.pod_apiserver.0);
+    let port = format!("apiServer.port={}", node.pod_apiserver.1);
+    let installed = node.run(
+        &node.helm,
+        &[
+            "install",
+            "hugepool",
+            chart.to_str().expect("utf-8 path"),
+            "--namespace",
+            NAMESPACE,
+            "--create-namespace",
+            "--set",
+            &host,
+            "--set",
+            &port,
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
+    );
+    let notes = &installed[installed.find("NOTES:").expect("helm printed NOTES")..];
+    // What NOTES says to run, run as written: label, apply, wait, status.
+    let script = notes_commands(notes, &node.name);
+    let path = format!(
+        "{}:{}:{}",
+        hugepool_e2e::kubectl_path()
+            .parent()
+            .expect("kubectl's directory")
+            .display(),
+        kubectl_hugepool_dir().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script])
+        .env("KUBECONFIG", &node.cp.control_plane.kubeconfig)
+        .env("PATH", &path)
+        .output()
+        .expect("run the commands of NOTES");
+    let shown = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "the commands of NOTES failed:\n{script}\n---\n{shown}"
+    );
+    // The wait NOTES gives ended in a true state: the kernel holds the pool...
+    assert_eq!(read_sys("nr_hugepages"), 1024, "after NOTES:\n{shown}");
+    // ...and what the user sees says what is missing and how to finish.
+    assert!(shown.contains("KubeletCapacityStale"), "{shown}");
+    let (status, reason, message) = pool_condition(&client, "dpdk-2m", "Available")
+        .await
+        .expect("the pool's Available condition");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "KubeletCapacityStale")
+    );
+    for way in [
+        node.name.as_str(),
+        "systemctl restart kubelet",
+        "agent.kubeletRestart.enabled=true",
+        "spec.kubelet.restart: AfterResize",
+    ] {
+        assert!(message.contains(way), "{way} missing: {message}");
+    }
+    for said in [
+        "systemctl restart kubelet",
+        "--set agent.kubeletRestart.enabled=true",
+        "agent.bootFile.enabled=true",
+    ] {
+        assert!(notes.contains(said), "NOTES does not say {said}:\n{notes}");
+    }
+
+    // The first way NOTES gives, then its last wait: the pool is Available
+    // and the Node offers the pages.
+    node.systemctl(&["restart", "kubelet"]);
+    let then = notes
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("Then: "))
+        .unwrap_or_else(|| panic!("NOTES has no `Then: ` wait:\n{notes}"));
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", then])
+        .env("KUBECONFIG", &node.cp.control_plane.kubeconfig)
+        .env("PATH", &path)
+        .output()
+        .expect("run the last wait of NOTES");
+    assert!(out.status.success(), "{then}: {out:?}");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client);
+    let allocatable = nodes
+        .get(&node.name)
+        .await
+        .expect("the Node")
+        .status
+        .and_then(|s| s.allocatable)
+        .and_then(|a| a.get("hugepages-2Mi").cloned())
+        .map(|q| q.0);
+    assert_eq!(allocatable.as_deref(), Some("2Gi"));
+}
