@@ -11,6 +11,7 @@
 // itself turns it on), never in a build that ships.
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod fixture;
+pub mod freelists;
 pub mod kmsg;
 pub mod parse;
 mod simulated;

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use hugepool_crds::PageSize;
 
+use crate::kernel::freelists::{self, FreeLists};
 use crate::kernel::{Kernel, MemInfo, NumaCounts, PoolCounts, PoolScope, parse};
 use crate::{Error, Result};
 
@@ -68,6 +69,17 @@ impl SysfsKernel {
 
     fn read_count(&self, path: &Path) -> Result<u64> {
         parse::count(path, &read(path)?)
+    }
+
+    /// `<proc_root>/buddyinfo` and `<proc_root>/pagetypeinfo` (root only),
+    /// read one after the other: the two may differ by what moved between.
+    pub fn free_lists(&self) -> Result<FreeLists> {
+        let buddyinfo = self.proc_root.join("buddyinfo");
+        let pagetypeinfo = self.proc_root.join("pagetypeinfo");
+        Ok(FreeLists {
+            zones: freelists::buddyinfo(&buddyinfo, &read(&buddyinfo)?)?,
+            pagetypeinfo: freelists::pagetypeinfo(&pagetypeinfo, &read(&pagetypeinfo)?)?,
+        })
     }
 }
 
