@@ -62,10 +62,9 @@ bench-fleet: controlplane
 demo:
 	bash e2e/demo.sh
 
-## Render the docs' Graphviz diagrams (docs/images/*.dot -> .svg; needs `dot`: apt-get install graphviz).
+## Render the docs' Graphviz diagrams (docs/images/*.dot -> .svg; Debian's graphviz, installed when missing).
 diagrams:
-	@command -v dot >/dev/null || { echo "dot not found: apt-get install -y graphviz"; exit 1; }
-	for source in docs/images/*.dot; do dot -Tsvg "$$source" -o "$${source%.dot}.svg"; done
+	dot="$$(bash hack/graphviz.sh)"; for source in docs/images/*.dot; do "$$dot" -Tsvg "$$source" -o "$${source%.dot}.svg"; done
 
 clean:
 	$(CARGO) clean

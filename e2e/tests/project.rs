@@ -1,5 +1,6 @@
-//! What the project promises about itself: its license, and a dependency
-//! tree without archived crates and with one version of each Kubernetes crate.
+//! What the project promises about itself: its license, a dependency tree
+//! without archived crates and with one version of each Kubernetes crate,
+//! and docs diagrams that are what their sources render.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -84,4 +85,40 @@ fn the_license_file_is_the_license_cargo_and_the_chart_declare() {
     )
     .expect("Chart.yaml is YAML");
     assert_eq!(chart["annotations"]["artifacthub.io/license"], "Apache-2.0");
+}
+
+#[test]
+fn the_docs_diagrams_are_what_make_diagrams_renders() {
+    let Some(dot) = hugepool_e2e::hack_tool_or_skip("graphviz.sh", &[]) else {
+        return;
+    };
+    let images = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("docs")
+        .join("images");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&images).expect("docs/images") {
+        let source = entry.expect("a docs/images entry").path();
+        if source.extension().and_then(|e| e.to_str()) != Some("dot") {
+            continue;
+        }
+        let rendered = std::process::Command::new(&dot)
+            .arg("-Tsvg")
+            .arg(&source)
+            .output()
+            .expect("run dot");
+        assert!(
+            rendered.status.success(),
+            "dot {}: {rendered:?}",
+            source.display()
+        );
+        let committed = std::fs::read(source.with_extension("svg")).unwrap_or_default();
+        assert!(
+            committed == rendered.stdout,
+            "{} is out of date with its .dot: run `make diagrams`",
+            source.with_extension("svg").display()
+        );
+        checked += 1;
+    }
+    assert!(checked >= 1, "no diagram in {}", images.display());
 }

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Prints the path of Graphviz's `dot`, which renders the docs' diagrams
+# (docs/images/*.dot -> .svg: `make diagrams`; e2e/tests/project.rs checks
+# the committed SVGs are what it renders). Installs Debian's graphviz when
+# it is missing (as root: apt-get). Install output goes to stderr; stdout is
+# only the path.
+set -euo pipefail
+
+if ! command -v dot >/dev/null; then
+  if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null; then
+    echo "hack/graphviz.sh: dot not found; install graphviz (Debian: apt-get install graphviz)" >&2
+    exit 1
+  fi
+  echo "hack/graphviz.sh: apt-get install graphviz" >&2
+  # Serialise concurrent callers (tests run in parallel).
+  exec 9>"${TMPDIR:-/tmp}/hugepool-graphviz.lock"
+  flock 9
+  if ! command -v dot >/dev/null; then
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >&2
+  fi
+fi
+command -v dot
