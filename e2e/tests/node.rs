@@ -160,13 +160,23 @@ impl Node {
 
     /// `helm install` with more `--set` values.
     fn helm_install_with(&self, sets: &[&str]) -> String {
-        let chart = repo().join("charts").join("hugepool");
-        let host = format!("apiServer.host={}", self.pod_apiserver.0);
-        let port = format!("apiServer.port={}", self.pod_apiserver.1);
         let root = format!(
             "agent.kubeletRestart.rootDir={}",
             self.kubelet_root.display()
         );
+        // The agent's own restart command: nsenter into the node's PID 1 (its
+        // systemd), systemctl restart kubelet.
+        let mut values = vec!["agent.kubeletRestart.enabled=true", root.as_str()];
+        values.extend_from_slice(sets);
+        self.helm_install_values(&values)
+    }
+
+    /// `helm install` of the chart with its defaults but for where pods reach
+    /// this test's apiserver and `values`; prints what helm printed (NOTES).
+    fn helm_install_values(&self, values: &[&str]) -> String {
+        let chart = repo().join("charts").join("hugepool");
+        let host = format!("apiServer.host={}", self.pod_apiserver.0);
+        let port = format!("apiServer.port={}", self.pod_apiserver.1);
         self.run(
             &self.helm,
             &[
@@ -180,15 +190,9 @@ impl Node {
                 &host,
                 "--set",
                 &port,
-                // The agent's own restart command: nsenter into the node's
-                // PID 1 (its systemd), systemctl restart kubelet.
-                "--set",
-                "agent.kubeletRestart.enabled=true",
-                "--set",
-                &root,
             ]
             .into_iter()
-            .chain(sets.iter().flat_map(|set| ["--set", *set]))
+            .chain(values.iter().flat_map(|set| ["--set", *set]))
             .chain(["--wait", "--timeout", "5m"])
             .collect::<Vec<_>>(),
         )
@@ -1990,27 +1994,7 @@ async fn the_first_install_with_the_charts_defaults_follows_its_notes_to_a_true_
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
     // The chart's defaults; only where pods reach this test's apiserver is set.
-    let chart = repo().join("charts").join("hugepool");
-    let host = format!("apiServer.host={}", node.pod_apiserver.0);
-    let port = format!("apiServer.port={}", node.pod_apiserver.1);
-    let installed = node.run(
-        &node.helm,
-        &[
-            "install",
-            "hugepool",
-            chart.to_str().expect("utf-8 path"),
-            "--namespace",
-            NAMESPACE,
-            "--create-namespace",
-            "--set",
-            &host,
-            "--set",
-            &port,
-            "--wait",
-            "--timeout",
-            "5m",
-        ],
-    );
+    let installed = node.helm_install_values(&[]);
     let notes = &installed[installed.find("NOTES:").expect("helm printed NOTES")..];
     // What NOTES says to run, run as written: label, apply, wait, status.
     let script = notes_commands(notes, &node.name);

@@ -357,33 +357,24 @@ fn version_of(
     })
 }
 
+/// The image of a pod template's first container.
+fn first_image(pod: &k8s_openapi::api::core::v1::PodSpec) -> Option<&str> {
+    pod.containers.first()?.image.as_deref()
+}
+
 fn versions_check(input: &CheckInput) -> Check {
     let title = "versions match";
     let operator = input.operators.first().and_then(|d| {
-        let image = d
-            .spec
-            .as_ref()?
-            .template
-            .spec
-            .as_ref()?
-            .containers
-            .first()?
-            .image
-            .clone();
-        version_of(&d.metadata, image.as_deref())
+        version_of(
+            &d.metadata,
+            first_image(d.spec.as_ref()?.template.spec.as_ref()?),
+        )
     });
     let agent = input.agents.first().and_then(|ds| {
-        let image = ds
-            .spec
-            .as_ref()?
-            .template
-            .spec
-            .as_ref()?
-            .containers
-            .first()?
-            .image
-            .clone();
-        version_of(&ds.metadata, image.as_deref())
+        version_of(
+            &ds.metadata,
+            first_image(ds.spec.as_ref()?.template.spec.as_ref()?),
+        )
     });
     let plugin = &input.plugin_version;
     match (operator, agent) {
