@@ -431,6 +431,23 @@ pub fn output_text(output: &Output) -> String {
     )
 }
 
+/// `helm template` values that turn on every optional part of the chart
+/// (e2e/tests/manifests.rs renders with them, lint_manifests.rs lints them).
+pub const CHART_EVERYTHING_ON: &[&str] = &[
+    "--set",
+    "agent.kubeletRestart.enabled=true,agent.bootFile.enabled=true",
+    "--set",
+    "monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true",
+    "--set",
+    "monitoring.prometheusRule.enabled=true,monitoring.kubeStateMetrics.enabled=true",
+    "--set",
+    "monitoring.kubeStateMetrics.rbac.serviceAccountName=kube-state-metrics",
+    "--set",
+    "monitoring.kubeStateMetrics.rbac.serviceAccountNamespace=monitoring",
+    "--set",
+    "namespace.create=true,apiServer.host=10.88.0.1,apiServer.port=6443",
+];
+
 /// `helm template hugepool charts/hugepool -n hugepool-system EXTRA...`.
 pub fn helm_template(helm: &Path, extra: &[&str]) -> String {
     let output = Command::new(helm)

@@ -18,25 +18,21 @@ use hugepool_e2e::{helm_template, output_text};
 use serde::Deserialize;
 use serde_json::Value;
 
-/// Every optional part of the chart turned on, images by digest.
-const EVERYTHING_ON: &[&str] = &[
-    "--set",
-    "agent.kubeletRestart.enabled=true,agent.bootFile.enabled=true",
-    "--set",
-    "monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true",
-    "--set",
-    "monitoring.prometheusRule.enabled=true,monitoring.kubeStateMetrics.enabled=true",
-    "--set",
-    "monitoring.kubeStateMetrics.rbac.serviceAccountName=kube-state-metrics",
-    "--set",
-    "monitoring.kubeStateMetrics.rbac.serviceAccountNamespace=monitoring",
-    "--set",
-    "namespace.create=true,apiServer.host=10.88.0.1,apiServer.port=6443",
+/// Images by digest, beside every optional part of the chart turned on
+/// (`hugepool_e2e::CHART_EVERYTHING_ON`).
+const DIGESTS: &[&str] = &[
     "--set",
     "operator.image.digest=sha256:2f6c1e0b5a9d8c7e6f5a4b3c2d1e0f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e",
     "--set",
     "agent.image.digest=sha256:9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c8b7a6f5e4d3c2b1a0f9e8d",
 ];
+
+/// The two renders linted: default values, and every optional part on with
+/// images by digest.
+fn renders() -> [(&'static str, Vec<&'static str>); 2] {
+    let everything = [hugepool_e2e::CHART_EVERYTHING_ON, DIGESTS].concat();
+    [("default", Vec::new()), ("everything-on", everything)]
+}
 
 /// The operator's root filesystem made writable: both linters flag it.
 const WRITABLE_ROOT: &[&str] = &[
@@ -323,8 +319,8 @@ fn kube_score_finds_only_the_excepted() {
     let mut run = Run {
         renders: Vec::new(),
     };
-    for (name, values) in [("default", &[][..]), ("everything-on", EVERYTHING_ON)] {
-        let (findings, scored) = kube_score(&bin, &render(&helm, dir.path(), name, values));
+    for (name, values) in renders() {
+        let (findings, scored) = kube_score(&bin, &render(&helm, dir.path(), name, &values));
         // The Deployment, the DaemonSet, the hook Job, the Service, the PDB.
         assert!(scored >= 5, "{name}: kube-score scored {scored} objects");
         run.renders.push((name, findings));
@@ -356,8 +352,8 @@ fn checkov_finds_only_the_excepted() {
     let mut run = Run {
         renders: Vec::new(),
     };
-    for (name, values) in [("default", &[][..]), ("everything-on", EVERYTHING_ON)] {
-        let (findings, passed) = checkov(&bin, &render(&helm, dir.path(), name, values));
+    for (name, values) in renders() {
+        let (findings, passed) = checkov(&bin, &render(&helm, dir.path(), name, &values));
         assert!(passed >= 100, "{name}: checkov passed only {passed} checks");
         run.renders.push((name, findings));
     }

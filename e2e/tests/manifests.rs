@@ -440,22 +440,8 @@ fn operator_deployment_is_ha_and_locked_down() {
     }
 }
 
-/// Every optional part of the chart turned on (the values e2e/tests/
-/// lint_manifests.rs lints with too).
-const EVERYTHING_ON: &[&str] = &[
-    "--set",
-    "agent.kubeletRestart.enabled=true,agent.bootFile.enabled=true",
-    "--set",
-    "monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true",
-    "--set",
-    "monitoring.prometheusRule.enabled=true,monitoring.kubeStateMetrics.enabled=true",
-    "--set",
-    "monitoring.kubeStateMetrics.rbac.serviceAccountName=kube-state-metrics",
-    "--set",
-    "monitoring.kubeStateMetrics.rbac.serviceAccountNamespace=monitoring",
-    "--set",
-    "namespace.create=true,apiServer.host=10.88.0.1,apiServer.port=6443",
-];
+/// Every optional part of the chart turned on.
+const EVERYTHING_ON: &[&str] = hugepool_e2e::CHART_EVERYTHING_ON;
 
 /// The uninstall hook is a pod like any other: a namespace with a
 /// ResourceQuota refuses it without requests and limits, and then `helm
