@@ -653,8 +653,19 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
                     })
             })
             .count();
-        let (pool_plan, pool_decisions) =
+        let (mut pool_plan, pool_decisions) =
             settle_pool(pool, pool_members, pool_conflicts, shadow_busy);
+        // The pool goes only once no HugePageNode names it any more: the
+        // pass that removes the last entries may not land them all (a write
+        // that found the object changed is planned again), and an entry left
+        // behind would outlive its pool.
+        pool_plan.remove_finalizer &= !node_states.values().any(|state| {
+            state
+                .spec
+                .page_sizes
+                .iter()
+                .any(|entry| entry.pool == pool.name)
+        });
         for (node, decision) in pool_decisions {
             if let Some((&name, _)) = nodes.get_key_value(node.as_str()) {
                 decisions.insert((name, pool.size), decision);

@@ -652,16 +652,26 @@ fn release_deletion_shrinks_every_node_to_zero_within_the_limit_before_the_final
 }
 
 #[test]
-fn retain_deletion_drops_the_entries_and_the_finalizer_at_once() {
+fn retain_deletion_drops_the_entries_then_the_finalizer_once_none_is_left() {
     let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
     let nodes = fleet(3, &["dpdk"]);
     let mut hpns = Vec::new();
     run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
     pools[0].metadata.deletion_timestamp = Some(Time(at(50)));
     let plan = run_plan(&pools, &nodes, &hpns, 100);
-    assert!(plan.pools["dpdk"].remove_finalizer);
     assert_eq!(plan.spec_writes().count(), 3);
     assert!(plan.nodes.values().all(|n| n.spec.page_sizes.is_empty()));
+    // The writes that clear the entries may not all land: the pool stays.
+    assert!(!plan.pools["dpdk"].remove_finalizer);
+    // One landed, two did not (their objects changed): still kept.
+    let mut partly = hpns.clone();
+    partly[0].spec.page_sizes.clear();
+    assert!(!run_plan(&pools, &nodes, &partly, 101).pools["dpdk"].remove_finalizer);
+    // Every entry gone: the pool goes, with nothing more to write.
+    apply_specs(&plan, &mut hpns);
+    let plan = run_plan(&pools, &nodes, &hpns, 102);
+    assert!(plan.pools["dpdk"].remove_finalizer);
+    assert_eq!(plan.spec_writes().count(), 0);
 }
 
 #[test]
