@@ -651,7 +651,6 @@ async fn retain_deletion_drops_the_entries_then_the_finalizer() {
         },
     ]);
     let states = [state];
-    let mut pool = pool;
     let plan = plan_at(std::slice::from_ref(&pool), &nodes, &states);
     assert!(plan.pools["dpdk"].remove_finalizer);
     pool.status = Some(plan.pools["dpdk"].status.clone());
