@@ -658,13 +658,15 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
         // The pool goes only once no HugePageNode names it any more: the
         // pass that removes the last entries may not land them all (a write
         // that found the object changed is planned again), and an entry left
-        // behind would outlive its pool.
-        pool_plan.remove_finalizer &= !node_states.values().any(|state| {
-            state
-                .spec
-                .page_sizes
-                .iter()
-                .any(|entry| entry.pool == pool.name)
+        // behind would outlive its pool. One whose Node is gone is not
+        // waited for (the garbage collector takes it with its Node).
+        pool_plan.remove_finalizer &= !node_states.iter().any(|(name, state)| {
+            nodes.contains_key(name)
+                && state
+                    .spec
+                    .page_sizes
+                    .iter()
+                    .any(|entry| entry.pool == pool.name)
         });
         for (node, decision) in pool_decisions {
             if let Some((&name, _)) = nodes.get_key_value(node.as_str()) {

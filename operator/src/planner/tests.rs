@@ -667,6 +667,8 @@ fn retain_deletion_drops_the_entries_then_the_finalizer_once_none_is_left() {
     let mut partly = hpns.clone();
     partly[0].spec.page_sizes.clear();
     assert!(!run_plan(&pools, &nodes, &partly, 101).pools["dpdk"].remove_finalizer);
+    // Not waited for on a node whose Node is gone.
+    assert!(run_plan(&pools, &nodes[..1], &partly, 101).pools["dpdk"].remove_finalizer);
     // Every entry gone: the pool goes, with nothing more to write.
     apply_specs(&plan, &mut hpns);
     let plan = run_plan(&pools, &nodes, &hpns, 102);
