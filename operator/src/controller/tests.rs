@@ -580,21 +580,26 @@ async fn converged_pool_writes_nothing() {
     fixtures::apply_specs(&plan, &mut states);
     states.iter_mut().for_each(converge);
     for state in &mut states {
-        state.metadata.owner_references = Some(vec![
-            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-                api_version: "v1".into(),
-                kind: "Node".into(),
-                name: "w-1".into(),
-                uid: "uid-w-1".into(),
-                ..Default::default()
-            },
-        ]);
+        owned_by_w1(state);
     }
     let plan = plan_at(&pools, &nodes, &states);
     fixtures::apply_statuses(&plan, &mut pools);
     let harness = harness(&pools, &nodes, &states, true);
     let pass = pass_with(harness, None).await;
     assert_eq!(pass.next, Config::default().resync);
+}
+
+/// Gives `state` the owner the operator writes: the Node w-1.
+fn owned_by_w1(state: &mut HugePageNode) {
+    state.metadata.owner_references = Some(vec![
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: "w-1".into(),
+            uid: "uid-w-1".into(),
+            ..Default::default()
+        },
+    ]);
 }
 
 fn plan_at(pools: &[HugePagePool], nodes: &[Node], states: &[HugePageNode]) -> planner::Plan {
@@ -641,15 +646,7 @@ async fn retain_deletion_drops_the_entries_then_the_finalizer() {
     assert_eq!(pass.next, Config::default().resync);
     // Once the cache shows no entry for it, the next pass lets it go.
     state.spec.page_sizes.clear();
-    state.metadata.owner_references = Some(vec![
-        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-            api_version: "v1".into(),
-            kind: "Node".into(),
-            name: "w-1".into(),
-            uid: "uid-w-1".into(),
-            ..Default::default()
-        },
-    ]);
+    owned_by_w1(&mut state);
     let states = [state];
     let plan = plan_at(std::slice::from_ref(&pool), &nodes, &states);
     assert!(plan.pools["dpdk"].remove_finalizer);
@@ -678,15 +675,7 @@ fn blocked_shrink() -> (HugePagePool, Node, HugePageNode) {
         2,
         vec![fixtures::EntryForTest::entry_for_test(&pool, 0)],
     );
-    state.metadata.owner_references = Some(vec![
-        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-            api_version: "v1".into(),
-            kind: "Node".into(),
-            name: "w-1".into(),
-            uid: "uid-w-1".into(),
-            ..Default::default()
-        },
-    ]);
+    owned_by_w1(&mut state);
     let status = status_of(&mut state);
     status.observed_generation = Some(2);
     status.page_sizes = vec![PageSizeStatus {
