@@ -9,6 +9,7 @@ pub mod duration;
 pub mod kubelet;
 pub mod node;
 pub mod page_size;
+pub mod pod;
 pub mod pool;
 pub mod quantity;
 pub mod settings;

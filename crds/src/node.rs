@@ -201,11 +201,21 @@ pub struct PageSizeStatus {
     pub surplus: i64,
     /// `total - free`: mapped by processes.
     pub in_use: i64,
+    /// Pages of this size that the pods bound to the node request
+    /// (`hugepages-<size>`, counted as the scheduler counts a pod; ended
+    /// pods left out); absent until the agent has listed the node's pods.
+    /// `total` less this is memory reserved that no pod asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested: Option<i64>,
     /// The same counts per NUMA node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["id".into()]))]
     pub numa: Vec<NumaStatus>,
+    /// Pages of this size a grow could add, over all NUMA nodes, estimated
+    /// from the kernel's free lists; absent where the agent cannot read them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub obtainable: Option<ObtainablePages>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_resize: Option<ResizeSummary>,
 }
@@ -221,7 +231,9 @@ impl PageSizeStatus {
             reserved: 0,
             surplus: 0,
             in_use: 0,
+            requested: None,
             numa: Vec::new(),
+            obtainable: None,
             last_resize: None,
         }
     }
@@ -238,6 +250,26 @@ pub struct NumaStatus {
     pub free: i64,
     /// Its `surplus_hugepages`.
     pub surplus: i64,
+    /// Pages of this size a grow on this NUMA node could add.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub obtainable: Option<ObtainablePages>,
+}
+
+/// Pages a grow could add to a pool, estimated by the agent from
+/// `/proc/buddyinfo` and `/proc/pagetypeinfo` (docs/design.md, "What a grow
+/// can get"). Updated when a figure moves by more than a tenth, not on
+/// every read.
+#[derive(
+    schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq,
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ObtainablePages {
+    /// Free blocks at or above the page's size: what a grow gets without
+    /// compaction (always 0 for 1Gi: the free lists stop at 4 MiB).
+    pub now: i64,
+    /// What a grow could get after compacting, keeping the pool's
+    /// `minMemAvailable` free; never below `now`.
+    pub after_compaction: i64,
 }
 
 /// The outcome of one resize, as the agent measured it.

@@ -12,6 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use hugepool_agent::kernel::freelists::FreeLists;
 use hugepool_agent::kernel::{Kernel, MemInfo, NumaCounts, PoolCounts, PoolScope, SysfsKernel};
 use hugepool_agent::resize::{
     self, CostModels, Event, Options, Outcome, Settings, ShortfallReason, Summary, Target,
@@ -189,6 +190,9 @@ impl Kernel for Recording {
     }
     fn hvo(&self) -> hugepool_agent::Result<Option<bool>> {
         self.inner.hvo()
+    }
+    fn free_lists(&self) -> hugepool_agent::Result<FreeLists> {
+        self.inner.free_lists()
     }
     fn write_pool(
         &self,

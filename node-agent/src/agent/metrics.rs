@@ -11,6 +11,7 @@ use prometheus_client::registry::Registry;
 use hugepool_crds::node::PageSizeTarget;
 use hugepool_crds::{PageSize, Reason};
 
+use crate::kernel::freelists::GrowEstimate;
 use crate::kernel::{NumaCounts, PoolCounts};
 
 /// Where a huge page is. The states partition a pool, so a `sum` over
@@ -88,6 +89,30 @@ pub struct SizeLabels {
     pub size: String,
 }
 
+/// Which estimate of what a grow can get (docs/design.md, "What a grow can
+/// get").
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Obtainable {
+    /// From the free lists as they are.
+    now,
+    /// After compacting, keeping the memory guard free.
+    after_compaction,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ObtainableLabels {
+    pub size: String,
+    pub when: Obtainable,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NumaObtainableLabels {
+    pub size: String,
+    pub numa: String,
+    pub when: Obtainable,
+}
+
 fn step_histogram() -> Histogram {
     // 1 ms .. ~16 s: covers a 2Mi step under budget and a stalled 1Gi write.
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
@@ -123,6 +148,13 @@ pub struct Metrics {
     pub foreign_writes: Family<SizeLabels, Counter>,
     /// 1 while this node's Node carries the operator's taint, else 0.
     pub node_taints: Family<TaintLabels, Gauge>,
+    /// Pages of a size that the pods bound to the node request.
+    pub requested_pages: Family<SizeLabels, Gauge>,
+    /// Pages a grow could add, machine-wide and per NUMA node.
+    pub obtainable_pages: Family<ObtainableLabels, Gauge>,
+    pub numa_obtainable_pages: Family<NumaObtainableLabels, Gauge>,
+    /// 1 while /proc/buddyinfo and /proc/pagetypeinfo read, else 0.
+    pub free_lists_readable: Gauge,
 }
 
 impl Metrics {
@@ -143,6 +175,10 @@ impl Metrics {
             events_dropped: Counter::default(),
             foreign_writes: Family::default(),
             node_taints: Family::default(),
+            requested_pages: Family::default(),
+            obtainable_pages: Family::default(),
+            numa_obtainable_pages: Family::default(),
+            free_lists_readable: Gauge::default(),
         };
         // At 0 from the start: increase() over a series born at 1 is 0, so
         // a node's first stall would never fire HugepoolResizeStalled.
@@ -237,7 +273,72 @@ impl Metrics {
             "1 while this node carries the operator's taint (hugepool.dev/not-ready, hugepool.dev/draining), else 0",
             metrics.node_taints.clone(),
         );
+        prefix.register(
+            "requested_pages",
+            "Huge pages of a size that the pods bound to the node request (hugepages-<size>, ended pods left out); \
+             the node's total less this is reserved memory no pod asked for",
+            metrics.requested_pages.clone(),
+        );
+        prefix.register(
+            "obtainable_pages",
+            "Huge pages of a size a grow could add (when=now: from the free lists as they are; \
+             when=after_compaction: after compacting, keeping the memory guard free)",
+            metrics.obtainable_pages.clone(),
+        );
+        prefix.register(
+            "numa_obtainable_pages",
+            "The same per NUMA node",
+            metrics.numa_obtainable_pages.clone(),
+        );
+        prefix.register(
+            "free_lists_readable",
+            "1 while the agent reads /proc/buddyinfo and /proc/pagetypeinfo (what a grow can get), else 0",
+            metrics.free_lists_readable.clone(),
+        );
         metrics
+    }
+
+    /// Publishes what a grow can get, per size and NUMA node (`None`: the
+    /// machine), dropping what is no longer estimated.
+    pub fn set_obtainable(
+        &self,
+        readable: bool,
+        estimates: &std::collections::BTreeMap<(PageSize, Option<u32>), GrowEstimate>,
+    ) {
+        self.free_lists_readable.set(i64::from(readable));
+        self.obtainable_pages.clear();
+        self.numa_obtainable_pages.clear();
+        for ((size, numa), estimate) in estimates {
+            for (when, pages) in [
+                (Obtainable::now, estimate.obtainable_now),
+                (Obtainable::after_compaction, estimate.after_compaction),
+            ] {
+                let size = size.to_string();
+                match numa {
+                    None => self
+                        .obtainable_pages
+                        .get_or_create(&ObtainableLabels { size, when })
+                        .set(gauge(pages)),
+                    Some(node) => self
+                        .numa_obtainable_pages
+                        .get_or_create(&NumaObtainableLabels {
+                            size,
+                            numa: node.to_string(),
+                            when,
+                        })
+                        .set(gauge(pages)),
+                };
+            }
+        }
+    }
+
+    /// Publishes the pages of `size` the node's pods request.
+    pub fn set_requested_pages(&self, size: PageSize, pages: u64) {
+        self.requested_pages
+            .get_or_create(&SizeLabels {
+                size: size.to_string(),
+            })
+            .set(gauge(pages));
     }
 
     /// Publishes which of the operator's taints the Node carries, from the
@@ -371,6 +472,46 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line:?} in:\n{text}");
         }
+    }
+
+    #[test]
+    fn what_a_grow_can_get_is_exported_per_size_and_numa_node_and_dropped_when_unread() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let estimate = |now, after_compaction| GrowEstimate {
+            obtainable_now: now,
+            after_compaction,
+        };
+        let estimates = std::collections::BTreeMap::from([
+            ((PageSize::SIZE_2MI, None), estimate(4576, 4889)),
+            ((PageSize::SIZE_2MI, Some(0)), estimate(4576, 4889)),
+            ((PageSize::SIZE_1GI, None), estimate(0, 6)),
+        ]);
+        metrics.set_obtainable(true, &estimates);
+        let text = encode(&registry);
+        for (series, value) in [
+            (r#"hugepool_obtainable_pages{size="2Mi",when="now"}"#, 4576),
+            (
+                r#"hugepool_obtainable_pages{size="2Mi",when="after_compaction"}"#,
+                4889,
+            ),
+            (r#"hugepool_obtainable_pages{size="1Gi",when="now"}"#, 0),
+            (
+                r#"hugepool_obtainable_pages{size="1Gi",when="after_compaction"}"#,
+                6,
+            ),
+            (
+                r#"hugepool_numa_obtainable_pages{size="2Mi",numa="0",when="now"}"#,
+                4576,
+            ),
+            ("hugepool_free_lists_readable", 1),
+        ] {
+            assert_eq!(sample(&text, series), Some(value), "{series} in:\n{text}");
+        }
+        metrics.set_obtainable(false, &std::collections::BTreeMap::new());
+        let text = encode(&registry);
+        assert_eq!(sample(&text, "hugepool_free_lists_readable"), Some(0));
+        assert!(!text.contains("hugepool_obtainable_pages{"), "{text}");
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! restart in `kubelet.rs`), the status writer (`status_writer.rs`: reads
 //! the kernel, builds the status, patches it with jittered backoff), the
 //! watchers of the node's own HugePageNode, its Node and the kernel log
-//! (`watchers.rs`), and the Event publisher (`events.rs`). `/healthz` is
+//! (`watchers.rs`), the watch of the pods bound to the node and the huge
+//! pages they request (`pods.rs`), and the Event publisher (`events.rs`). `/healthz` is
 //! the resize loop's heartbeat (`liveness.rs`).
 
 mod decide;
@@ -17,6 +18,7 @@ mod events;
 mod kubelet;
 pub mod liveness;
 pub mod metrics;
+pub mod pods;
 mod resize_loop;
 pub mod server;
 pub mod snapshot;
@@ -183,6 +185,11 @@ pub async fn run(
     ));
     tokio::spawn(watch_kubelet_capacity(
         nodes,
+        config.node_name.clone(),
+        Arc::clone(&shared),
+    ));
+    tokio::spawn(pods::watch_pods(
+        Api::all(client.clone()),
         config.node_name.clone(),
         Arc::clone(&shared),
     ));

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use hugepool_crds::PageSize;
 
+use crate::kernel::freelists::FreeLists;
 use crate::kernel::{Kernel, MemInfo, NumaCounts, PoolCounts};
 use crate::{Error, Result};
 
@@ -23,6 +24,9 @@ pub struct KernelSnapshot {
     pub memory: MemInfo,
     /// Every size the kernel offers, smallest first.
     pub sizes: Vec<SizeSnapshot>,
+    /// The free lists, or why they could not be read (`/proc/pagetypeinfo`
+    /// is root only): what a grow can get is then not reported.
+    pub free_lists: std::result::Result<FreeLists, String>,
 }
 
 impl KernelSnapshot {
@@ -40,6 +44,7 @@ impl KernelSnapshot {
             hvo: kernel.hvo()?,
             memory: kernel.meminfo()?,
             sizes,
+            free_lists: kernel.free_lists().map_err(|err| err.to_string()),
         })
     }
 

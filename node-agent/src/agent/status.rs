@@ -8,13 +8,15 @@ use hugepool_crds::conditions::{
     ConditionUpdate, NodeConditionType as Type, Reason, find_condition, set_condition,
 };
 use hugepool_crds::node::{
-    KernelInfo, MemoryInfo, NumaStatus, PageSizeStatus, PageSizeTarget, ResizeSummary,
+    KernelInfo, MemoryInfo, NumaStatus, ObtainablePages, PageSizeStatus, PageSizeTarget,
+    ResizeSummary,
 };
 use hugepool_crds::{HugePageNodeStatus, PageSize};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use super::snapshot::{KernelSnapshot, SizeSnapshot};
 use crate::kernel::PoolScope;
+use crate::kernel::freelists::GrowEstimate;
 use crate::resize::{Direction, Outcome, ShortfallReason};
 
 /// A stall seen during a resize: a slow write, no progress, or a kernel report.
@@ -171,6 +173,13 @@ pub struct AgentMemory {
     /// the agent found them at start; the status writer starts from them so
     /// that unchanged conditions keep their transition times.
     pub reported_conditions: Option<Vec<Condition>>,
+    /// What a grow can get, as the status shows it, per size and NUMA node
+    /// (`None`: the whole machine). Replaced only when a figure moves
+    /// materially ([`settle_obtainable`]).
+    pub obtainable: BTreeMap<(PageSize, Option<u32>), GrowEstimate>,
+    /// Pages per size that the pods bound to this node request, from the
+    /// agent's pod watch; `None` until its first list.
+    pub requested: Option<BTreeMap<PageSize, u64>>,
 }
 
 /// Whether the agent reads the kernel log, where lockups, RCU stalls and hung
@@ -280,7 +289,7 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
     }
     let target = entry.pages.max(0) as u64;
     let pool = sizes.pool;
-    if entry.reached_by(&size_status(sizes, Some(entry), None)) {
+    if entry.reached_by(&size_status(sizes, Some(entry), None, &BTreeMap::new())) {
         return Progress::AtTarget;
     }
     let floor = pool.in_use() + pool.reserved;
@@ -327,6 +336,7 @@ fn size_status(
     sizes: &SizeSnapshot,
     entry: Option<&PageSizeTarget>,
     record: Option<&SizeRecord>,
+    obtainable: &BTreeMap<(PageSize, Option<u32>), GrowEstimate>,
 ) -> PageSizeStatus {
     let pool = sizes.pool;
     PageSizeStatus {
@@ -337,6 +347,8 @@ fn size_status(
         reserved: pool.reserved as i64,
         surplus: pool.surplus as i64,
         in_use: pool.in_use() as i64,
+        // Set by `build` from the pods the agent watches.
+        requested: None,
         numa: sizes
             .numa
             .iter()
@@ -345,8 +357,10 @@ fn size_status(
                 total: n.total as i64,
                 free: n.free as i64,
                 surplus: n.surplus as i64,
+                obtainable: obtainable_pages(obtainable.get(&(sizes.size, Some(n.node)))),
             })
             .collect(),
+        obtainable: obtainable_pages(obtainable.get(&(sizes.size, None))),
         last_resize: record.and_then(|r| r.last_resize.clone()),
     }
 }
@@ -637,6 +651,70 @@ pub fn settle_restoring(snapshot: &KernelSnapshot, memory: &mut AgentMemory) {
     });
 }
 
+/// What a grow can get now, per size and NUMA node (`None`: the whole
+/// machine), from the snapshot's free lists, keeping free the memory guard
+/// of the size's target (the default guard for a size with none) and the
+/// engine's headroom above it; empty when the free lists could not be read.
+pub fn obtainable(
+    snapshot: &KernelSnapshot,
+    targets: &[PageSizeTarget],
+) -> BTreeMap<(PageSize, Option<u32>), GrowEstimate> {
+    let mut estimates = BTreeMap::new();
+    let Ok(free_lists) = &snapshot.free_lists else {
+        return estimates;
+    };
+    for size in snapshot.sizes.iter().map(|s| s.size) {
+        let guard = targets
+            .iter()
+            .find(|t| t.size == size)
+            .map_or_else(
+                crate::resize::Settings::default,
+                crate::resize::settings_for,
+            )
+            .min_mem_available;
+        let guard = guard + crate::resize::planner::guard_headroom(guard);
+        let sized = free_lists.estimates(size, guard);
+        estimates.insert((size, None), sized.total);
+        for (node, estimate) in sized.numa {
+            estimates.insert((size, Some(node)), estimate);
+        }
+    }
+    estimates
+}
+
+/// Whether a figure moved by more than a tenth of the larger of the two: a
+/// status write for what a grow can get is worth that much, not every page
+/// the page cache takes or gives back.
+pub fn moved_materially(shown: GrowEstimate, fresh: GrowEstimate) -> bool {
+    let moved = |a: u64, b: u64| a.abs_diff(b).saturating_mul(10) > a.max(b);
+    moved(shown.obtainable_now, fresh.obtainable_now)
+        || moved(shown.after_compaction, fresh.after_compaction)
+}
+
+/// Brings `memory.obtainable` up to `fresh` where a figure moved
+/// materially, adds what is new and drops what went.
+pub fn settle_obtainable(
+    memory: &mut AgentMemory,
+    fresh: &BTreeMap<(PageSize, Option<u32>), GrowEstimate>,
+) {
+    memory.obtainable.retain(|key, _| fresh.contains_key(key));
+    for (key, estimate) in fresh {
+        match memory.obtainable.get(key) {
+            Some(shown) if !moved_materially(*shown, *estimate) => {}
+            _ => {
+                memory.obtainable.insert(*key, *estimate);
+            }
+        }
+    }
+}
+
+fn obtainable_pages(estimate: Option<&GrowEstimate>) -> Option<ObtainablePages> {
+    estimate.map(|e| ObtainablePages {
+        now: e.obtainable_now as i64,
+        after_compaction: e.after_compaction as i64,
+    })
+}
+
 fn restoring_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> ConditionUpdate {
     if memory.restoring.is_empty() {
         return ConditionUpdate::new(
@@ -788,7 +866,16 @@ pub fn build(
         .iter()
         .map(|sizes| {
             let entry = memory.targets.iter().find(|t| t.size == sizes.size);
-            size_status(sizes, entry, memory.sizes.get(&sizes.size))
+            let status = size_status(
+                sizes,
+                entry,
+                memory.sizes.get(&sizes.size),
+                &memory.obtainable,
+            );
+            PageSizeStatus {
+                requested: requested_pages(memory, sizes.size),
+                ..status
+            }
         })
         .collect();
     HugePageNodeStatus {
@@ -806,6 +893,13 @@ pub fn build(
         conditions: conditions_list.clone(),
         memory_manager_pods: memory_manager_pods(conditions_list, memory),
     }
+}
+
+/// Pages of `size` the node's pods request, once the pod watch has
+/// listed them (`None` before: unknown, not zero).
+fn requested_pages(memory: &AgentMemory, size: PageSize) -> Option<i64> {
+    let requested = memory.requested.as_ref()?;
+    Some(i64::try_from(requested.get(&size).copied().unwrap_or(0)).unwrap_or(i64::MAX))
 }
 
 /// `status.summary`: every size with pages or a target as
@@ -884,6 +978,7 @@ mod tests {
                     numa: vec![],
                 },
             ],
+            free_lists: Err("not read in this test".into()),
         }
     }
 
@@ -1320,6 +1415,89 @@ mod tests {
         assert_eq!(cond(&status, NodeConditionType::Converged).status, "False");
     }
 
+    fn real_free_lists() -> crate::kernel::freelists::FreeLists {
+        use crate::kernel::freelists::{buddyinfo, pagetypeinfo};
+        use std::path::Path;
+        crate::kernel::freelists::FreeLists {
+            zones: buddyinfo(
+                Path::new("buddyinfo"),
+                include_str!("../../tests/fixtures/freelists/buddyinfo.real"),
+            )
+            .unwrap(),
+            pagetypeinfo: pagetypeinfo(
+                Path::new("pagetypeinfo"),
+                include_str!("../../tests/fixtures/freelists/pagetypeinfo.real"),
+            )
+            .unwrap(),
+        }
+    }
+
+    // The development machine's files give 2Mi (4576 now, 4955 after
+    // compaction) and 1Gi (0, 8) with no guard (freelists.rs tests). The
+    // 2Mi target keeps 100Mi + 32Mi of headroom free: 66 pages; 1Gi has no
+    // target, so the default 1Gi guard + 32Mi: 2 pages.
+    #[test]
+    fn what_a_grow_can_get_shows_per_size_and_numa_node_under_each_guard() {
+        let mut snapshot = snapshot(0, 0, 0, 0);
+        snapshot.free_lists = Ok(real_free_lists());
+        let mut entry = target("2Mi", 8);
+        entry.allocation.min_mem_available = "100Mi".into();
+        let mut memory = memory(vec![entry]);
+        let fresh = obtainable(&snapshot, &memory.targets);
+        settle_obtainable(&mut memory, &fresh);
+        let status = built(&snapshot, &memory);
+        let pages = |now, after_compaction| {
+            Some(ObtainablePages {
+                now,
+                after_compaction,
+            })
+        };
+        assert_eq!(status.page_sizes[0].obtainable, pages(4576, 4955 - 66));
+        assert_eq!(
+            status.page_sizes[0].numa[0].obtainable,
+            pages(4576, 4955 - 66)
+        );
+        assert_eq!(status.page_sizes[1].obtainable, pages(0, 6));
+
+        // Unreadable free lists (no root, no mount): nothing is claimed.
+        snapshot.free_lists = Err("permission denied".into());
+        let fresh = obtainable(&snapshot, &memory.targets);
+        settle_obtainable(&mut memory, &fresh);
+        let status = built(&snapshot, &memory);
+        assert_eq!(status.page_sizes[0].obtainable, None);
+        assert_eq!(status.page_sizes[0].numa[0].obtainable, None);
+    }
+
+    #[test]
+    fn what_a_grow_can_get_is_rewritten_only_when_it_moves_by_a_tenth() {
+        let key = (PageSize::SIZE_2MI, None);
+        let at = |now, after_compaction| {
+            BTreeMap::from([(
+                key,
+                GrowEstimate {
+                    obtainable_now: now,
+                    after_compaction,
+                },
+            )])
+        };
+        let mut memory = AgentMemory::default();
+        settle_obtainable(&mut memory, &at(1000, 2000));
+        // 9% and 5% moves keep what the status shows.
+        settle_obtainable(&mut memory, &at(1090, 1900));
+        assert_eq!(memory.obtainable, at(1000, 2000));
+        // 11% on one figure replaces both.
+        settle_obtainable(&mut memory, &at(1000, 2250));
+        assert_eq!(memory.obtainable, at(1000, 2250));
+        // From nothing to something, and back, always shows.
+        settle_obtainable(&mut memory, &at(0, 2250));
+        assert_eq!(memory.obtainable, at(0, 2250));
+        settle_obtainable(&mut memory, &at(1, 2250));
+        assert_eq!(memory.obtainable, at(1, 2250));
+        // A size that went is dropped.
+        settle_obtainable(&mut memory, &BTreeMap::new());
+        assert!(memory.obtainable.is_empty());
+    }
+
     /// Two NUMA nodes: `(total, free)` on each, the size's pool their sum.
     fn two_nodes(node0: (u64, u64), node1: (u64, u64)) -> KernelSnapshot {
         let mut snapshot = snapshot(node0.0 + node1.0, node0.1 + node1.1, 0, 0);
@@ -1547,6 +1725,24 @@ mod tests {
                 .contains("2Mi: NUMA node 3 not on this machine (it has 0)"),
             "{}",
             converged.message
+        );
+    }
+
+    #[test]
+    fn requested_pages_are_reported_per_size_once_the_pods_are_listed() {
+        let mut agent = memory(vec![target("2Mi", 64)]);
+        let unknown = built(&snapshot(64, 64, 0, 0), &agent);
+        assert!(unknown.page_sizes.iter().all(|s| s.requested.is_none()));
+        agent.requested = Some(BTreeMap::from([(PageSize::SIZE_2MI, 40)]));
+        let status = built(&snapshot(64, 34, 0, 0), &agent);
+        let requested: Vec<(String, Option<i64>, i64)> = status
+            .page_sizes
+            .iter()
+            .map(|s| (s.size.to_string(), s.requested, s.in_use))
+            .collect();
+        assert_eq!(
+            requested,
+            [("2Mi".into(), Some(40), 30), ("1Gi".into(), Some(0), 0)]
         );
     }
 }

@@ -42,6 +42,8 @@ pub(super) async fn write_status(
     let mut retry = false;
     // What the boot file holds now (None: not written by this agent yet).
     let mut saved_for_boot: Option<Vec<PageSizeTarget>> = None;
+    // Said once per change: unreadable free lists are a deployment matter.
+    let mut free_lists_error: Option<String> = None;
     loop {
         let stopping = *done.borrow();
         if !stopping && !retry {
@@ -74,6 +76,21 @@ pub(super) async fn write_status(
         let memory = {
             let mut memory = shared.memory();
             status::settle_restoring(&snapshot, &mut memory);
+            let error = snapshot.free_lists.as_ref().err();
+            if error != free_lists_error.as_ref() {
+                match error {
+                    Some(err) => {
+                        warn!(error = %err, "cannot read the free lists: what a grow can get is not reported")
+                    }
+                    None => info!("reading the free lists: what a grow can get is reported"),
+                }
+                free_lists_error = error.cloned();
+            }
+            let fresh = status::obtainable(&snapshot, &memory.targets);
+            shared
+                .metrics
+                .set_obtainable(snapshot.free_lists.is_ok(), &fresh);
+            status::settle_obtainable(&mut memory, &fresh);
             if let Some(reported) = memory.reported_conditions.take() {
                 conditions = reported;
             }
@@ -179,6 +196,11 @@ pub(super) fn update_gauges(metrics: &Metrics, snapshot: &KernelSnapshot, memory
         .set(snapshot.memory.available_bytes as i64);
     for sizes in &snapshot.sizes {
         metrics.set_kernel_pages(sizes.size, &sizes.pool, &sizes.numa);
+        // At 0 for every size the kernel offers once the pods are listed.
+        if let Some(requested) = &memory.requested {
+            let pages = requested.get(&sizes.size).copied().unwrap_or(0);
+            metrics.set_requested_pages(sizes.size, pages);
+        }
     }
     metrics.set_targets(&memory.targets);
 }

@@ -9,6 +9,7 @@ use std::path::Path;
 
 use hugepool_crds::PageSize;
 
+use crate::kernel::PoolScope;
 use crate::{Error, Result};
 
 /// The base page the buddy allocator counts in (x86_64 and 4K arm64).
@@ -340,6 +341,69 @@ impl FreeLists {
     pub fn estimate(&self, node: u32, size: PageSize, guard_bytes: u64) -> GrowEstimate {
         estimate(&self.zones, &self.pagetypeinfo, node, size, guard_bytes)
     }
+
+    /// The NUMA nodes the files list, ascending.
+    pub fn nodes(&self) -> Vec<u32> {
+        let mut nodes: Vec<u32> = self.zones.iter().map(|z| z.node).collect();
+        nodes.dedup();
+        nodes.sort_unstable();
+        nodes.dedup();
+        nodes
+    }
+
+    /// What a grow of `size` can get on the whole machine and on each NUMA
+    /// node. The guard is one figure for the machine (MemAvailable), so it
+    /// is taken once from the sum; no node can get more than the machine.
+    pub fn estimates(&self, size: PageSize, guard_bytes: u64) -> SizeEstimates {
+        let numa: Vec<(u32, GrowEstimate)> = self
+            .nodes()
+            .into_iter()
+            .map(|node| (node, self.estimate(node, size, 0)))
+            .collect();
+        let now: u64 = numa.iter().map(|(_, e)| e.obtainable_now).sum();
+        let reachable: u64 = numa.iter().map(|(_, e)| e.after_compaction).sum();
+        let guard_pages = guard_bytes.div_ceil(size.bytes());
+        let total = GrowEstimate {
+            obtainable_now: now,
+            after_compaction: now.max(reachable.saturating_sub(guard_pages)),
+        };
+        let numa = numa
+            .into_iter()
+            .map(|(node, e)| {
+                let after = e
+                    .obtainable_now
+                    .max(e.after_compaction.min(total.after_compaction));
+                (
+                    node,
+                    GrowEstimate {
+                        obtainable_now: e.obtainable_now,
+                        after_compaction: after,
+                    },
+                )
+            })
+            .collect();
+        SizeEstimates { total, numa }
+    }
+
+    /// What a grow of `size` in `scope` (a pool file) can get.
+    pub fn for_scope(&self, size: PageSize, scope: PoolScope, guard_bytes: u64) -> GrowEstimate {
+        let estimates = self.estimates(size, guard_bytes);
+        match scope {
+            PoolScope::Global => estimates.total,
+            PoolScope::Node(node) => estimates
+                .numa
+                .iter()
+                .find(|(id, _)| *id == node)
+                .map_or_else(GrowEstimate::default, |(_, e)| *e),
+        }
+    }
+}
+
+/// [`FreeLists::estimates`]: one page size, machine-wide and per NUMA node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SizeEstimates {
+    pub total: GrowEstimate,
+    pub numa: Vec<(u32, GrowEstimate)>,
 }
 
 /// What a grow of one page size can get on one NUMA node, in pages.
@@ -655,6 +719,44 @@ mod tests {
         assert_eq!(at(1, PageSize::SIZE_1GI, 0), GrowEstimate::default());
     }
 
+    // The two-node pair with no guard: node 0 (17, 22), node 1 (5, 9). The
+    // machine's guard comes off the sum once: 31 - 2 pages for 3 MiB.
+    #[test]
+    fn estimates_take_the_guard_once_for_the_machine() {
+        let lists = FreeLists {
+            zones: buddy(BUDDYINFO_TWO_NODES),
+            pagetypeinfo: types(PAGETYPEINFO_TWO_NODES),
+        };
+        assert_eq!(lists.nodes(), [0, 1]);
+        let e = |now, after_compaction| GrowEstimate {
+            obtainable_now: now,
+            after_compaction,
+        };
+        let sized = lists.estimates(PageSize::SIZE_2MI, 3 * MIB);
+        assert_eq!(sized.total, e(22, 29));
+        assert_eq!(sized.numa, [(0, e(17, 22)), (1, e(5, 9))]);
+        // 30 MiB (15 pages) leaves the machine 16 after compaction, less
+        // than it has now: never below now. Node 0 alone could take 22.
+        let sized = lists.estimates(PageSize::SIZE_2MI, 30 * MIB);
+        assert_eq!(sized.total, e(22, 22));
+        assert_eq!(sized.numa, [(0, e(17, 22)), (1, e(5, 9))]);
+        // A guard bigger than everything: each node keeps what it has now.
+        let sized = lists.estimates(PageSize::SIZE_2MI, 1 << 30);
+        assert_eq!(sized.total, e(22, 22));
+        assert_eq!(
+            lists.for_scope(PageSize::SIZE_2MI, PoolScope::Node(1), 3 * MIB),
+            e(5, 9)
+        );
+        assert_eq!(
+            lists.for_scope(PageSize::SIZE_2MI, PoolScope::Global, 3 * MIB),
+            e(22, 29)
+        );
+        assert_eq!(
+            lists.for_scope(PageSize::SIZE_2MI, PoolScope::Node(7), 0),
+            GrowEstimate::default()
+        );
+    }
+
     #[test]
     fn estimate_is_capped_by_the_zone() {
         // Free lists bigger than the zone (a torn read): capped at 2 blocks,
@@ -685,6 +787,7 @@ mod tests {
 
     #[test]
     fn sysfs_kernel_reads_both_files_under_its_proc_root() {
+        use crate::kernel::Kernel;
         let proc_root = tempfile::tempdir().unwrap();
         std::fs::write(proc_root.path().join("buddyinfo"), BUDDYINFO_TWO_NODES).unwrap();
         let kernel = crate::kernel::SysfsKernel::new("/nonexistent-sys", proc_root.path());

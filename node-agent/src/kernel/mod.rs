@@ -131,6 +131,8 @@ pub trait Kernel: Send + Sync {
     fn write_pool(&self, size: PageSize, scope: PoolScope, pages: u64) -> Result<()>;
     /// Compacts memory of all zones (`Global`) or of one NUMA node.
     fn compact(&self, scope: PoolScope) -> Result<()>;
+    /// The free lists a grow takes its pages from (`freelists`).
+    fn free_lists(&self) -> Result<freelists::FreeLists>;
 
     /// Counts of one size on every NUMA node that has a pool of it.
     fn numa_pools(&self, size: PageSize) -> Result<Vec<NumaCounts>> {

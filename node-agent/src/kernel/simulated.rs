@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use hugepool_crds::PageSize;
 
-use crate::kernel::{Kernel, MemInfo, NumaCounts, PoolCounts, PoolScope};
+use crate::kernel::{Kernel, MemInfo, NumaCounts, PoolCounts, PoolScope, freelists};
 use crate::{Error, Result};
 
 /// Cost of one pool write: `fixed + per_page * pages`.
@@ -566,6 +566,51 @@ impl Kernel for SimulatedKernel {
             std::thread::sleep(sleep);
         }
         Ok(())
+    }
+
+    /// Free lists as this model sees them, one Normal zone per node: the
+    /// contiguous share of free memory in 4 MiB blocks, the rest in 4 KiB
+    /// pages; the share a compaction would reach in Movable pageblocks, the
+    /// rest of the node Unmovable. [`freelists::estimate`] on them gives
+    /// what one write of this model gets now and after a compaction.
+    fn free_lists(&self) -> Result<freelists::FreeLists> {
+        const BLOCK: u64 = 2 << 20;
+        const TOP: u64 = 4 << 20;
+        let state = lock(&self.state);
+        let mut zones = Vec::new();
+        let mut blocks = Vec::new();
+        for (n, node) in state.config.nodes.iter().enumerate() {
+            let free = state.node_free_bytes(n);
+            let contiguous = (free as f64 * state.contiguous[n]) as u64 / TOP;
+            let mut free_blocks = vec![0; 11];
+            free_blocks[10] = contiguous;
+            free_blocks[0] = (free - contiguous * TOP) / freelists::BASE_PAGE_BYTES;
+            zones.push(freelists::ZoneFree {
+                node: n as u32,
+                zone: "Normal".into(),
+                free_blocks,
+            });
+            let all = node.memory_bytes / BLOCK;
+            let movable =
+                ((free as f64 * node.contiguous_after_compaction) as u64 / BLOCK).min(all);
+            blocks.push(freelists::ZoneBlocks {
+                node: n as u32,
+                zone: "Normal".into(),
+                by_type: vec![
+                    ("Unmovable".into(), all - movable),
+                    ("Movable".into(), movable),
+                ],
+            });
+        }
+        Ok(freelists::FreeLists {
+            zones,
+            pagetypeinfo: freelists::PageTypeInfo {
+                pageblock_order: 9,
+                pages_per_block: BLOCK / freelists::BASE_PAGE_BYTES,
+                free: Vec::new(),
+                blocks,
+            },
+        })
     }
 
     fn compact(&self, scope: PoolScope) -> Result<()> {

@@ -70,17 +70,6 @@ impl SysfsKernel {
     fn read_count(&self, path: &Path) -> Result<u64> {
         parse::count(path, &read(path)?)
     }
-
-    /// `<proc_root>/buddyinfo` and `<proc_root>/pagetypeinfo` (root only),
-    /// read one after the other: the two may differ by what moved between.
-    pub fn free_lists(&self) -> Result<FreeLists> {
-        let buddyinfo = self.proc_root.join("buddyinfo");
-        let pagetypeinfo = self.proc_root.join("pagetypeinfo");
-        Ok(FreeLists {
-            zones: freelists::buddyinfo(&buddyinfo, &read(&buddyinfo)?)?,
-            pagetypeinfo: freelists::pagetypeinfo(&pagetypeinfo, &read(&pagetypeinfo)?)?,
-        })
-    }
 }
 
 fn read(path: &Path) -> Result<String> {
@@ -129,6 +118,16 @@ fn list_dir(path: &Path) -> Result<Vec<String>> {
 }
 
 impl Kernel for SysfsKernel {
+    /// `<proc_root>/buddyinfo` and `<proc_root>/pagetypeinfo` (root only),
+    /// read one after the other: the two may differ by what moved between.
+    fn free_lists(&self) -> Result<FreeLists> {
+        let buddyinfo = self.proc_root.join("buddyinfo");
+        let pagetypeinfo = self.proc_root.join("pagetypeinfo");
+        Ok(FreeLists {
+            zones: freelists::buddyinfo(&buddyinfo, &read(&buddyinfo)?)?,
+            pagetypeinfo: freelists::pagetypeinfo(&pagetypeinfo, &read(&pagetypeinfo)?)?,
+        })
+    }
     fn page_sizes(&self) -> Result<Vec<PageSize>> {
         let mut sizes: Vec<PageSize> = list_dir(&self.hugepages_dir())?
             .iter()

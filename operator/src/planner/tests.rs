@@ -759,12 +759,14 @@ fn a_shrink_blocked_on_one_numa_node_drains_what_that_node_holds() {
                 total: 150,
                 free: 0,
                 surplus: 0,
+                obtainable: None,
             },
             NumaStatus {
                 id: 1,
                 total: 100,
                 free: 100,
                 surplus: 0,
+                obtainable: None,
             },
         ],
         ..PageSizeStatus::empty(PageSize::SIZE_2MI)
@@ -1757,12 +1759,14 @@ fn the_right_total_in_the_wrong_numa_split_is_not_converged() {
             total: 1024,
             free: 1024,
             surplus: 0,
+            obtainable: None,
         },
         NumaStatus {
             id: 1,
             total: 0,
             free: 0,
             surplus: 0,
+            obtainable: None,
         },
     ];
     assert_eq!(entry_state(&state, &target), EntryState::InFlight);

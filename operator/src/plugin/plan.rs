@@ -320,6 +320,7 @@ pub fn reached_status(entry: &PageSizeTarget, in_use: i64) -> PageSizeStatus {
                 total: t.pages,
                 free: t.pages,
                 surplus: 0,
+                obtainable: None,
             })
             .collect(),
         ..PageSizeStatus::empty(entry.size)
