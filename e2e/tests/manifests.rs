@@ -187,6 +187,8 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         {"name": "sys-node", "mountPath": "/host/sys/devices/system/node"},
         {"name": "proc-sys-vm", "mountPath": "/host/proc/sys/vm"},
         {"name": "proc-meminfo", "mountPath": "/host/proc/meminfo", "readOnly": true},
+        {"name": "proc-buddyinfo", "mountPath": "/host/proc/buddyinfo", "readOnly": true},
+        {"name": "proc-pagetypeinfo", "mountPath": "/host/proc/pagetypeinfo", "readOnly": true},
         {"name": "run-hugepool", "mountPath": "/host/run/hugepool"},
     ]);
     let mut volumes = json!([
@@ -194,6 +196,8 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         {"name": "sys-node", "hostPath": {"path": "/sys/devices/system/node", "type": "Directory"}},
         {"name": "proc-sys-vm", "hostPath": {"path": "/proc/sys/vm", "type": "Directory"}},
         {"name": "proc-meminfo", "hostPath": {"path": "/proc/meminfo", "type": "File"}},
+        {"name": "proc-buddyinfo", "hostPath": {"path": "/proc/buddyinfo", "type": "File"}},
+        {"name": "proc-pagetypeinfo", "hostPath": {"path": "/proc/pagetypeinfo", "type": "File"}},
         {"name": "run-hugepool", "hostPath": {"path": "/run/hugepool", "type": "DirectoryOrCreate"}},
     ]);
     if restart {

@@ -391,6 +391,21 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
         sys("surplus_hugepages"),
         "status surplus vs /sys"
     );
+    // What a grow can get, from the free lists the chart mounts read-only
+    // (/proc/pagetypeinfo is root only): on a machine with gigabytes free
+    // some 2Mi pages are always obtainable after compaction.
+    let obtainable = reported
+        .obtainable
+        .expect("status.pageSizes[2Mi].obtainable: the agent reads the free lists in its container");
+    assert!(
+        obtainable.after_compaction >= obtainable.now && obtainable.after_compaction > 0,
+        "{obtainable:?}"
+    );
+    assert!(
+        reported.numa.iter().all(|n| n.obtainable.is_some()),
+        "every NUMA node has its estimate: {:?}",
+        reported.numa
+    );
 
     // The kernel log, measured in the container: the device cgroup refuses
     // /dev/kmsg (the chart mounts none), CAP_SYSLOG allows syslog(2).
@@ -430,6 +445,10 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
         .unwrap_or_else(|err| panic!("{err}"));
     assert!(
         metrics.contains("hugepool_kernel_log_watching 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("hugepool_free_lists_readable 1"),
         "{metrics}"
     );
     let pages_2mi: f64 = metrics

@@ -79,6 +79,26 @@ fn kernel_writes_work_with_every_capability_dropped() {
         "{}",
         String::from_utf8_lossy(&compact.stderr)
     );
+    // The free lists (what a grow can get): pagetypeinfo is readable by its
+    // owner, root, and by no one else, so uid 0 needs no capability for it.
+    for file in ["/proc/buddyinfo", "/proc/pagetypeinfo"] {
+        let read = with_caps("-all", &["cat", file]);
+        assert!(
+            read.status.success()
+                && (read.stdout.starts_with(b"Node 0") || read.stdout.starts_with(b"Page block order")),
+            "{file} without capabilities: {}",
+            String::from_utf8_lossy(&read.stderr)
+        );
+    }
+    let other = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .args(["cat", "/proc/pagetypeinfo"])
+        .output()
+        .expect("run setpriv (util-linux)");
+    assert!(
+        !other.status.success(),
+        "/proc/pagetypeinfo is root only: a non-root agent could not estimate"
+    );
     drop(real);
 }
 
