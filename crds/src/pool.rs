@@ -263,8 +263,21 @@ pub struct PoolNodeCounts {
 pub struct PoolPages {
     /// Sum of per-node targets.
     pub target: i64,
-    /// Sum of the pages the nodes report.
+    /// Sum of the pages the nodes report (allocated: `total`, surplus
+    /// included).
     pub current: i64,
+    /// Sum of the pages of the pool's size that pods bound to the nodes
+    /// request (`hugepages-<size>`), over the nodes whose agent reports it.
+    #[serde(default)]
+    pub requested: i64,
+    /// Sum of the pages processes have mapped (the kernel's `total - free`).
+    #[serde(default)]
+    pub in_use: i64,
+    /// Pages allocated that no pod requests: per node `current - requested`
+    /// (at least 0), summed over the nodes whose agent reports requests.
+    /// Memory reserved for huge pages that nothing can use until a pod asks.
+    #[serde(default)]
+    pub unrequested: i64,
 }
 
 /// The most pods `status.evictedPods` lists.

@@ -98,35 +98,11 @@ pub fn hugepage_consumers<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> Vec<&'a Po
     consumers
 }
 
-/// Pages of `size` the pod may hold: what its containers request (or are
-/// limited to; for hugepages the two are equal), as the kubelet counts a
-/// pod: the larger of the containers' sum and the largest init container.
+/// Pages of `size` the pod may hold: what it requests, as the kubelet
+/// sizes a pod (init containers, sidecars and overhead included; the one
+/// definition the agent's report of requested pages uses too).
 pub fn pages_held(pod: &Pod, size: PageSize) -> u64 {
-    let Some(spec) = &pod.spec else {
-        return 0;
-    };
-    let name = size.resource_name();
-    let bytes = |resources: &Option<ResourceRequirements>| {
-        resources
-            .as_ref()
-            .and_then(|r| {
-                [&r.requests, &r.limits]
-                    .into_iter()
-                    .flatten()
-                    .find_map(|amounts| amounts.get(&name))
-            })
-            .and_then(|q| hugepool_crds::quantity::parse_bytes(&q.0).ok())
-            .unwrap_or(0)
-    };
-    let containers: u64 = spec.containers.iter().map(|c| bytes(&c.resources)).sum();
-    let init = spec
-        .init_containers
-        .iter()
-        .flatten()
-        .map(|c| bytes(&c.resources))
-        .max()
-        .unwrap_or(0);
-    containers.max(init) / size.bytes()
+    hugepool_crds::pod::requested_pages(pod, size)
 }
 
 /// Which pods a drain of `size` evicts, when `must_free` pages of it have

@@ -31,6 +31,12 @@ pub struct PoolKindLabels {
     pub kind: String,
 }
 
+/// The kinds `hugepool_pool_pages` and `hugepool_pool_bytes` publish:
+/// sums over the pool's nodes (docs/design.md, "Dashboards and tooling").
+/// They overlap (requested and unrequested are parts of current), so a sum
+/// over `kind` means nothing; pick one.
+pub const POOL_PAGE_KINDS: &[&str] = &["target", "current", "requested", "in_use", "unrequested"];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EvictionLabels {
     pub pool: String,
@@ -68,6 +74,9 @@ pub struct Metrics {
     pub registry: Registry,
     pub pool_nodes: Family<PoolStateLabels, Gauge>,
     pub pool_pages: Family<PoolKindLabels, Gauge>,
+    /// The same in bytes (pages times the pool's page size), so pools of
+    /// different sizes compare and an alert's threshold is memory.
+    pub pool_bytes: Family<PoolKindLabels, Gauge>,
     /// Converged nodes whose kubelet reports a stale capacity, per pool.
     pub pool_kubelet_stale_nodes: Family<PoolLabels, Gauge>,
     pub evictions: Family<EvictionLabels, Counter>,
@@ -85,6 +94,7 @@ impl Default for Metrics {
         let mut registry = Registry::default();
         let pool_nodes = Family::<PoolStateLabels, Gauge>::default();
         let pool_pages = Family::<PoolKindLabels, Gauge>::default();
+        let pool_bytes = Family::<PoolKindLabels, Gauge>::default();
         let pool_kubelet_stale_nodes = Family::<PoolLabels, Gauge>::default();
         let evictions = Family::<EvictionLabels, Counter>::default();
         let reconciles = Counter::default();
@@ -107,8 +117,15 @@ impl Default for Metrics {
         );
         registry.register(
             "hugepool_pool_pages",
-            "Pages of a pool summed over its nodes (target, current)",
+            "Pages of a pool summed over its nodes by kind: target, current (allocated in the kernel), \
+             requested (by pods bound to the nodes), in_use (mapped by processes), unrequested \
+             (current less requested, per node, at least 0)",
             pool_pages.clone(),
+        );
+        registry.register(
+            "hugepool_pool_bytes",
+            "hugepool_pool_pages in bytes (pages times the pool's page size)",
+            pool_bytes.clone(),
         );
         registry.register(
             "hugepool_pool_kubelet_stale_nodes",
@@ -158,6 +175,7 @@ impl Default for Metrics {
             registry,
             pool_nodes,
             pool_pages,
+            pool_bytes,
             pool_kubelet_stale_nodes,
             evictions,
             reconciles,
@@ -194,16 +212,24 @@ impl Metrics {
                 })
                 .set(value);
         }
+        let pages = &plan.status.pages;
         for (kind, value) in [
-            ("target", plan.status.pages.target),
-            ("current", plan.status.pages.current),
+            ("target", pages.target),
+            ("current", pages.current),
+            ("requested", pages.requested),
+            ("in_use", pages.in_use),
+            ("unrequested", pages.unrequested),
         ] {
-            self.pool_pages
-                .get_or_create(&PoolKindLabels {
-                    pool: pool.into(),
-                    kind: kind.into(),
-                })
-                .set(value);
+            let labels = PoolKindLabels {
+                pool: pool.into(),
+                kind: kind.into(),
+            };
+            self.pool_pages.get_or_create(&labels).set(value);
+            if let Some(size) = plan.page_size {
+                let bytes = i128::from(value) * i128::from(size.bytes());
+                let bytes = i64::try_from(bytes).unwrap_or(i64::MAX);
+                self.pool_bytes.get_or_create(&labels).set(bytes);
+            }
         }
         self.pool_kubelet_stale_nodes
             .get_or_create(&PoolLabels { pool: pool.into() })
@@ -225,11 +251,13 @@ impl Metrics {
                 state: state.into(),
             });
         }
-        for kind in ["target", "current"] {
-            self.pool_pages.remove(&PoolKindLabels {
+        for kind in POOL_PAGE_KINDS {
+            let labels = PoolKindLabels {
                 pool: pool.into(),
-                kind: kind.into(),
-            });
+                kind: (*kind).into(),
+            };
+            self.pool_pages.remove(&labels);
+            self.pool_bytes.remove(&labels);
         }
         self.pool_kubelet_stale_nodes
             .remove(&PoolLabels { pool: pool.into() });
@@ -246,6 +274,7 @@ impl Metrics {
         if !leading {
             self.pool_nodes.clear();
             self.pool_pages.clear();
+            self.pool_bytes.clear();
             self.pool_kubelet_stale_nodes.clear();
         }
     }
@@ -459,6 +488,39 @@ mod tests {
                 .contains("hugepool_pool_kubelet_stale_nodes{"),
             "a replica that lost the Lease drops the series"
         );
+    }
+
+    #[test]
+    fn pool_pages_are_published_by_kind_in_pages_and_bytes_and_dropped_with_the_pool() {
+        let metrics = Metrics::default();
+        metrics.set_leading(true);
+        let mut plan = plan_with_failed(0);
+        plan.page_size = Some(hugepool_crds::PageSize::SIZE_1GI);
+        plan.status.pages = hugepool_crds::pool::PoolPages {
+            target: 8,
+            current: 8,
+            requested: 3,
+            in_use: 2,
+            unrequested: 5,
+        };
+        metrics.observe_pool("vms", &plan);
+        let text = metrics.encode();
+        for (kind, pages) in [
+            ("target", 8_i32),
+            ("current", 8),
+            ("requested", 3),
+            ("in_use", 2),
+            ("unrequested", 5),
+        ] {
+            let series = format!(r#"hugepool_pool_pages{{pool="vms",kind="{kind}"}} {pages}"#);
+            assert!(text.contains(&series), "no {series} in {text}");
+            let bytes = i64::from(pages) << 30;
+            let series = format!(r#"hugepool_pool_bytes{{pool="vms",kind="{kind}"}} {bytes}"#);
+            assert!(text.contains(&series), "no {series} in {text}");
+        }
+        metrics.forget_pool("vms");
+        let text = metrics.encode();
+        assert!(!text.contains(r#"pool="vms""#), "{text}");
     }
 
     #[test]

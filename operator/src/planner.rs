@@ -178,6 +178,8 @@ pub struct PoolPlan {
     pub unresponsive: Vec<(String, String)>,
     /// Every node the pool manages, by name, with where it stands.
     pub members: Vec<PoolMember>,
+    /// The pool's page size (its pages in bytes, for the metrics).
+    pub page_size: Option<PageSize>,
 }
 
 /// One node of a pool as the planner sees it (`kubectl hugepool status`).
@@ -187,6 +189,10 @@ pub struct PoolMember {
     pub state: NodeState,
     /// Pages of the pool's size the node reports now.
     pub current: i64,
+    /// Pages of the size the node's pods request, once its agent reports it.
+    pub requested: Option<i64>,
+    /// Pages of the size processes have mapped there.
+    pub in_use: i64,
     /// The target the pool wants there, once it can be computed.
     pub target: Option<i64>,
     pub stalled: bool,
@@ -557,6 +563,10 @@ struct Member {
     desired: Option<PageSizeTarget>,
     /// Pages the node reports for the size (`total`).
     current: i64,
+    /// Pages of the size its pods request, once its agent reports them.
+    requested: Option<i64>,
+    /// Pages of the size mapped by processes.
+    in_use: i64,
     stalled: bool,
     shrink_blocked: bool,
     /// Converged, but the Node's capacity for the size is not the target.
@@ -869,6 +879,8 @@ fn classify(
         decision: Decision::Keep,
         desired: None,
         current: reported.map_or(0, |r| r.total),
+        requested: reported.and_then(|r| r.requested),
+        in_use: reported.map_or(0, |r| r.in_use),
         stalled: status.is_some_and(|s| is_true(&s.conditions, NodeConditionType::Stalled)),
         shrink_blocked: match (state, held) {
             (Some(state), Some(entry)) => shrink_blocked(state, entry),
@@ -1016,6 +1028,14 @@ fn settle_pool(
             .filter_map(|m| m.desired.as_ref().map(|d| d.pages))
             .sum(),
         current: active.iter().map(|m| m.current).sum(),
+        requested: active.iter().filter_map(|m| m.requested).sum(),
+        in_use: active.iter().map(|m| m.in_use).sum(),
+        // Per node: pods that request more than one node holds do not make
+        // up for pages nobody asked for on another.
+        unrequested: active
+            .iter()
+            .filter_map(|m| Some((m.current - m.requested?).max(0)))
+            .sum(),
     };
     let names = |f: &dyn Fn(&Member) -> bool| -> Vec<String> {
         active
@@ -1051,6 +1071,7 @@ fn settle_pool(
     };
     let pool_plan = PoolPlan {
         status,
+        page_size: Some(pool.size),
         remove_finalizer: pool.deleting && active.is_empty(),
         max_unavailable,
         admitted,
@@ -1068,6 +1089,8 @@ fn settle_pool(
                 node: m.node.clone(),
                 state: m.state.clone(),
                 current: m.current,
+                requested: m.requested,
+                in_use: m.in_use,
                 target: m.desired.as_ref().map(|d| d.pages),
                 stalled: m.stalled,
                 shrink_blocked: m.shrink_blocked,

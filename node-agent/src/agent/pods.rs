@@ -104,7 +104,9 @@ pub(super) async fn watch_pods(api: Api<Pod>, node: String, shared: Arc<Shared>)
                     shared.touch(false);
                 }
             }
-            Err(err) => warn!(error = %err, "watch of the node's pods failed; retrying with backoff"),
+            Err(err) => {
+                warn!(error = %err, "watch of the node's pods failed; retrying with backoff")
+            }
         }
     }
 }
@@ -146,7 +148,9 @@ mod tests {
         let mut pods = NodePods::default();
         assert_eq!(pods.apply(watcher::Event::Init), None);
         assert_eq!(
-            pods.apply(watcher::Event::InitApply(pod("a", "2Mi", "64Mi", "Running"))),
+            pods.apply(watcher::Event::InitApply(pod(
+                "a", "2Mi", "64Mi", "Running"
+            ))),
             None
         );
         assert_eq!(
@@ -178,7 +182,9 @@ mod tests {
     fn a_relist_replaces_what_was_known() {
         let mut pods = NodePods::default();
         pods.apply(watcher::Event::Init);
-        pods.apply(watcher::Event::InitApply(pod("a", "2Mi", "64Mi", "Running")));
+        pods.apply(watcher::Event::InitApply(pod(
+            "a", "2Mi", "64Mi", "Running",
+        )));
         pods.apply(watcher::Event::InitDone);
         // "a" went while the watch was down; "c" came.
         pods.apply(watcher::Event::Init);

@@ -1866,3 +1866,52 @@ fn a_node_registered_with_the_taint_keeps_it_until_its_pool_is_written_and_reach
     let plan = run_plan(&pools, &lone, &[], 0);
     assert_eq!(plan.nodes["w-09"], NodePlan::default());
 }
+
+#[test]
+fn pool_status_sums_allocated_requested_in_use_and_unrequested_per_node() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(4),
+    )];
+    let nodes = fleet(4, &["dpdk"]);
+    let mut hpns = Vec::new();
+    apply_specs(&run_plan(&pools, &nodes, &hpns, 0), &mut hpns);
+    for hpn in hpns.iter_mut() {
+        converge(hpn);
+    }
+    // w-00: 40 of 64 requested, 30 mapped; w-01: pods ask 100, more than it
+    // holds (that does not hide w-00's idle pages); w-02: nothing asked;
+    // w-03: its agent has not reported requests yet.
+    for (index, requested, in_use) in [(0, Some(40), 30), (1, Some(100), 64), (2, Some(0), 0)] {
+        let entry = &mut status_of(&mut hpns[index]).page_sizes[0];
+        entry.requested = requested;
+        entry.in_use = in_use;
+        entry.free = 64 - in_use;
+    }
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    let pages = &plan.pools["dpdk"].status.pages;
+    assert_eq!(
+        (
+            pages.current,
+            pages.requested,
+            pages.in_use,
+            pages.unrequested
+        ),
+        (256, 140, 94, 24 + 64)
+    );
+    let members: Vec<(&str, Option<i64>, i64)> = plan.pools["dpdk"]
+        .members
+        .iter()
+        .map(|m| (m.node.as_str(), m.requested, m.in_use))
+        .collect();
+    assert_eq!(
+        members,
+        [
+            ("w-00", Some(40), 30),
+            ("w-01", Some(100), 64),
+            ("w-02", Some(0), 0),
+            ("w-03", None, 0)
+        ]
+    );
+    assert_eq!(plan.pools["dpdk"].page_size, Some(PageSize::SIZE_2MI));
+}
