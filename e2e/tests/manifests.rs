@@ -370,6 +370,7 @@ fn rbac_is_the_designs_list() {
             rule("hugepool.dev", "hugepagenodes", &["get", "list", "watch"]),
             rule("hugepool.dev", "hugepagenodes/status", &["patch"]),
             rule("", "nodes", &["get", "list", "watch"]),
+            rule("", "pods", &["get", "list", "watch"]),
             rule("events.k8s.io", "events", &["create", "patch"]),
         ])
     );

@@ -27,7 +27,7 @@ struct Cli {
     /// where the install is (default: any namespace).
     #[arg(short, long, global = true)]
     namespace: Option<String>,
-    /// Only pools with these labels (`status`, `check`), e.g. team=net.
+    /// Only pools with these labels (`status`, `top`, `check`), e.g. team=net.
     #[arg(short = 'l', long, global = true)]
     selector: Option<String>,
     #[command(subcommand)]
@@ -68,6 +68,10 @@ enum Command {
         /// NODE, node/NAME or pod/NAME.
         target: String,
     },
+    /// Where huge page memory sits reserved with no pod requesting it:
+    /// pools, then nodes, by allocated less requested memory, with what is
+    /// allocated, requested by pods bound to the node, and in use.
+    Top,
     /// Whether the install works: CRDs served, the operator leading, an
     /// agent reporting on every selected node, versions matching. Exits 1
     /// when a check fails.
@@ -188,6 +192,10 @@ async fn main() -> anyhow::Result<()> {
                 print(cli.output, &report, || plugin::render_why(&report))
             }
         },
+        Command::Top => {
+            let report = plugin::top(&client, selector).await?;
+            print(cli.output, &report, || plugin::render_top(&report))
+        }
         Command::Check => {
             let report = plugin::check(&client, cli.namespace.as_deref(), selector).await?;
             print(cli.output, &report, || plugin::render_check(&report))?;

@@ -9,6 +9,7 @@ pub mod pod;
 #[cfg(test)]
 mod samples;
 pub mod status;
+pub mod top;
 pub mod why;
 
 use std::collections::BTreeMap;
@@ -202,6 +203,21 @@ pub async fn status(
         Some(name) if rows.is_empty() => Err(PluginError::NoSuchPool(name.to_string())),
         _ => Ok(rows),
     }
+}
+
+/// `top`: pools and nodes by memory reserved that no pod requests (the
+/// pools of `selector` only, and the nodes they manage, with one).
+pub async fn top(client: &Client, selector: Option<&str>) -> Result<top::TopReport, PluginError> {
+    let cluster = Cluster::read(client).await?;
+    let picked = pools_selected(client, selector).await?;
+    let mut report = top::report(&cluster.view(), jiff::Timestamp::now());
+    if let Some(picked) = &picked {
+        report.pools.retain(|p| picked.contains(&p.name));
+        report
+            .nodes
+            .retain(|n| n.pool.as_ref().is_some_and(|pool| picked.contains(pool)));
+    }
+    Ok(report)
 }
 
 /// `status -w`: calls `show` with the status now and again whenever a
@@ -462,6 +478,78 @@ pub fn render_status(rows: &[status::PoolRow], with_nodes: bool) -> String {
             ));
         }
     }
+    text
+}
+
+/// `top` as text: pools, then nodes, memory in binary units.
+pub fn render_top(report: &top::TopReport) -> String {
+    let memory = |pages: i64, size: hugepool_crds::PageSize| {
+        top::human_bytes(
+            u64::try_from(pages)
+                .unwrap_or(0)
+                .saturating_mul(size.bytes()),
+        )
+    };
+    let mut text = table(
+        &[
+            "POOL",
+            "SIZE",
+            "NODES",
+            "ALLOCATED",
+            "REQUESTED",
+            "IN USE",
+            "UNREQUESTED",
+        ],
+        &report
+            .pools
+            .iter()
+            .map(|p| {
+                let unreported = if p.unreported > 0 {
+                    format!(" ({} node(s) not reporting requests)", p.unreported)
+                } else {
+                    String::new()
+                };
+                vec![
+                    p.name.clone(),
+                    p.page_size.to_string(),
+                    p.nodes.to_string(),
+                    memory(p.allocated, p.page_size),
+                    memory(p.requested, p.page_size),
+                    memory(p.in_use, p.page_size),
+                    format!("{}{unreported}", top::human_bytes(p.unrequested_bytes)),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    );
+    text.push('\n');
+    text.push_str(&table(
+        &[
+            "NODE",
+            "SIZE",
+            "POOL",
+            "ALLOCATED",
+            "REQUESTED",
+            "IN USE",
+            "UNREQUESTED",
+        ],
+        &report
+            .nodes
+            .iter()
+            .map(|n| {
+                vec![
+                    n.node.clone(),
+                    n.page_size.to_string(),
+                    n.pool.clone().unwrap_or_else(|| "-".into()),
+                    memory(n.allocated, n.page_size),
+                    n.requested
+                        .map_or_else(|| "-".into(), |r| memory(r, n.page_size)),
+                    memory(n.in_use, n.page_size),
+                    n.unrequested_bytes
+                        .map_or_else(|| "-".into(), top::human_bytes),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    ));
     text
 }
 

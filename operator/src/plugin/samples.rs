@@ -92,6 +92,18 @@ fn sample() -> Sample {
         state.metadata.creation_timestamp = Some(Time(at(0)));
         let stale = state.metadata.name.as_deref() == Some("worker-a");
         let status = state.status.get_or_insert_with(Default::default);
+        // What the pods bound to each node request, as its agent counts
+        // them: trafficgen's 600 pages on worker-b, a 6Gi database on worker-c.
+        let requested = match state.metadata.name.as_deref() {
+            Some("worker-b") => 600,
+            Some("worker-c") => 6,
+            _ => 0,
+        };
+        for size in &mut status.page_sizes {
+            size.requested = Some(requested);
+            size.in_use = requested;
+            size.free = size.total - requested;
+        }
         status.summary = Some(hugepool_agent::agent::status::summary(
             &status.page_sizes,
             &state.spec.page_sizes,
@@ -331,6 +343,12 @@ fn render_samples() -> String {
         "kubectl hugepool status dpdk-2m",
         "",
         &render_status(&rows, true),
+    );
+    section(
+        &mut out,
+        "kubectl hugepool top",
+        "",
+        &render_top(&top::report(&view, now)),
     );
     let node = sample
         .nodes
