@@ -172,6 +172,7 @@ mod tests {
             node: None,
             mem_available: 8 << 30,
             hvo: false,
+            estimate: None,
         }
     }
 
@@ -251,6 +252,7 @@ mod tests {
             }),
             mem_available: 8 << 30,
             hvo: false,
+            estimate: None,
         };
         assert_eq!(decide(512, &observed, None, false), Action::Idle);
         assert_eq!(decide(1024, &observed, None, false), Action::Resize);
@@ -488,6 +490,7 @@ mod tests {
             }),
             mem_available: 8 << 30,
             hvo: false,
+            estimate: None,
         }
     }
 

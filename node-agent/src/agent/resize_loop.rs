@@ -623,7 +623,7 @@ pub(super) fn on_resize_event(
         }
         Event::WriteFailed { step, error } => warn!(step, %error, "kernel write failed"),
         Event::Compacted { scope, error } => {
-            info!(%scope, ?error, "compacted memory before retrying")
+            info!(%scope, ?error, "compacted memory for a grow")
         }
         Event::Blocked(outcome) => debug!(?outcome, "waiting for pages in use"),
         Event::Retargeted(target) => info!(pages = target.pages, "retargeted at a step boundary"),

@@ -407,7 +407,7 @@ pub struct SizeEstimates {
 }
 
 /// What a grow of one page size can get on one NUMA node, in pages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GrowEstimate {
     /// Free blocks at or above the page's order, in usable zones.
     pub obtainable_now: u64,

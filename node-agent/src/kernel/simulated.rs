@@ -75,10 +75,11 @@ impl SimSize {
 #[derive(Clone, Debug)]
 pub struct SimNode {
     pub memory_bytes: u64,
-    /// Share of free memory that can become huge pages (1.0 = none lost to
-    /// fragmentation).
+    /// Share of the node's memory, as it starts, that can become huge
+    /// pages (1.0 = none lost to fragmentation); the rest stays scattered
+    /// free memory until a compaction.
     pub contiguous_fraction: f64,
-    /// The share after a compaction of this node.
+    /// The share of free memory a compaction of this node leaves usable.
     pub contiguous_after_compaction: f64,
 }
 
@@ -157,7 +158,9 @@ struct State {
     config: SimConfig,
     sizes: Vec<SizeState>,
     other_used: Vec<u64>,
-    contiguous: Vec<f64>,
+    /// Free bytes per node no huge page can come from (scattered) until a
+    /// compaction gathers them.
+    fragmented: Vec<u64>,
     failing_writes: u32,
     hang_next_write: Option<Duration>,
     writes: u64,
@@ -190,13 +193,17 @@ impl SimulatedKernel {
                     .collect(),
             })
             .collect();
-        let contiguous = config.nodes.iter().map(|n| n.contiguous_fraction).collect();
+        let fragmented = config
+            .nodes
+            .iter()
+            .map(|n| (n.memory_bytes as f64 * (1.0 - n.contiguous_fraction).clamp(0.0, 1.0)) as u64)
+            .collect();
         Self {
             state: Arc::new(Mutex::new(State {
                 config,
                 sizes,
                 other_used: vec![0; node_count],
-                contiguous,
+                fragmented,
                 failing_writes: 0,
                 hang_next_write: None,
                 writes: 0,
@@ -348,6 +355,12 @@ impl State {
             })
     }
 
+    /// Free bytes of a node that huge pages can come from now.
+    fn contiguous_bytes(&self, node: usize) -> u64 {
+        self.node_free_bytes(node)
+            .saturating_sub(self.fragmented[node])
+    }
+
     fn node_free_bytes(&self, node: usize) -> u64 {
         let huge: u64 = self
             .sizes
@@ -397,9 +410,7 @@ impl State {
             }
             // What fragmentation lets this one write find on each node.
             let mut allowance: Vec<u64> = (0..self.config.nodes.len())
-                .map(|n| {
-                    (self.node_free_bytes(n) as f64 * self.contiguous[n]) as u64 / size.bytes()
-                })
+                .map(|n| self.contiguous_bytes(n) / size.bytes())
                 .collect();
             let mut allocated = 0;
             'alloc: while persistent < target {
@@ -581,7 +592,7 @@ impl Kernel for SimulatedKernel {
         let mut blocks = Vec::new();
         for (n, node) in state.config.nodes.iter().enumerate() {
             let free = state.node_free_bytes(n);
-            let contiguous = (free as f64 * state.contiguous[n]) as u64 / TOP;
+            let contiguous = state.contiguous_bytes(n) / TOP;
             let mut free_blocks = vec![0; 11];
             free_blocks[10] = contiguous;
             free_blocks[0] = (free - contiguous * TOP) / freelists::BASE_PAGE_BYTES;
@@ -627,7 +638,8 @@ impl Kernel for SimulatedKernel {
                 .get(n)
                 .map(|c| c.contiguous_after_compaction)
             {
-                state.contiguous[n] = after;
+                let free = state.node_free_bytes(n);
+                state.fragmented[n] = (free as f64 * (1.0 - after).clamp(0.0, 1.0)) as u64;
             }
         }
         Ok(())

@@ -132,6 +132,16 @@ impl Summary {
 
 /// Reads what the planner needs, on a blocking thread.
 pub async fn observe(kernel: &Arc<dyn Kernel>, target: Target) -> Result<Observation> {
+    observe_with(kernel, target, None).await
+}
+
+/// [`observe`], and for a grow what the free lists say it can get, keeping
+/// `guard_bytes` free (unreadable free lists leave it out).
+async fn observe_with(
+    kernel: &Arc<dyn Kernel>,
+    target: Target,
+    guard_bytes: Option<u64>,
+) -> Result<Observation> {
     let kernel = Arc::clone(kernel);
     tokio::task::spawn_blocking(move || {
         let pool = kernel.pool(target.size)?;
@@ -139,15 +149,65 @@ pub async fn observe(kernel: &Arc<dyn Kernel>, target: Target) -> Result<Observa
             PoolScope::Global => None,
             PoolScope::Node(id) => Some(kernel.numa_pool(target.size, id)?),
         };
+        let persistent = node.map_or(pool.persistent(), |n| n.persistent());
+        let estimate = guard_bytes
+            .filter(|_| target.pages > persistent)
+            .and_then(|guard| {
+                let lists = kernel.free_lists().ok()?;
+                Some(lists.for_scope(target.size, target.scope, guard))
+            });
         Ok(Observation {
             pool,
             node,
             mem_available: kernel.meminfo()?.available_bytes,
             hvo: kernel.hvo()?.unwrap_or(false),
+            estimate,
         })
     })
     .await
     .map_err(|err| Error::WriteThread(err.to_string()))?
+}
+
+/// The memory a grow's estimate keeps free: the guard and the headroom the
+/// engine leaves above it.
+fn estimate_guard(settings: &Settings) -> Option<u64> {
+    let guard = settings.min_mem_available;
+    Some(guard + crate::resize::planner::guard_headroom(guard))
+}
+
+/// Compacts what `scope` names; for the whole machine, only the NUMA nodes
+/// where the free lists say compaction adds pages of `size` (all of them
+/// when the free lists cannot be read). Returns the scopes compacted and
+/// the first error.
+fn compact_where_it_helps(
+    kernel: &dyn Kernel,
+    size: hugepool_crds::PageSize,
+    scope: PoolScope,
+) -> (Vec<PoolScope>, Option<Error>) {
+    let scopes = match (scope, kernel.free_lists()) {
+        (PoolScope::Global, Ok(lists)) => {
+            let nodes: Vec<PoolScope> = lists
+                .estimates(size, 0)
+                .numa
+                .iter()
+                .filter(|(_, e)| e.after_compaction > e.obtainable_now)
+                .map(|(node, _)| PoolScope::Node(*node))
+                .collect();
+            if nodes.is_empty() {
+                vec![PoolScope::Global]
+            } else {
+                nodes
+            }
+        }
+        _ => vec![scope],
+    };
+    let mut first_error = None;
+    for scope in &scopes {
+        if let Err(err) = kernel.compact(*scope) {
+            first_error.get_or_insert(err);
+        }
+    }
+    (scopes, first_error)
 }
 
 /// Moves the pool to the target in `goal`, with its settings (both re-read
@@ -173,8 +233,8 @@ pub async fn run(
             .await
             .map_err(|err| Error::WriteThread(err.to_string()))??
     };
+    let mut observed = observe_with(&kernel, initial, estimate_guard(&settings)).await?;
     let mut planner = Planner::new(initial, settings);
-    let mut observed = observe(&kernel, initial).await?;
     let from = observed.persistent();
     // Pages moved and latency of every write.
     let mut writes: Vec<(u64, Duration)> = Vec::new();
@@ -195,7 +255,8 @@ pub async fn run(
         if wanted.target != planner.target() {
             planner.retarget(wanted.target);
             on_event(&Event::Retargeted(wanted.target));
-            observed = observe(&kernel, wanted.target).await?;
+            observed =
+                observe_with(&kernel, wanted.target, estimate_guard(planner.settings())).await?;
         }
         match planner.next(&observed, models) {
             Decision::Write(write) => {
@@ -254,18 +315,29 @@ pub async fn run(
                 }
             }
             Decision::Compact(scope) => {
-                let result = {
+                let size = planner.target().size;
+                let (scopes, error) = {
                     let kernel = Arc::clone(&kernel);
-                    tokio::task::spawn_blocking(move || kernel.compact(scope))
-                        .await
-                        .map_err(|err| Error::WriteThread(err.to_string()))?
+                    tokio::task::spawn_blocking(move || {
+                        compact_where_it_helps(kernel.as_ref(), size, scope)
+                    })
+                    .await
+                    .map_err(|err| Error::WriteThread(err.to_string()))?
                 };
                 compactions += 1;
-                on_event(&Event::Compacted {
-                    scope,
-                    error: result.err().map(|err| err.to_string()),
-                });
-                observed = observe(&kernel, planner.target()).await?;
+                let error = error.map(|err| err.to_string());
+                for scope in scopes {
+                    on_event(&Event::Compacted {
+                        scope,
+                        error: error.clone(),
+                    });
+                }
+                observed = observe_with(
+                    &kernel,
+                    planner.target(),
+                    estimate_guard(planner.settings()),
+                )
+                .await?;
             }
             Decision::Finish(outcome) => {
                 if matches!(outcome, Outcome::Blocked { .. }) && !options.blocked_wait.is_zero() {
@@ -469,6 +541,101 @@ mod tests {
         .await
         .unwrap();
         (summary, events)
+    }
+
+    /// One node of 16 GiB: `now` of its memory usable for huge pages as it
+    /// starts, `after` of its free memory once compacted.
+    fn fragmented(now: f64, after: f64) -> SimulatedKernel {
+        let mut config = SimConfig::single_node(16 * GIB);
+        config.time_scale = 0.0;
+        config.nodes[0].contiguous_fraction = now;
+        config.nodes[0].contiguous_after_compaction = after;
+        SimulatedKernel::new(config)
+    }
+
+    fn kinds(events: &[Event]) -> Vec<String> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Step(_) => Some("write".to_string()),
+                Event::Compacted { scope, .. } => Some(format!("compact {scope}")),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_grow_the_free_lists_cannot_cover_compacts_its_node_before_the_first_write() {
+        // 5% of 16 GiB is 409 pages now; 2048 wanted; compaction frees all.
+        let kernel = fragmented(0.05, 1.0);
+        let (summary, events) = resize(&kernel, 2048, scaled(1.0), Options::default()).await;
+        assert!(summary.reached(), "{summary:?}");
+        let kinds = kinds(&events);
+        assert_eq!(kinds[0], "compact node0", "{kinds:?}");
+        assert!(kinds[1..].iter().all(|k| k == "write"), "{kinds:?}");
+        assert_eq!(kernel.compactions(), [PoolScope::Node(0)]);
+        assert_eq!(summary.compactions, 1);
+    }
+
+    #[tokio::test]
+    async fn a_grow_the_free_lists_cover_never_compacts() {
+        let kernel = fragmented(1.0, 1.0);
+        let (summary, _) = resize(&kernel, 2048, scaled(1.0), Options::default()).await;
+        assert!(summary.reached(), "{summary:?}");
+        assert_eq!(kernel.compactions(), []);
+    }
+
+    #[tokio::test]
+    async fn a_foreseen_shortfall_is_reported_at_the_first_short_write_with_the_estimate() {
+        // 409 pages now; compaction makes 20% of the free 16 GiB usable:
+        // 1638 pages, all in free blocks by then (the guard never takes
+        // from what the free lists hold).
+        let kernel = fragmented(0.05, 0.2);
+        let settings = Settings {
+            retries: 3,
+            ..scaled(1.0)
+        };
+        let (summary, events) = resize(&kernel, 4096, settings, Options::default()).await;
+        let Outcome::Shortfall {
+            requested,
+            achieved,
+            reason,
+            detail,
+        } = &summary.outcome
+        else {
+            panic!("{summary:?}");
+        };
+        assert_eq!((*requested, *reason), (4096, ShortfallReason::Fragmented));
+        assert_eq!(*achieved, kernel.pool(MI2).unwrap().persistent());
+        assert!((1600..=1640).contains(achieved), "{summary:?}");
+        assert_eq!(
+            detail.as_deref(),
+            Some(
+                "foreseen: 4096 more pages needed, the free lists gave 1638 now and 1638 after compaction"
+            )
+        );
+        // Compacted once, before the grow: no rounds of compact and retry.
+        assert_eq!(
+            kernel.compactions(),
+            [PoolScope::Node(0)],
+            "{:?}",
+            kinds(&events)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_machine_wide_grow_compacts_only_the_numa_nodes_where_it_helps() {
+        let mut config = SimConfig::two_nodes(8 * GIB);
+        config.time_scale = 0.0;
+        // Node 0 gains from compaction; node 1 cannot.
+        config.nodes[0].contiguous_fraction = 0.05;
+        config.nodes[0].contiguous_after_compaction = 1.0;
+        config.nodes[1].contiguous_fraction = 0.05;
+        config.nodes[1].contiguous_after_compaction = 0.05;
+        let kernel = SimulatedKernel::new(config);
+        let (summary, _) = resize(&kernel, 2048, scaled(1.0), Options::default()).await;
+        assert!(summary.reached(), "{summary:?}");
+        assert_eq!(kernel.compactions(), [PoolScope::Node(0)]);
     }
 
     #[tokio::test]

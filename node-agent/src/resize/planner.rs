@@ -28,6 +28,7 @@ use std::time::Duration;
 use hugepool_crds::PageSize;
 use serde::Serialize;
 
+use crate::kernel::freelists::GrowEstimate;
 use crate::kernel::{NumaCounts, PoolCounts, PoolScope};
 use crate::resize::model::{CostModel, CostModels, Direction, ModelKey, Sample};
 
@@ -38,6 +39,13 @@ const PROBE_BUDGET: Duration = Duration::from_millis(50);
 
 /// A write "ran within its fit" up to this share over the fit's estimate.
 const WITHIN_FIT: f64 = 1.1;
+
+/// Until a model holds this many overruns, its tail is at least
+/// `COLD_TAIL_SHARE` of the budget: with HVO the p98 of the overruns was
+/// 14 ms of 50 (node-agent/BENCH.md), and a cold resize that aimed at 0.85
+/// of the budget ran writes of 55-67 ms (docs/design.md).
+const COLD_TAIL_UNTIL: usize = 16;
+const COLD_TAIL_SHARE: f64 = 0.3;
 
 /// Knobs of one resize (the pool's `resize` and `allocation` settings).
 #[derive(Clone, Debug, PartialEq)]
@@ -109,6 +117,10 @@ pub struct Observation {
     pub mem_available: u64,
     /// HVO is on (costs are modelled separately for each state).
     pub hvo: bool,
+    /// What a grow in the target's scope can add, from the free lists
+    /// (docs/design.md, "What a grow can get"); read before a grow's first
+    /// write and after a compaction, `None` otherwise or where unreadable.
+    pub estimate: Option<GrowEstimate>,
 }
 
 impl Observation {
@@ -222,6 +234,33 @@ struct DirectionState {
     warmed: bool,
 }
 
+/// What the free lists said of a grow before its first write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Foresight {
+    /// No estimate seen yet.
+    Unchecked,
+    /// The free lists held too little: the scope was compacted; the next
+    /// estimate decides.
+    Compacted,
+    /// The estimate covers the grow.
+    Enough,
+    /// Even after compaction the estimate falls short: the grow takes what
+    /// it can and finishes at its first short write.
+    Short { needed: u64, estimate: GrowEstimate },
+}
+
+impl Foresight {
+    fn detail(&self) -> Option<String> {
+        match self {
+            Foresight::Short { needed, estimate } => Some(format!(
+                "foreseen: {needed} more pages needed, the free lists gave {} now and {} after compaction",
+                estimate.obtainable_now, estimate.after_compaction
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// The planner of one resize; it remembers only what the kernel cannot tell
 /// it (step sizes, retry counts).
 #[derive(Clone, Debug)]
@@ -232,6 +271,8 @@ pub struct Planner {
     shrink: DirectionState,
     short_grows: u32,
     compaction_due: bool,
+    /// Where the grow stands with the free lists' estimate.
+    foresight: Foresight,
     short_reason: ShortfallReason,
     failed_writes: u32,
     last_error: Option<String>,
@@ -247,6 +288,7 @@ impl Planner {
             shrink: DirectionState::default(),
             short_grows: 0,
             compaction_due: false,
+            foresight: Foresight::Unchecked,
             short_reason: ShortfallReason::Fragmented,
             failed_writes: 0,
             last_error: None,
@@ -278,6 +320,7 @@ impl Planner {
         self.target = target;
         self.short_grows = 0;
         self.compaction_due = false;
+        self.foresight = Foresight::Unchecked;
         self.failed_writes = 0;
         self.idle_writes = 0;
     }
@@ -314,7 +357,14 @@ impl Planner {
         // or less when the recent 98th percentile of overruns past the fit
         // needs more room (with HVO: 10-15 ms), never below half of that.
         let fraction_aim = budget.mul_f64(self.settings.budget_fraction);
-        let tail = model.map(CostModel::overrun_tail).unwrap_or_default();
+        let mut tail = model.map(CostModel::overrun_tail).unwrap_or_default();
+        if model.map_or(0, CostModel::overruns_measured) < COLD_TAIL_UNTIL {
+            // A model that has not measured its noise yet (a node's first
+            // resize) assumes the noise measured with HVO: the fixed cost
+            // of a write is a grace period of 5-28 ms here, so a write
+            // scaled from one that had a short one runs up to 20 ms past.
+            tail = tail.max(budget.mul_f64(COLD_TAIL_SHARE));
+        }
         let mut full_aim = fraction_aim.min(budget.saturating_sub(tail).max(fraction_aim / 2));
         // An aim under the fit's fixed cost has room for no page: every
         // write would be one page paying the whole fixed cost, and a model
@@ -427,12 +477,15 @@ impl Planner {
                 models,
             ));
         }
+        if let Some(decision) = self.foresee(observed) {
+            return decision;
+        }
         if self.short_grows > self.settings.retries {
             return Decision::Finish(Outcome::Shortfall {
                 requested: target,
                 achieved: current,
                 reason: self.short_reason,
-                detail: None,
+                detail: self.foresight.detail(),
             });
         }
         if self.compaction_due {
@@ -466,6 +519,36 @@ impl Planner {
             observed.hvo,
             models,
         ))
+    }
+
+    /// Before a grow's first write, with the free lists' estimate: compact
+    /// the target's scope first when what the free lists hold now is less
+    /// than the grow needs, and know, from the estimate after that, whether
+    /// the grow will come short. Never stops a grow before the kernel says
+    /// so: the estimate leaves out the page cache a grow reclaims.
+    fn foresee(&mut self, observed: &Observation) -> Option<Decision> {
+        let estimate = observed.estimate?;
+        // Promoting surplus pages takes no new memory.
+        let needed = self
+            .target
+            .pages
+            .saturating_sub(observed.persistent())
+            .saturating_sub(observed.surplus());
+        match self.foresight {
+            Foresight::Unchecked if estimate.obtainable_now < needed && self.settings.compact => {
+                self.foresight = Foresight::Compacted;
+                Some(Decision::Compact(self.target.scope))
+            }
+            Foresight::Unchecked | Foresight::Compacted => {
+                self.foresight = if estimate.after_compaction < needed {
+                    Foresight::Short { needed, estimate }
+                } else {
+                    Foresight::Enough
+                };
+                None
+            }
+            Foresight::Enough | Foresight::Short { .. } => None,
+        }
     }
 
     fn model_key(&self, direction: Direction, hvo: bool) -> ModelKey {
@@ -567,6 +650,12 @@ impl Planner {
         self.idle_writes = 0;
         self.short_grows += 1;
         self.compaction_due = self.settings.compact;
+        if matches!(self.foresight, Foresight::Short { .. }) {
+            // Foreseen, and the node was compacted before the grow: more
+            // rounds of compaction would only say it later.
+            self.short_grows = self.settings.retries + 1;
+            self.compaction_due = false;
+        }
         let room = after
             .mem_available
             .saturating_sub(self.settings.min_mem_available)
@@ -672,6 +761,7 @@ mod tests {
             node: None,
             mem_available: 16 * GIB,
             hvo: false,
+            estimate: None,
         }
     }
 
@@ -684,6 +774,7 @@ mod tests {
             },
             mem_available: kernel.meminfo().unwrap().available_bytes,
             hvo: kernel.hvo().unwrap().unwrap_or(false),
+            estimate: None,
         }
     }
 
@@ -1076,6 +1167,7 @@ mod tests {
             }),
             mem_available: 16 * GIB,
             hvo: false,
+            estimate: None,
         };
         // Globally 50 pages must stay; node 0 already has 50, so only node 1's
         // in-use pages bind.
@@ -1129,6 +1221,62 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn the_free_lists_decide_a_compaction_before_the_grow_and_foresee_its_shortfall() {
+        let estimate = |now, after_compaction| {
+            Some(GrowEstimate {
+                obtainable_now: now,
+                after_compaction,
+            })
+        };
+        let models = CostModels::default();
+        let mut planner = Planner::new(target(100), Settings::default());
+        let mut before = observed(0, 0, 0, 0);
+        before.estimate = estimate(10, 60);
+        assert_eq!(
+            planner.next(&before, &models),
+            Decision::Compact(PoolScope::Global)
+        );
+        // After the compaction: 60 there, 40 short whatever is done.
+        let mut compacted = observed(0, 0, 0, 0);
+        compacted.estimate = estimate(60, 60);
+        let Decision::Write(write) = planner.next(&compacted, &models) else {
+            panic!("a write after the compaction");
+        };
+        assert_eq!(write.value, 100);
+        let mut models = models;
+        planner.record_write(
+            &write,
+            Duration::from_millis(5),
+            &observed(60, 60, 0, 0),
+            &mut models,
+        );
+        assert_eq!(
+            planner.next(&observed(60, 60, 0, 0), &models),
+            Decision::Finish(Outcome::Shortfall {
+                requested: 100,
+                achieved: 60,
+                reason: ShortfallReason::Fragmented,
+                detail: Some(
+                    "foreseen: 100 more pages needed, the free lists gave 60 now and 60 after compaction"
+                        .into()
+                ),
+            })
+        );
+
+        // Enough after compaction: a short write is compacted and retried
+        // as without an estimate. With `compact: false`, no compaction first.
+        let mut planner = Planner::new(
+            target(100),
+            Settings {
+                compact: false,
+                ..Settings::default()
+            },
+        );
+        before.estimate = estimate(10, 200);
+        assert!(matches!(planner.next(&before, &models), Decision::Write(_)));
     }
 
     #[test]
