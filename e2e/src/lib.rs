@@ -441,6 +441,8 @@ pub const CHART_EVERYTHING_ON: &[&str] = &[
     "--set",
     "monitoring.prometheusRule.enabled=true,monitoring.kubeStateMetrics.enabled=true",
     "--set",
+    "monitoring.prometheusRule.reservedUnrequested.enabled=true",
+    "--set",
     "monitoring.kubeStateMetrics.rbac.serviceAccountName=kube-state-metrics",
     "--set",
     "monitoring.kubeStateMetrics.rbac.serviceAccountNamespace=monitoring",

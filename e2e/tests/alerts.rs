@@ -41,18 +41,30 @@ fn promtool() -> Option<PathBuf> {
     hugepool_e2e::hack_tool_or_skip("prometheus.sh", &["promtool"])
 }
 
-/// The `spec` (rule groups) of the chart's PrometheusRule, default values.
+/// Alerts the chart renders only when asked (a value turns each on); the
+/// unit tests cover them rendered with their other values at the defaults.
+const OPTIONAL_ALERTS: &[(&str, &str)] = &[(
+    "HugepoolMemoryReservedUnrequested",
+    "monitoring.prometheusRule.reservedUnrequested.enabled",
+)];
+
+/// The `spec` (rule groups) of the chart's PrometheusRule, default values
+/// with every optional alert turned on.
 fn rendered_rules(helm: &Path) -> Value {
-    let yaml = helm_template(
-        helm,
-        &[
-            "--set",
-            "monitoring.prometheusRule.enabled=true",
-            "--show-only",
-            "templates/prometheusrule.yaml",
-        ],
-    );
-    let rule = yaml_documents(&yaml)
+    let mut args: Vec<String> = vec![
+        "--set".into(),
+        "monitoring.prometheusRule.enabled=true".into(),
+    ];
+    for (_, value) in OPTIONAL_ALERTS {
+        args.extend(["--set".into(), format!("{value}=true")]);
+    }
+    args.extend(["--show-only".into(), "templates/prometheusrule.yaml".into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    rules_spec(&helm_template(helm, &args))
+}
+
+fn rules_spec(yaml: &str) -> Value {
+    let rule = yaml_documents(yaml)
         .into_iter()
         .find(|doc| doc["kind"] == "PrometheusRule")
         .expect("a PrometheusRule in the rendered chart");
@@ -271,6 +283,58 @@ fn alert_unit_tests_fail_when_a_rule_is_broken() {
         "alerts.test.yaml still passes with these rules broken:\n{}",
         survived.join("\n")
     );
+}
+
+#[test]
+fn optional_alerts_are_off_by_default() {
+    let Some(helm) = helm() else { return };
+    let defaults = rules_spec(&helm_template(
+        &helm,
+        &[
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--show-only",
+            "templates/prometheusrule.yaml",
+        ],
+    ));
+    let names = alert_names(&defaults);
+    let all = alert_names(&rendered_rules(&helm));
+    for (alert, value) in OPTIONAL_ALERTS {
+        assert!(
+            !names.iter().any(|n| n == alert),
+            "{alert} is on by default"
+        );
+        assert!(
+            all.iter().any(|n| n == alert),
+            "{value}=true renders no {alert}"
+        );
+    }
+    // The threshold and the wait are values.
+    let tuned = helm_template(
+        &helm,
+        &[
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.reservedUnrequested.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.reservedUnrequested.thresholdBytes=68719476736",
+            "--set",
+            "monitoring.prometheusRule.reservedUnrequested.for=24h",
+            "--show-only",
+            "templates/prometheusrule.yaml",
+        ],
+    );
+    let rules = rules_spec(&tuned);
+    let rule = alert_rules(&rules)
+        .into_iter()
+        .find(|r| r["alert"] == "HugepoolMemoryReservedUnrequested")
+        .expect("the alert, turned on");
+    assert_eq!(
+        rule["expr"],
+        "max by (pool) (hugepool_pool_bytes{kind=\"unrequested\"}) > 68719476736"
+    );
+    assert_eq!(rule["for"], "24h");
 }
 
 #[test]

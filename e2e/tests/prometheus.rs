@@ -366,6 +366,9 @@ fn rendered_monitoring(helm: &Path) -> (Value, Value) {
         &[
             "--set",
             "monitoring.prometheusRule.enabled=true",
+            // Off by default; its expression is queried like the others'.
+            "--set",
+            "monitoring.prometheusRule.reservedUnrequested.enabled=true",
             "--set",
             "monitoring.podMonitor.enabled=true",
             "--show-only",

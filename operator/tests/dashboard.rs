@@ -77,6 +77,7 @@ fn every_metric_the_dashboard_and_the_alerts_query_is_exported() {
     }))
     .expect("a target");
     agent.set_targets(&[target]);
+    agent.set_requested_pages(size, 1);
     let step = StepLabels {
         size: "2Mi".into(),
         direction: "grow".into(),
@@ -105,6 +106,7 @@ fn every_metric_the_dashboard_and_the_alerts_query_is_exported() {
         &hugepool_operator::planner::PoolPlan {
             status: Default::default(),
             max_unavailable: 1,
+            page_size: Some(size),
             ..Default::default()
         },
     );
@@ -154,5 +156,56 @@ fn every_metric_the_dashboard_and_the_alerts_query_is_exported() {
     assert!(
         missing.is_empty(),
         "queried but not exported: {missing:?}\nexported: {exported:?}"
+    );
+}
+
+/// Stranded memory has its panels: per pool allocated (`current`),
+/// requested and in use, per pool unrequested (what the optional alert
+/// reads), and per node all four from the agents.
+#[test]
+fn the_dashboard_shows_allocated_requested_in_use_and_unrequested_memory() {
+    let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/hugepool");
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(chart.join("dashboards/hugepool.json")).expect("dashboard"),
+    )
+    .expect("dashboard JSON");
+    let panel_exprs = |title: &str| -> Vec<String> {
+        let panel = dashboard["panels"]
+            .as_array()
+            .expect("panels")
+            .iter()
+            .find(|p| p["title"] == title)
+            .unwrap_or_else(|| panic!("no panel {title:?}"));
+        panel["targets"]
+            .as_array()
+            .expect("targets")
+            .iter()
+            .map(|t| t["expr"].as_str().expect("expr").to_string())
+            .collect()
+    };
+    let pools = panel_exprs("Pool memory: allocated, requested, in use");
+    assert!(
+        pools.iter().any(|e| e.contains("hugepool_pool_bytes")
+            && e.contains(r#"kind=~"current|requested|in_use""#)),
+        "{pools:?}"
+    );
+    let unrequested = panel_exprs("Unrequested memory by pool");
+    assert!(
+        unrequested
+            .iter()
+            .any(|e| e.contains(r#"hugepool_pool_bytes{pool=~"$pool", kind="unrequested"}"#)),
+        "{unrequested:?}"
+    );
+    let nodes = panel_exprs("Nodes by unrequested memory");
+    assert_eq!(nodes.len(), 4, "{nodes:?}");
+    assert!(
+        nodes.iter().any(|e| e.contains("hugepool_requested_bytes")),
+        "{nodes:?}"
+    );
+    // The older panel keeps to what it says: targets against kernels.
+    let target = panel_exprs("Pool pages: target vs current");
+    assert!(
+        target[0].contains(r#"kind=~"target|current""#),
+        "{target:?}"
     );
 }

@@ -150,6 +150,8 @@ pub struct Metrics {
     pub node_taints: Family<TaintLabels, Gauge>,
     /// Pages of a size that the pods bound to the node request.
     pub requested_pages: Family<SizeLabels, Gauge>,
+    /// The same in bytes, to set against `hugepool_pages_bytes`.
+    pub requested_bytes: Family<SizeLabels, Gauge>,
     /// Pages a grow could add, machine-wide and per NUMA node.
     pub obtainable_pages: Family<ObtainableLabels, Gauge>,
     pub numa_obtainable_pages: Family<NumaObtainableLabels, Gauge>,
@@ -176,6 +178,7 @@ impl Metrics {
             foreign_writes: Family::default(),
             node_taints: Family::default(),
             requested_pages: Family::default(),
+            requested_bytes: Family::default(),
             obtainable_pages: Family::default(),
             numa_obtainable_pages: Family::default(),
             free_lists_readable: Gauge::default(),
@@ -280,6 +283,11 @@ impl Metrics {
             metrics.requested_pages.clone(),
         );
         prefix.register(
+            "requested_bytes",
+            "hugepool_requested_pages in bytes; sum by (node) (hugepool_pages_bytes) less sum by (node) of this is memory reserved that no pod asked for",
+            metrics.requested_bytes.clone(),
+        );
+        prefix.register(
             "obtainable_pages",
             "Huge pages of a size a grow could add (when=now: from the free lists as they are; \
              when=after_compaction: after compacting, keeping the memory guard free)",
@@ -334,11 +342,13 @@ impl Metrics {
 
     /// Publishes the pages of `size` the node's pods request.
     pub fn set_requested_pages(&self, size: PageSize, pages: u64) {
-        self.requested_pages
-            .get_or_create(&SizeLabels {
-                size: size.to_string(),
-            })
-            .set(gauge(pages));
+        let labels = SizeLabels {
+            size: size.to_string(),
+        };
+        self.requested_pages.get_or_create(&labels).set(gauge(pages));
+        self.requested_bytes
+            .get_or_create(&labels)
+            .set(gauge(pages.saturating_mul(size.bytes())));
     }
 
     /// Publishes which of the operator's taints the Node carries, from the
