@@ -269,6 +269,11 @@ pub struct ResizeArgs {
     /// Do not compact memory before retrying a short grow.
     #[arg(long)]
     pub no_compact: bool,
+    /// Do not read the free lists (/proc/buddyinfo, /proc/pagetypeinfo)
+    /// before a grow: no compaction before the first write, no foreseen
+    /// shortfall (as before issue 30; for comparison).
+    #[arg(long)]
+    pub no_free_lists: bool,
     /// When pages in use block a shrink, wait this long for their release.
     #[arg(long, default_value = "0s", value_parser = hugepool_runtime::duration_arg)]
     pub wait_blocked: Duration,
@@ -364,6 +369,7 @@ impl ResizeArgs {
             min_mem_available: self.min_mem_available,
             retries: self.retries,
             compact: !self.no_compact,
+            free_lists: !self.no_free_lists,
             ..Settings::default()
         }
     }

@@ -172,7 +172,9 @@ async fn observe_with(
 /// engine leaves above it.
 fn estimate_guard(settings: &Settings) -> Option<u64> {
     let guard = settings.min_mem_available;
-    Some(guard + crate::resize::planner::guard_headroom(guard))
+    settings
+        .free_lists
+        .then(|| guard + crate::resize::planner::guard_headroom(guard))
 }
 
 /// Compacts what `scope` names; for the whole machine, only the NUMA nodes
@@ -316,10 +318,15 @@ pub async fn run(
             }
             Decision::Compact(scope) => {
                 let size = planner.target().size;
+                let targeted = planner.settings().free_lists;
                 let (scopes, error) = {
                     let kernel = Arc::clone(&kernel);
                     tokio::task::spawn_blocking(move || {
-                        compact_where_it_helps(kernel.as_ref(), size, scope)
+                        if targeted {
+                            compact_where_it_helps(kernel.as_ref(), size, scope)
+                        } else {
+                            (vec![scope], kernel.compact(scope).err())
+                        }
                     })
                     .await
                     .map_err(|err| Error::WriteThread(err.to_string()))?
@@ -570,11 +577,23 @@ mod tests {
         let kernel = fragmented(0.05, 1.0);
         let (summary, events) = resize(&kernel, 2048, scaled(1.0), Options::default()).await;
         assert!(summary.reached(), "{summary:?}");
-        let kinds = kinds(&events);
-        assert_eq!(kinds[0], "compact node0", "{kinds:?}");
-        assert!(kinds[1..].iter().all(|k| k == "write"), "{kinds:?}");
+        let seen = kinds(&events);
+        assert_eq!(seen[0], "compact node0", "{seen:?}");
+        assert!(seen[1..].iter().all(|k| k == "write"), "{seen:?}");
         assert_eq!(kernel.compactions(), [PoolScope::Node(0)]);
         assert_eq!(summary.compactions, 1);
+        // Without the free lists (as before): a short write first, then the
+        // compaction of the whole machine, then the retry.
+        let kernel = fragmented(0.05, 1.0);
+        let settings = Settings {
+            free_lists: false,
+            ..scaled(1.0)
+        };
+        let (summary, events) = resize(&kernel, 2048, settings, Options::default()).await;
+        assert!(summary.reached(), "{summary:?}");
+        let seen = kinds(&events);
+        assert_eq!(seen[0], "write", "{seen:?}");
+        assert_eq!(kernel.compactions(), [PoolScope::Global]);
     }
 
     #[tokio::test]

@@ -66,6 +66,9 @@ pub struct Settings {
     pub compact: bool,
     /// Steps aim at this share of the budget, leaving room for noise.
     pub budget_fraction: f64,
+    /// Read the free lists before a grow: compact first where they cannot
+    /// cover it, and foresee a shortfall (off: only after a short write).
+    pub free_lists: bool,
 }
 
 impl Default for Settings {
@@ -78,6 +81,7 @@ impl Default for Settings {
             retries: 3,
             compact: true,
             budget_fraction: 0.85,
+            free_lists: true,
         }
     }
 }
@@ -853,13 +857,72 @@ mod tests {
         assert_eq!(writes.iter().map(|w| w.pages).sum::<u64>(), 8192);
     }
 
+    /// Cold shrinks of 8192 pages at `hvo_free_cost` until the model holds
+    /// enough overruns to size writes by them instead of the cold prior.
+    fn measured_models() -> CostModels {
+        let mut models = CostModels::default();
+        shrinks_with_extra_cost(&mut models, 4, |_| Duration::ZERO);
+        let measured = models.get(planner_key()).unwrap().overruns_measured();
+        assert!(measured >= COLD_TAIL_UNTIL, "{measured}");
+        models
+    }
+
+    /// The cost of freeing with HVO on this VM (kernel 6.18, 2 vCPU;
+    /// /tmp measurements in docs/design.md): a grace period that varies
+    /// from write to write (8-30 ms; the 256-page probe spends 0.4 ms of
+    /// its 8-30 ms on the CPU) plus about 10 us a page.
+    fn measured_hvo_free_cost(pages: u64, grace_ms: u64) -> Duration {
+        Duration::from_millis(grace_ms) + Duration::from_micros(10 * pages)
+    }
+
+    /// Grace periods of successive writes, as measured (ms).
+    const GRACE_PERIODS: [u64; 8] = [8, 18, 10, 28, 12, 16, 9, 24];
+
+    #[test]
+    fn a_cold_resize_keeps_every_write_within_the_budget_with_the_measured_hvo_noise() {
+        // Each start in the sequence of grace periods is a node's first
+        // resize (no model): the probe may get a short grace period and the
+        // write scaled from it a long one.
+        let budget = Settings::default().max_step_duration;
+        for start in 0..GRACE_PERIODS.len() {
+            let kernel = instant_kernel(32 * GIB);
+            kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
+            let mut planner = Planner::new(target(0), Settings::default());
+            let mut models = CostModels::default();
+            let index = std::cell::Cell::new(start);
+            let cost = |pages| {
+                let grace = GRACE_PERIODS[index.get() % GRACE_PERIODS.len()];
+                index.set(index.get() + 1);
+                measured_hvo_free_cost(pages, grace)
+            };
+            let costs = std::cell::RefCell::new(Vec::new());
+            let (writes, outcome) = drive(&kernel, &mut planner, &mut models, |pages| {
+                let took = cost(pages);
+                costs.borrow_mut().push(took);
+                took
+            });
+            assert_eq!(outcome, Outcome::Reached);
+            assert_eq!(writes[0].pages, 256, "the probe stays 512 MiB");
+            let costs = costs.into_inner();
+            assert!(
+                costs.iter().all(|&took| took <= budget),
+                "start {start}: {:?}",
+                writes
+                    .iter()
+                    .map(|w| w.pages)
+                    .zip(&costs)
+                    .collect::<Vec<_>>()
+            );
+            // And not by crawling: T* for 8192 pages at 13 ms + 10 us a
+            // page within 35 ms is 4 writes.
+            assert!(writes.len() <= 8, "start {start}: {writes:?}");
+        }
+    }
+
     #[test]
     fn a_warm_model_takes_the_fewest_equal_writes_within_the_aim() {
         let kernel = instant_kernel(32 * GIB);
-        kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
-        let mut models = CostModels::default();
-        let mut planner = Planner::new(target(0), Settings::default());
-        drive(&kernel, &mut planner, &mut models, hvo_free_cost);
+        let mut models = measured_models();
         kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
         let mut planner = Planner::new(target(0), Settings::default());
         let (writes, _) = drive(&kernel, &mut planner, &mut models, hvo_free_cost);
@@ -919,21 +982,22 @@ mod tests {
     #[test]
     fn a_first_write_that_runs_long_makes_the_next_resize_start_smaller() {
         // Every resize's first write costs 15 ms more than the others (as
-        // measured with HVO).
-        let mut models = CostModels::default();
+        // measured with HVO), once the model has measured its noise.
+        let mut models = measured_models();
         let first_writes: Vec<u64> =
             resizes_with_long_first_writes(&mut models, Duration::from_millis(15))
                 .iter()
                 .map(|writes| writes[0].pages)
                 .collect();
         let first_cost = |pages| hvo_free_cost(pages) + Duration::from_millis(15);
-        // The first warm resize does not know yet: 2048 pages, 54 ms.
-        assert!(first_cost(first_writes[1]) > Duration::from_millis(50));
-        // The next keeps the excess it measured free of its aim (a little
-        // under 15 ms: the fit it measured against includes the cold
-        // probe's long first write).
-        assert!(first_writes[2] < first_writes[1], "{first_writes:?}");
-        assert!(first_cost(first_writes[2]) <= Duration::from_millis(50));
+        // The first resize with a long first write does not know yet: 2048
+        // pages, 54 ms.
+        assert!(first_cost(first_writes[0]) > Duration::from_millis(50));
+        // The next keep the excess measured free of their aim.
+        for later in &first_writes[1..] {
+            assert!(*later < first_writes[0], "{first_writes:?}");
+            assert!(first_cost(*later) <= Duration::from_millis(50));
+        }
         let excess = models
             .get(planner_key())
             .map(CostModel::first_write_excess)
