@@ -125,6 +125,11 @@ impl CostModel {
         push_within(&mut self.overruns, overrun, OVERRUN_WINDOW);
     }
 
+    /// How many overruns the model holds (a cold model: none).
+    pub fn overruns_measured(&self) -> usize {
+        self.overruns.len()
+    }
+
     /// The 98th percentile of the recent overruns: the smallest that at
     /// most 2% of them exceed (the largest while there are fewer than 50).
     /// A write keeps it free of the budget, so that noise takes few writes
