@@ -911,3 +911,157 @@ async fn check_passes_a_working_install_and_names_each_failure() {
     fleet.shutdown().await;
     support::delete_namespace(&client, &scope).await;
 }
+
+/// Stranded pages on the real apiserver: pods bound to the fleet's nodes
+/// with `hugepages-2Mi` requests show in each node's HugePageNode status
+/// (counted by its agent, init containers as the scheduler counts them, a
+/// finished pod left out), summed into the pool's status, and `top` ranks
+/// the pool's nodes by the memory no pod requests; a pod that goes is taken
+/// off again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_requests_show_in_node_and_pool_status_and_top_ranks_unrequested_memory() {
+    let Some(env) = setup().await else { return };
+    let kubeconfig = env.control_plane.kubeconfig.clone();
+    let mut fleet = Fleet::start(&env, "strand", FleetSpec::new(2)).await;
+    let scope = fleet.scope.clone();
+    let names = fleet.node_names();
+    fleet.start_operator(None).await;
+    let pool = format!("{scope}-2m");
+    fleet
+        .create_pool(
+            &pool,
+            json!({"nodeSelector": {"matchLabels": {SCOPE_LABEL: scope}}, "pageSize": "2Mi", "pages": 64, "rollout": {"maxUnavailable": 2}}),
+        )
+        .await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |_| {
+            Ok(())
+        })
+        .await;
+
+    support::create_namespace(&fleet.client, &scope).await;
+    // 20 pages on the first node.
+    support::run_pod(
+        &fleet.client,
+        &scope,
+        support::pod("dpdk", &names[0], "dpdk", Some("40Mi")),
+    )
+    .await;
+    // On the second: an init container of 16Mi before an app of 8Mi is 8
+    // pages; a finished pod's 64Mi count for nothing.
+    let mut init: k8s_openapi::api::core::v1::Pod =
+        support::pod("staged", &names[1], "staged", Some("8Mi"));
+    let mut first = init.spec.as_ref().expect("spec").containers[0].clone();
+    first.name = "prepare".into();
+    let resources = first.resources.as_mut().expect("resources");
+    for amounts in [&mut resources.requests, &mut resources.limits] {
+        amounts.as_mut().expect("amounts").insert(
+            "hugepages-2Mi".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("16Mi".into()),
+        );
+    }
+    init.spec.as_mut().expect("spec").init_containers = Some(vec![first]);
+    support::run_pod(&fleet.client, &scope, init).await;
+    support::run_pod(
+        &fleet.client,
+        &scope,
+        support::pod("done", &names[1], "done", Some("64Mi")),
+    )
+    .await;
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(fleet.client.clone(), &scope);
+    pods.patch_status(
+        "done",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
+    )
+    .await
+    .expect("pod Succeeded");
+
+    let requested = |state: &hugepool_crds::HugePageNode| {
+        state.status.as_ref().and_then(|s| {
+            s.page_sizes
+                .iter()
+                .find(|p| p.size == hugepool_crds::PageSize::SIZE_2MI)
+                .and_then(|p| p.requested)
+        })
+    };
+    for (node, pages) in [(&names[0], 20), (&names[1], 8)] {
+        wait_for(
+            &format!("{node} reports {pages} pages requested"),
+            Duration::from_secs(60),
+            || async {
+                let state = fleet.node_state(node).await;
+                match requested(&state) {
+                    Some(found) if found == pages => Ok(()),
+                    other => Err(format!("requested {other:?}")),
+                }
+            },
+        )
+        .await;
+    }
+    let pages_of = |status: &Option<hugepool_crds::HugePagePoolStatus>| {
+        status
+            .as_ref()
+            .map(|s| (s.pages.current, s.pages.requested, s.pages.unrequested))
+    };
+    wait_for(
+        "the pool sums the requests",
+        Duration::from_secs(60),
+        || async {
+            let found = pages_of(&fleet.pool(&pool).await.status);
+            if found == Some((128, 28, 100)) {
+                Ok(())
+            } else {
+                Err(format!("(current, requested, unrequested) {found:?}"))
+            }
+        },
+    )
+    .await;
+
+    let selector = format!("{SCOPE_LABEL}={scope}");
+    let top = plugin_json(&kubeconfig, &["top", "-l", &selector]);
+    assert_eq!(top["pools"].as_array().map(Vec::len), Some(1), "{top}");
+    assert_eq!(top["pools"][0]["name"], pool.as_str(), "{top}");
+    assert_eq!(top["pools"][0]["requested"], 28, "{top}");
+    assert_eq!(top["pools"][0]["unrequestedBytes"], 100u64 << 21, "{top}");
+    let ranked: Vec<(&str, &Value)> = top["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .map(|n| (n["node"].as_str().unwrap_or_default(), &n["unrequested"]))
+        .collect();
+    assert_eq!(
+        ranked,
+        [
+            (names[1].as_str(), &json!(56)),
+            (names[0].as_str(), &json!(44))
+        ],
+        "{top}"
+    );
+    let text = plugin(&kubeconfig, &["top", "-l", &selector]);
+    assert!(text.contains("UNREQUESTED"), "{text}");
+    assert!(text.contains("200Mi"), "{text}");
+
+    // The consumer goes: its pages are no longer requested.
+    pods.delete("dpdk", &kube::api::DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete the consumer");
+    wait_for(
+        "the pool drops the gone pod's request",
+        Duration::from_secs(60),
+        || async {
+            let found = pages_of(&fleet.pool(&pool).await.status);
+            if found == Some((128, 8, 120)) {
+                Ok(())
+            } else {
+                Err(format!("(current, requested, unrequested) {found:?}"))
+            }
+        },
+    )
+    .await;
+
+    let client = fleet.client.clone();
+    fleet.shutdown().await;
+    support::delete_namespace(&client, &scope).await;
+}
