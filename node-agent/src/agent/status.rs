@@ -1418,24 +1418,27 @@ mod tests {
     fn real_free_lists() -> crate::kernel::freelists::FreeLists {
         use crate::kernel::freelists::{buddyinfo, pagetypeinfo};
         use std::path::Path;
-        crate::kernel::freelists::FreeLists {
-            zones: buddyinfo(
+        let mut lists = crate::kernel::freelists::FreeLists::of_files(
+            buddyinfo(
                 Path::new("buddyinfo"),
                 include_str!("../../tests/fixtures/freelists/buddyinfo.real"),
             )
             .unwrap(),
-            pagetypeinfo: pagetypeinfo(
+            pagetypeinfo(
                 Path::new("pagetypeinfo"),
                 include_str!("../../tests/fixtures/freelists/pagetypeinfo.real"),
             )
             .unwrap(),
-        }
+        );
+        lists.mem_available = 8 << 30;
+        lists
     }
 
     // The development machine's files give 2Mi (4576 now, 4955 after
-    // compaction) and 1Gi (0, 8) with no guard (freelists.rs tests). The
-    // 2Mi target keeps 100Mi + 32Mi of headroom free: 66 pages; 1Gi has no
-    // target, so the default 1Gi guard + 32Mi: 2 pages.
+    // compaction) and 1Gi (0, 8) with no guard (freelists.rs tests). With
+    // 8 GiB available, the 2Mi target's 100Mi guard + 32Mi of headroom
+    // leaves (8192 - 132) / 2 = 4030 pages; 1Gi has no target, so the
+    // default 1Gi guard + 32Mi: 7136 MiB, 6 pages.
     #[test]
     fn what_a_grow_can_get_shows_per_size_and_numa_node_under_each_guard() {
         let mut snapshot = snapshot(0, 0, 0, 0);
@@ -1452,11 +1455,8 @@ mod tests {
                 after_compaction,
             })
         };
-        assert_eq!(status.page_sizes[0].obtainable, pages(4576, 4955 - 66));
-        assert_eq!(
-            status.page_sizes[0].numa[0].obtainable,
-            pages(4576, 4955 - 66)
-        );
+        assert_eq!(status.page_sizes[0].obtainable, pages(4576, 4030));
+        assert_eq!(status.page_sizes[0].numa[0].obtainable, pages(4576, 4030));
         assert_eq!(status.page_sizes[1].obtainable, pages(0, 6));
 
         // Unreadable free lists (no root, no mount): nothing is claimed.

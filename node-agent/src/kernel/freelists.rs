@@ -329,17 +329,67 @@ pub fn pagetypeinfo(path: &Path, text: &str) -> Result<PageTypeInfo> {
     })
 }
 
-/// Both files, as [`crate::kernel::SysfsKernel::free_lists`] reads them.
+/// Page cache in a meminfo file, `Active(file) + Inactive(file)`, in bytes:
+/// `/proc/meminfo` or a NUMA node's (`Node 0 Active(file):  123 kB`).
+pub fn file_bytes(path: &Path, text: &str) -> Result<u64> {
+    let mut found = [None, None];
+    for (number, line) in text.lines().enumerate() {
+        let mut tokens = line
+            .split_whitespace()
+            .skip_while(|t| !t.ends_with("(file):"));
+        let slot = match tokens.next() {
+            Some("Active(file):") => 0,
+            Some("Inactive(file):") => 1,
+            _ => continue,
+        };
+        let kib: u64 = tokens
+            .next()
+            .and_then(|t| t.parse().ok())
+            .filter(|_| tokens.next() == Some("kB"))
+            .ok_or_else(|| line_error(path, number + 1, line, "expected a count of kB"))?;
+        found[slot] = Some(kib.saturating_mul(1024));
+    }
+    match found {
+        [Some(active), Some(inactive)] => Ok(active.saturating_add(inactive)),
+        _ => Err(Error::Parse {
+            path: path.to_path_buf(),
+            detail: "no Active(file) and Inactive(file)".into(),
+        }),
+    }
+}
+
+/// Both files, and what reclaim and the memory guard make of them, as
+/// [`crate::kernel::Kernel::free_lists`] reads them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FreeLists {
     pub zones: Vec<ZoneFree>,
     pub pagetypeinfo: PageTypeInfo,
+    /// Page cache per NUMA node (`Active(file) + Inactive(file)` of the
+    /// node's meminfo), in bytes: a grow reclaims it (`__GFP_RETRY_MAYFAIL`).
+    pub file_bytes: Vec<(u32, u64)>,
+    /// MemAvailable: the memory guard is taken from it, as the engine does.
+    pub mem_available: u64,
 }
 
 impl FreeLists {
-    /// [`estimate`] on these files.
-    pub fn estimate(&self, node: u32, size: PageSize, guard_bytes: u64) -> GrowEstimate {
-        estimate(&self.zones, &self.pagetypeinfo, node, size, guard_bytes)
+    /// The two files alone: no page cache, nothing guarded.
+    pub fn of_files(zones: Vec<ZoneFree>, pagetypeinfo: PageTypeInfo) -> Self {
+        Self {
+            zones,
+            pagetypeinfo,
+            file_bytes: Vec::new(),
+            mem_available: u64::MAX,
+        }
+    }
+
+    /// [`estimate`] for one NUMA node, with its page cache, no guard.
+    pub fn estimate(&self, node: u32, size: PageSize) -> GrowEstimate {
+        let file = self
+            .file_bytes
+            .iter()
+            .find(|(n, _)| *n == node)
+            .map_or(0, |(_, bytes)| *bytes);
+        estimate(&self.zones, &self.pagetypeinfo, node, size, file)
     }
 
     /// The NUMA nodes the files list, ascending.
@@ -352,27 +402,27 @@ impl FreeLists {
     }
 
     /// What a grow of `size` can get on the whole machine and on each NUMA
-    /// node. The guard is one figure for the machine (MemAvailable), so it
-    /// is taken once from the sum; no node can get more than the machine.
+    /// node. The guard is one figure for the machine, as in the engine: a
+    /// grow stops `guard_bytes` above MemAvailable, so no more than
+    /// `(MemAvailable - guard) / size` pages come after compaction, on the
+    /// machine or on any one node.
     pub fn estimates(&self, size: PageSize, guard_bytes: u64) -> SizeEstimates {
         let numa: Vec<(u32, GrowEstimate)> = self
             .nodes()
             .into_iter()
-            .map(|node| (node, self.estimate(node, size, 0)))
+            .map(|node| (node, self.estimate(node, size)))
             .collect();
         let now: u64 = numa.iter().map(|(_, e)| e.obtainable_now).sum();
         let reachable: u64 = numa.iter().map(|(_, e)| e.after_compaction).sum();
-        let guard_pages = guard_bytes.div_ceil(size.bytes());
+        let guarded = self.mem_available.saturating_sub(guard_bytes) / size.bytes();
         let total = GrowEstimate {
             obtainable_now: now,
-            after_compaction: now.max(reachable.saturating_sub(guard_pages)),
+            after_compaction: reachable.min(guarded),
         };
         let numa = numa
             .into_iter()
             .map(|(node, e)| {
-                let after = e
-                    .obtainable_now
-                    .max(e.after_compaction.min(total.after_compaction));
+                let after = e.after_compaction.min(total.after_compaction);
                 (
                     node,
                     GrowEstimate {
@@ -411,7 +461,8 @@ pub struct SizeEstimates {
 pub struct GrowEstimate {
     /// Free blocks at or above the page's order, in usable zones.
     pub obtainable_now: u64,
-    /// After compaction, less the memory guard; never below `obtainable_now`.
+    /// What a grow gets: compacting, reclaiming page cache and stopping at
+    /// the memory guard (which may make it less than `obtainable_now`).
     pub after_compaction: u64,
 }
 
@@ -421,20 +472,24 @@ pub fn page_order(size: PageSize) -> u32 {
 }
 
 /// The model (docs/design.md, "What a grow can get"), for `node` and `size`,
-/// keeping `guard_bytes` free. Zones in `free` without a row in
+/// with `file_bytes` of page cache on the node a grow can reclaim; no
+/// guard (see [`FreeLists::estimates`]). Zones in `free` without a row in
 /// `pagetypeinfo.blocks` count for `obtainable_now` only.
 pub fn estimate(
     free: &[ZoneFree],
     pagetypeinfo: &PageTypeInfo,
     node: u32,
     size: PageSize,
-    guard_bytes: u64,
+    file_bytes: u64,
 ) -> GrowEstimate {
     let order = page_order(size);
     let block_pages = pagetypeinfo.pages_per_block;
     let mut now = 0u64;
     let mut reachable = 0u64;
     let mut total = 0u64;
+    // Clearable room that free memory does not fill: reclaimed page cache
+    // can become huge pages there.
+    let mut room = 0u64;
     for zone in free
         .iter()
         .filter(|z| z.node == node && HUGEPAGE_ZONES.contains(&z.zone.as_str()))
@@ -469,12 +524,13 @@ pub fn estimate(
             .saturating_mul(block_pages)
             .saturating_add(blocks.of("Reclaimable").saturating_mul(block_pages) / 2);
         reachable = reachable.saturating_add(free_pages.min(clearable) >> order);
+        room = room.saturating_add(clearable.saturating_sub(free_pages));
         total = total.saturating_add(blocks.total().saturating_mul(block_pages) >> order);
     }
-    let guard_pages = guard_bytes.div_ceil(size.bytes());
+    let reclaimed = (file_bytes / BASE_PAGE_BYTES).min(room) >> order;
     GrowEstimate {
         obtainable_now: now,
-        after_compaction: now.max(reachable.saturating_sub(guard_pages).min(total)),
+        after_compaction: now.max(reachable.saturating_add(reclaimed).min(total)),
     }
 }
 
@@ -641,6 +697,21 @@ mod tests {
     }
 
     #[test]
+    fn reads_the_page_cache_of_a_meminfo_file() {
+        let node = "Node 0 MemFree:        15981580 kB\nNode 0 Active(file):    2779596 kB\nNode 0 Inactive(file):  4850736 kB\n";
+        assert_eq!(
+            file_bytes(Path::new("node0/meminfo"), node).unwrap(),
+            (2_779_596 + 4_850_736) * 1024
+        );
+        let global = "Active(file):     10 kB\nInactive(file):   5 kB\n";
+        assert_eq!(file_bytes(Path::new("meminfo"), global).unwrap(), 15 * 1024);
+        let err = file_bytes(Path::new("m"), "Active(file): x kB\n").unwrap_err();
+        assert!(err.to_string().contains("line 1"), "{err}");
+        let err = file_bytes(Path::new("m"), "Active(file): 1 kB\n").unwrap_err();
+        assert!(err.to_string().contains("Inactive(file)"), "{err}");
+    }
+
+    #[test]
     fn page_orders() {
         assert_eq!(page_order(PageSize::SIZE_2MI), 9);
         assert_eq!(page_order(PageSize::SIZE_1GI), 18);
@@ -663,14 +734,17 @@ mod tests {
                 after_compaction: 1509 + 3446,
             }
         );
-        // A 3 MiB guard costs two 2Mi pages, 100 MiB fifty.
+        // Page cache a grow reclaims fills the clearable room free memory
+        // leaves: DMA32 774_656 - 772_732 = 1_924 pages, Normal 5_254_912 -
+        // 1_764_648 = 3_490_264. 1 GiB of it is 512 more pages; 100 GiB
+        // fills the room: 3_492_188 >> 9 = 6820 more.
         assert_eq!(
-            estimate(&zones, &info, 0, PageSize::SIZE_2MI, 3 * MIB).after_compaction,
-            4953
+            estimate(&zones, &info, 0, PageSize::SIZE_2MI, 1 << 30).after_compaction,
+            4955 + 512
         );
         assert_eq!(
-            estimate(&zones, &info, 0, PageSize::SIZE_2MI, 100 * MIB).after_compaction,
-            4905
+            estimate(&zones, &info, 0, PageSize::SIZE_2MI, 100 << 30).after_compaction,
+            4955 + 6820
         );
         // No free list holds 1 GiB: nothing now; 1_764_648 >> 18 = 6 and
         // 772_732 >> 18 = 2 after compaction.
@@ -712,44 +786,46 @@ mod tests {
                 after_compaction: 9,
             }
         );
-        assert_eq!(at(0, PageSize::SIZE_2MI, 3 * MIB).after_compaction, 20);
-        assert_eq!(at(1, PageSize::SIZE_2MI, 3 * MIB).after_compaction, 7);
-        // A guard larger than what compaction adds never takes from now.
-        assert_eq!(at(0, PageSize::SIZE_2MI, 100 * MIB).after_compaction, 17);
+        // Node 1's Normal zone has no room left (free 3600 > clearable
+        // 2048); its Movable zone 4096 - 2560 = 1536 pages: 3 more 2Mi.
+        assert_eq!(at(1, PageSize::SIZE_2MI, 100 * MIB).after_compaction, 12);
         assert_eq!(at(1, PageSize::SIZE_1GI, 0), GrowEstimate::default());
     }
 
-    // The two-node pair with no guard: node 0 (17, 22), node 1 (5, 9). The
-    // machine's guard comes off the sum once: 31 - 2 pages for 3 MiB.
+    // The two-node pair: node 0 (17, 22), node 1 (5, 9) with no guard.
+    // The guard comes off MemAvailable once, for the machine, as in the
+    // engine: with 64 MiB available and a 3 MiB guard, 30 pages at most.
     #[test]
-    fn estimates_take_the_guard_once_for_the_machine() {
-        let lists = FreeLists {
-            zones: buddy(BUDDYINFO_TWO_NODES),
-            pagetypeinfo: types(PAGETYPEINFO_TWO_NODES),
-        };
+    fn estimates_take_the_guard_once_from_mem_available() {
+        let mut lists =
+            FreeLists::of_files(buddy(BUDDYINFO_TWO_NODES), types(PAGETYPEINFO_TWO_NODES));
+        lists.mem_available = 64 * MIB;
         assert_eq!(lists.nodes(), [0, 1]);
         let e = |now, after_compaction| GrowEstimate {
             obtainable_now: now,
             after_compaction,
         };
         let sized = lists.estimates(PageSize::SIZE_2MI, 3 * MIB);
-        assert_eq!(sized.total, e(22, 29));
+        assert_eq!(sized.total, e(22, 30));
         assert_eq!(sized.numa, [(0, e(17, 22)), (1, e(5, 9))]);
-        // 30 MiB (15 pages) leaves the machine 16 after compaction, less
-        // than it has now: never below now. Node 0 alone could take 22.
-        let sized = lists.estimates(PageSize::SIZE_2MI, 30 * MIB);
-        assert_eq!(sized.total, e(22, 22));
-        assert_eq!(sized.numa, [(0, e(17, 22)), (1, e(5, 9))]);
-        // A guard bigger than everything: each node keeps what it has now.
+        // 40 MiB: 12 pages for the machine, and so for each node, though
+        // node 0 holds 17 free now.
+        let sized = lists.estimates(PageSize::SIZE_2MI, 40 * MIB);
+        assert_eq!(sized.total, e(22, 12));
+        assert_eq!(sized.numa, [(0, e(17, 12)), (1, e(5, 9))]);
+        // A guard above MemAvailable: nothing.
         let sized = lists.estimates(PageSize::SIZE_2MI, 1 << 30);
-        assert_eq!(sized.total, e(22, 22));
+        assert_eq!(sized.total, e(22, 0));
+        assert_eq!(sized.numa, [(0, e(17, 0)), (1, e(5, 0))]);
+        // Page cache on a node counts there.
+        lists.file_bytes = vec![(1, 100 * MIB)];
         assert_eq!(
             lists.for_scope(PageSize::SIZE_2MI, PoolScope::Node(1), 3 * MIB),
-            e(5, 9)
+            e(5, 12)
         );
         assert_eq!(
             lists.for_scope(PageSize::SIZE_2MI, PoolScope::Global, 3 * MIB),
-            e(22, 29)
+            e(22, 30)
         );
         assert_eq!(
             lists.for_scope(PageSize::SIZE_2MI, PoolScope::Node(7), 0),
@@ -798,11 +874,19 @@ mod tests {
             PAGETYPEINFO_TWO_NODES,
         )
         .unwrap();
+        // No NUMA sysfs: the page cache of /proc/meminfo is node 0's.
+        std::fs::write(
+            proc_root.path().join("meminfo"),
+            "MemTotal: 4096 kB\nMemAvailable: 2048 kB\nActive(file):  300 kB\nInactive(file): 200 kB\n",
+        )
+        .unwrap();
         let lists = kernel.free_lists().unwrap();
         assert_eq!(lists.zones, buddy(BUDDYINFO_TWO_NODES));
         assert_eq!(lists.pagetypeinfo, types(PAGETYPEINFO_TWO_NODES));
+        assert_eq!(lists.file_bytes, [(0, 500 * 1024)]);
+        assert_eq!(lists.mem_available, 2048 * 1024);
         assert_eq!(
-            lists.estimate(1, PageSize::SIZE_2MI, 0),
+            lists.estimate(1, PageSize::SIZE_2MI),
             GrowEstimate {
                 obtainable_now: 5,
                 after_compaction: 9,
@@ -1029,9 +1113,9 @@ mod tests {
         fn now_never_exceeds_after_compaction(
             (zones, info) in node_state(),
             size in any_size(),
-            guard in 0u64..1 << 34,
+            file in 0u64..1 << 34,
         ) {
-            let got = estimate(&zones, &info, 0, size, guard);
+            let got = estimate(&zones, &info, 0, size, file);
             prop_assert!(got.obtainable_now <= got.after_compaction, "{:?}", got);
         }
 
@@ -1039,16 +1123,15 @@ mod tests {
         fn more_free_blocks_never_lower_an_estimate(
             (zones, info) in node_state(),
             size in any_size(),
-            guard in 0u64..1 << 34,
             zone in any::<proptest::sample::Index>(),
             order in 0usize..11,
             added in 1u64..5_000,
         ) {
-            let before = estimate(&zones, &info, 0, size, guard);
+            let before = estimate(&zones, &info, 0, size, 0);
             let mut more = zones.clone();
             let index = zone.index(more.len());
             more[index].free_blocks[order] += added;
-            let after = estimate(&more, &info, 0, size, guard);
+            let after = estimate(&more, &info, 0, size, 0);
             prop_assert!(after.obtainable_now >= before.obtainable_now, "{:?} -> {:?}", before, after);
             prop_assert!(after.after_compaction >= before.after_compaction, "{:?} -> {:?}", before, after);
         }

@@ -613,7 +613,12 @@ impl Kernel for SimulatedKernel {
                 ],
             });
         }
+        let nodes = state.config.nodes.len() as u32;
         Ok(freelists::FreeLists {
+            file_bytes: (0..nodes).map(|n| (n, 0)).collect(),
+            mem_available: (0..state.config.nodes.len())
+                .map(|n| state.node_free_bytes(n))
+                .sum(),
             zones,
             pagetypeinfo: freelists::PageTypeInfo {
                 pageblock_order: 9,

@@ -119,13 +119,32 @@ fn list_dir(path: &Path) -> Result<Vec<String>> {
 
 impl Kernel for SysfsKernel {
     /// `<proc_root>/buddyinfo` and `<proc_root>/pagetypeinfo` (root only),
-    /// read one after the other: the two may differ by what moved between.
+    /// each NUMA node's page cache from `node<N>/meminfo` (`/proc/meminfo`
+    /// as node 0 on a kernel without NUMA sysfs), and MemAvailable, read
+    /// one after the other: they may differ by what moved between.
     fn free_lists(&self) -> Result<FreeLists> {
         let buddyinfo = self.proc_root.join("buddyinfo");
         let pagetypeinfo = self.proc_root.join("pagetypeinfo");
+        let zones = freelists::buddyinfo(&buddyinfo, &read(&buddyinfo)?)?;
+        let pagetypeinfo = freelists::pagetypeinfo(&pagetypeinfo, &read(&pagetypeinfo)?)?;
+        let nodes = self.numa_nodes()?;
+        let file_bytes = if nodes.is_empty() {
+            let path = self.proc_root.join("meminfo");
+            vec![(0, freelists::file_bytes(&path, &read(&path)?)?)]
+        } else {
+            nodes
+                .into_iter()
+                .map(|node| {
+                    let path = self.nodes_dir().join(format!("node{node}/meminfo"));
+                    Ok((node, freelists::file_bytes(&path, &read(&path)?)?))
+                })
+                .collect::<Result<_>>()?
+        };
         Ok(FreeLists {
-            zones: freelists::buddyinfo(&buddyinfo, &read(&buddyinfo)?)?,
-            pagetypeinfo: freelists::pagetypeinfo(&pagetypeinfo, &read(&pagetypeinfo)?)?,
+            zones,
+            pagetypeinfo,
+            file_bytes,
+            mem_available: self.meminfo()?.available_bytes,
         })
     }
     fn page_sizes(&self) -> Result<Vec<PageSize>> {
