@@ -1437,8 +1437,8 @@ mod tests {
     // The development machine's files give 2Mi (4576 now, 4955 after
     // compaction) and 1Gi (0, 8) with no guard (freelists.rs tests). With
     // 8 GiB available, the 2Mi target's 100Mi guard + 32Mi of headroom
-    // leaves (8192 - 132) / 2 = 4030 pages; 1Gi has no target, so the
-    // default 1Gi guard + 32Mi: 7136 MiB, 6 pages.
+    // leaves (8192 - 132) / 2 = 4030 pages. 1Gi: no clean range of 1 GiB
+    // on that machine, nothing.
     #[test]
     fn what_a_grow_can_get_shows_per_size_and_numa_node_under_each_guard() {
         let mut snapshot = snapshot(0, 0, 0, 0);
@@ -1457,7 +1457,16 @@ mod tests {
         };
         assert_eq!(status.page_sizes[0].obtainable, pages(4576, 4030));
         assert_eq!(status.page_sizes[0].numa[0].obtainable, pages(4576, 4030));
-        assert_eq!(status.page_sizes[1].obtainable, pages(0, 6));
+        assert_eq!(status.page_sizes[1].obtainable, pages(0, 0));
+        // A size with no target keeps the default guard (1Gi + 32Mi):
+        // (8192 - 1056) / 2 = 3568 pages.
+        let fresh = obtainable(&snapshot, &[]);
+        assert_eq!(
+            fresh
+                .get(&(PageSize::SIZE_2MI, None))
+                .map(|e| e.after_compaction),
+            Some(3568)
+        );
 
         // Unreadable free lists (no root, no mount): nothing is claimed.
         snapshot.free_lists = Err("permission denied".into());
