@@ -159,6 +159,23 @@ impl CostModel {
             .copied()
     }
 
+    /// The write in the window, within `budget`, that scaled linearly
+    /// allows the most pages: the least time a page. With `cost = a +
+    /// b*pages + noise`, `a >= 0` and noise never below zero, every write's
+    /// latency bounds the cost of a larger one by scaling, so the best bound
+    /// is as safe as any; a grace period of 8-28 ms (HVO) makes the largest
+    /// write's latency (`anchor_within`) a poor one.
+    pub fn cheapest_within(&self, budget: Duration) -> Option<Sample> {
+        self.samples
+            .iter()
+            .filter(|s| s.latency <= budget && s.pages > 0)
+            .max_by(|x, y| {
+                let per_page = |s: &Sample| s.pages as f64 / s.latency.as_secs_f64().max(1e-9);
+                per_page(x).total_cmp(&per_page(y))
+            })
+            .copied()
+    }
+
     /// The fit. Where the data cannot tell the two terms apart it charges
     /// all cost per page: by linearity a write k times larger costs at most k
     /// times as much, so this never underestimates a larger step, and steps

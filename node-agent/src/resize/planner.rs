@@ -45,7 +45,7 @@ const WITHIN_FIT: f64 = 1.1;
 /// 14 ms of 50 (node-agent/BENCH.md), and a cold resize that aimed at 0.85
 /// of the budget ran writes of 55-67 ms (docs/design.md).
 const COLD_TAIL_UNTIL: usize = 16;
-const COLD_TAIL_SHARE: f64 = 0.3;
+const COLD_TAIL_SHARE: f64 = 0.4;
 
 /// Knobs of one resize (the pool's `resize` and `allocation` settings).
 #[derive(Clone, Debug, PartialEq)]
@@ -362,7 +362,8 @@ impl Planner {
         // needs more room (with HVO: 10-15 ms), never below half of that.
         let fraction_aim = budget.mul_f64(self.settings.budget_fraction);
         let mut tail = model.map(CostModel::overrun_tail).unwrap_or_default();
-        if model.map_or(0, CostModel::overruns_measured) < COLD_TAIL_UNTIL {
+        let cold = model.map_or(0, CostModel::overruns_measured) < COLD_TAIL_UNTIL;
+        if cold {
             // A model that has not measured its noise yet (a node's first
             // resize) assumes the noise measured with HVO: the fixed cost
             // of a write is a grace period of 5-28 ms here, so a write
@@ -390,7 +391,16 @@ impl Planner {
             let excess = model.map(CostModel::first_write_excess).unwrap_or_default();
             aim = aim.saturating_sub(excess).max(aim / 4);
         }
-        let anchor = model.and_then(|m| m.anchor_within(budget));
+        // Cold, the aim keeps the noise free, so every write within the
+        // budget bounds a larger one: scale from the cheapest per page, and
+        // not from the last (a long grace period would shrink the next).
+        let anchor = model.and_then(|m| {
+            if cold {
+                m.cheapest_within(budget)
+            } else {
+                m.anchor_within(budget)
+            }
+        });
         let mut fit = None;
         let mut step = match (model, anchor) {
             (Some(model), Some(anchor)) => {
@@ -403,10 +413,14 @@ impl Planner {
                 None => probe_pages(self.target.size, budget),
             },
         };
-        if let (Some(previous), Some(latency)) = (state.last_step, state.last_latency) {
+        if let (Some(previous), Some(latency)) = (state.last_step, state.last_latency)
+            && !(cold && latency <= budget)
+        {
             step = step.min(scale_to(previous, latency, aim));
         }
-        let fitted = fit.map(|fit| fit.pages_within(aim));
+        // Cold, a fit of a few writes whose grace periods differ by 20 ms
+        // is noise; the bound above is safe without it.
+        let fitted = fit.filter(|_| !cold).map(|fit| fit.pages_within(aim));
         let mut pages = fitted.map_or(step, |fitted| step.min(fitted));
         if !state.warmed && anchor.is_some() {
             // A write that keeps the excess free never drops below the probe
@@ -836,22 +850,26 @@ mod tests {
         let (writes, outcome) = drive(&kernel, &mut planner, &mut models, hvo_free_cost);
         assert_eq!(outcome, Outcome::Reached);
         assert_eq!(writes[0].pages, 256);
-        // 256 pages took 16.33 ms: scaled linearly to 0.85 x 50 ms, 666.
-        assert_eq!(writes[1].pages, 666);
+        // 256 pages took 16.33 ms: scaled linearly to the cold aim, 50 ms
+        // less the assumed noise (20 ms), 470.
+        assert_eq!(writes[1].pages, 470);
         for write in &writes {
             assert!(
                 hvo_free_cost(write.pages) <= Duration::from_millis(50),
                 "{write:?}"
             );
         }
-        // The fit puts the aim at (42.5 - 13) / 0.013 = 2269 pages; a cold
-        // start grows towards it (each write at most the last scaled
-        // linearly to the aim), then cuts the rest into equal writes. The
+        // The cold aim, 30 ms, is (30 - 13) / 0.013 = 1307 pages; a cold
+        // start grows towards it (each write at most the cheapest a page
+        // so far scaled linearly to the aim), then cuts the rest into equal
+        // writes: 9 (7 at best). Aiming at 42.5 ms it took 6, and with
+        // the noise measured with HVO ran writes over the budget
+        // (`a_cold_resize_keeps_every_write_within_the_budget_...`). The
         // old rule (16-page probe, at most doubling) took 10.
-        assert_eq!(writes.len(), 6, "{writes:?}");
-        let settled = &writes[writes.len() - 2..];
+        assert_eq!(writes.len(), 9, "{writes:?}");
+        let settled = &writes[writes.len() - 4..];
         assert!(
-            settled.iter().all(|w| (1500..=2269).contains(&w.pages)),
+            settled.iter().all(|w| (1100..=1307).contains(&w.pages)),
             "{writes:?}"
         );
         assert_eq!(writes.iter().map(|w| w.pages).sum::<u64>(), 8192);
@@ -913,9 +931,11 @@ mod tests {
                     .zip(&costs)
                     .collect::<Vec<_>>()
             );
-            // And not by crawling: T* for 8192 pages at 13 ms + 10 us a
-            // page within 35 ms is 4 writes.
-            assert!(writes.len() <= 8, "start {start}: {writes:?}");
+            // And not by crawling: 8 or 9 writes (a write within the
+            // budget at the longest grace period takes 2200 pages: 4
+            // writes; 8192 pages at 16 ms a write, as measured while other
+            // builds ran, leave any budget-keeping strategy above 140 ms).
+            assert!(writes.len() <= 9, "start {start}: {writes:?}");
         }
     }
 
@@ -923,6 +943,9 @@ mod tests {
     fn a_warm_model_takes_the_fewest_equal_writes_within_the_aim() {
         let kernel = instant_kernel(32 * GIB);
         let mut models = measured_models();
+        kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
+        let mut planner = Planner::new(target(0), Settings::default());
+        drive(&kernel, &mut planner, &mut models, hvo_free_cost);
         kernel.preset(MI2, PoolScope::Global, 8192).unwrap();
         let mut planner = Planner::new(target(0), Settings::default());
         let (writes, _) = drive(&kernel, &mut planner, &mut models, hvo_free_cost);
@@ -1012,7 +1035,7 @@ mod tests {
         // least the probe (not 1 page); so does the second, since the first
         // ran long; the one after that (the second ran within its fit) is
         // sized by the fit, not by scaling the short writes before it.
-        let mut models = CostModels::default();
+        let mut models = measured_models();
         let last = resizes_with_long_first_writes(&mut models, Duration::from_millis(25))
             .pop()
             .unwrap();
