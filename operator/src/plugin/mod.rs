@@ -639,7 +639,16 @@ pub fn render_why(report: &why::WhyReport) -> String {
     }
     text.push_str(&table(
         &[
-            "SIZE", "POOL", "TARGET", "TOTAL", "FREE", "RESERVED", "IN USE", "SURPLUS", "KUBELET",
+            "SIZE",
+            "POOL",
+            "TARGET",
+            "TOTAL",
+            "FREE",
+            "RESERVED",
+            "IN USE",
+            "REQUESTED",
+            "SURPLUS",
+            "KUBELET",
         ],
         &report
             .sizes
@@ -653,6 +662,7 @@ pub fn render_why(report: &why::WhyReport) -> String {
                     s.free.to_string(),
                     s.reserved.to_string(),
                     s.in_use.to_string(),
+                    or_dash(s.requested),
                     s.surplus.to_string(),
                     or_dash(s.kubelet_capacity),
                 ]

@@ -77,6 +77,9 @@ pub struct SizeRow {
     pub free: i64,
     pub reserved: i64,
     pub in_use: i64,
+    /// Pages of the size the pods bound to the node request, as its agent
+    /// counts them (`None`: not reported).
+    pub requested: Option<i64>,
     pub surplus: i64,
     /// What the kubelet reports as `hugepages-<size>` capacity, in pages.
     pub kubelet_capacity: Option<i64>,
@@ -148,6 +151,7 @@ pub fn report(
                 free: reported.free,
                 reserved: reported.reserved,
                 in_use: reported.in_use,
+                requested: reported.requested,
                 surplus: reported.surplus,
                 kubelet_capacity: capacity
                     .and_then(|c| c.get(&reported.size.resource_name()))
