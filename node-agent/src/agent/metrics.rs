@@ -345,7 +345,9 @@ impl Metrics {
         let labels = SizeLabels {
             size: size.to_string(),
         };
-        self.requested_pages.get_or_create(&labels).set(gauge(pages));
+        self.requested_pages
+            .get_or_create(&labels)
+            .set(gauge(pages));
         self.requested_bytes
             .get_or_create(&labels)
             .set(gauge(pages.saturating_mul(size.bytes())));
