@@ -40,10 +40,12 @@ const PROBE_BUDGET: Duration = Duration::from_millis(50);
 /// A write "ran within its fit" up to this share over the fit's estimate.
 const WITHIN_FIT: f64 = 1.1;
 
-/// Until a model holds this many overruns, its tail is at least
-/// `COLD_TAIL_SHARE` of the budget: with HVO the p98 of the overruns was
-/// 14 ms of 50 (node-agent/BENCH.md), and a cold resize that aimed at 0.85
-/// of the budget ran writes of 55-67 ms (docs/design.md).
+/// Until a model holds this many overruns it is cold: its tail is at least
+/// `COLD_TAIL_SHARE` of the budget. With HVO every write waits for a grace
+/// period, 5-30 ms on the development VM, so a write scaled from one with a
+/// short one runs up to 20 ms long; aiming at 0.85 of the budget, a node's
+/// first resize ran writes of 44-67 ms (docs/design.md, "A node's first
+/// resize").
 const COLD_TAIL_UNTIL: usize = 16;
 const COLD_TAIL_SHARE: f64 = 0.4;
 
@@ -349,7 +351,10 @@ impl Planner {
     /// much. After an over-budget write the step is at most half the last
     /// (a quarter after a stall). Until a write of the resize has run within
     /// its fit, each aims lower by the largest excess recent first writes
-    /// had over the fit.
+    /// had over the fit. A cold model (fewer than `COLD_TAIL_UNTIL`
+    /// overruns) keeps `COLD_TAIL_SHARE` of the budget free for the noise it
+    /// has not measured, and its one limit is the write cheapest a page
+    /// scaled linearly to that aim.
     pub fn step_size(&self, direction: Direction, hvo: bool, models: &CostModels) -> Step {
         let state = match direction {
             Direction::Grow => self.grow,
