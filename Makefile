@@ -50,7 +50,7 @@ krew:
 bench:
 	HUGEPOOL_BENCH_REPS=$${HUGEPOOL_BENCH_REPS:-7} $(CARGO) bench -p hugepool-agent --bench resize
 
-## A grow on fragmented memory: one write against the engine (real kernel, root; HUGEPOOL_FRAGMENT_PAGES, HUGEPOOL_FRAGMENT_REPS).
+## What a grow can get, predicted and measured over 12 states of fragmented memory, the engine with and without the free lists (real kernel, root; HUGEPOOL_FRAGMENT_PAGES).
 bench-fragment:
 	$(CARGO) bench -p hugepool-agent --bench fragment
 

@@ -1,20 +1,21 @@
-//! Growing the 2Mi pool by N pages on fragmented memory (issue 12, point 3),
-//! two ways, interleaved: one write of `nr_hugepages = N` (a DaemonSet's
-//! `echo`) and the engine (`hugepool-agent resize`, cold, with its
-//! compactions, retries and the default 1Gi memory guard passed
-//! explicitly). Before every grow the bench fragments memory the same way:
-//! page cache of a file on disk with every other 1 MiB dropped, and
-//! anonymous memory (no THP, every page touched) with every other 1 MiB
-//! freed, so few 2 MiB blocks are free although much memory is. It never
-//! compacts between fragmenting and the grow, and records
-//! /proc/buddyinfo and the /proc/vmstat compact_* counters before and after
-//! each grow. A thread samples MemAvailable every 10 ms during each grow.
-//! Prints medians per strategy and saves raw results to
-//! node-agent/bench-results/ as JSON. Holds the real-kernel test lock, and
-//! restores the 2Mi pool, its overcommit and the sysctls it changes.
+//! What a grow can get, predicted and measured (issue 30, part 2). Over
+//! states of fragmented memory of varied severity, the bench reads the
+//! free lists' estimate (docs/design.md, "What a grow can get") and then
+//! grows the 2Mi pool from 0 with the engine, two ways, on the same state
+//! made anew each time: with the free lists (compact the node before a grow
+//! they cannot cover; a foreseen shortfall ends at the first short write)
+//! and as before them (`--no-free-lists`: write, then compact and retry).
+//! For each state it also predicts and tries a grow of 1Gi pages. A state is
+//! page cache of a file with every other 1 MiB dropped and/or anonymous
+//! memory (no THP, every page touched) with every other 1 MiB freed, in
+//! varied amounts, and some requests past the memory guard. Nothing
+//! compacts between fragmenting and the grow (`compaction_proactiveness` 0).
+//! Prints a row per state and the model's error (median of |predicted -
+//! achieved| / request), saves raw results to node-agent/bench-results/ as
+//! JSON. Holds the real-kernel test lock, and restores both pools, the 2Mi
+//! overcommit and the sysctls it changes.
 //!
-//! Environment: HUGEPOOL_FRAGMENT_PAGES (default 6144), HUGEPOOL_FRAGMENT_REPS
-//! (default 5).
+//! Environment: HUGEPOOL_FRAGMENT_PAGES (the base request, default 6144).
 
 #[path = "common/raw.rs"]
 mod raw;
@@ -32,22 +33,21 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use hugepool_agent::kernel::{Kernel, PoolScope, SysfsKernel};
+use hugepool_agent::resize::planner::guard_headroom;
 use hugepool_crds::PageSize;
 
 const MI2: PageSize = PageSize::SIZE_2MI;
+const GI1: PageSize = PageSize::SIZE_1GI;
 const GIB: u64 = 1 << 30;
-/// The engine's default `--min-mem-available`, passed explicitly.
-const ENGINE_GUARD: u64 = GIB;
-const ENGINE_GUARD_ARG: &str = "1Gi";
-/// The engine's default `--max-step-duration`, for counting writes past it.
-const BUDGET: Duration = Duration::from_millis(50);
-/// MemAvailable the bench never plans to go under, even if the one write
-/// got every page it asked for.
-const SAFE_FLOOR: u64 = 2 * GIB;
-/// Room on top of the floor for whatever else runs on the machine (builds)
-/// and for what fragmenting costs beyond the anonymous half kept (measured
-/// about 1 GiB more than planned with a build beside it).
-const MARGIN: u64 = 5 * GIB / 2;
+/// The engine's `--min-mem-available` here: above the default 1Gi, so that
+/// the grows past the guard leave room for whatever else runs (builds).
+const ENGINE_GUARD: u64 = 3 * GIB;
+const ENGINE_GUARD_ARG: &str = "3Gi";
+/// 1Gi pages each state asks for.
+const GIGANTIC_REQUEST: u64 = 4;
+/// Room kept on top of the guard and the fragmenter for the rest of the
+/// machine while fragmenting.
+const MARGIN: u64 = 3 * GIB;
 /// The page-cache part of the fragmenter: a file this large (at most).
 const CACHE_FILE_BYTES: u64 = 4 * GIB;
 /// Alternate ranges of this size are dropped (cache) or freed (anonymous).
@@ -56,22 +56,111 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(10);
 const PROACTIVENESS: &str = "/proc/sys/vm/compaction_proactiveness";
 const WATERMARK_BOOST: &str = "/proc/sys/vm/watermark_boost_factor";
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Strategy {
-    OneWrite,
-    Engine,
+/// One state of memory a grow starts from.
+#[derive(Clone, Copy, Debug)]
+struct State {
+    name: &'static str,
+    /// Share of the fragmenter's anonymous memory mapped.
+    anon: f64,
+    /// The page-cache file is read in, with holes.
+    cache: bool,
+    /// 2Mi pages asked for, as a multiple of HUGEPOOL_FRAGMENT_PAGES.
+    request: f64,
 }
 
-impl Strategy {
+const STATES: [State; 12] = [
+    State {
+        name: "clean",
+        anon: 0.0,
+        cache: false,
+        request: 1.0,
+    },
+    State {
+        name: "page cache",
+        anon: 0.0,
+        cache: true,
+        request: 1.0,
+    },
+    State {
+        name: "anon 1/4",
+        anon: 0.25,
+        cache: false,
+        request: 1.0,
+    },
+    State {
+        name: "anon 1/4, cache",
+        anon: 0.25,
+        cache: true,
+        request: 1.0,
+    },
+    State {
+        name: "anon 1/2",
+        anon: 0.5,
+        cache: false,
+        request: 1.0,
+    },
+    State {
+        name: "anon 1/2, cache",
+        anon: 0.5,
+        cache: true,
+        request: 1.0,
+    },
+    State {
+        name: "anon 3/4, cache",
+        anon: 0.75,
+        cache: true,
+        request: 1.0,
+    },
+    State {
+        name: "anon all",
+        anon: 1.0,
+        cache: false,
+        request: 1.0,
+    },
+    State {
+        name: "anon all, cache",
+        anon: 1.0,
+        cache: true,
+        request: 1.0,
+    },
+    State {
+        name: "clean, past the guard",
+        anon: 0.0,
+        cache: false,
+        request: 2.0,
+    },
+    State {
+        name: "anon 1/2, cache, past the guard",
+        anon: 0.5,
+        cache: true,
+        request: 2.0,
+    },
+    State {
+        name: "anon all, cache, past the guard",
+        anon: 1.0,
+        cache: true,
+        request: 2.0,
+    },
+];
+
+/// One state's grows: the 2Mi one each way, and the 1Gi one.
+type Row = (State, Vec<(Way, Grow)>, Grow);
+
+/// The engine with or without the free lists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    FreeLists,
+    Before,
+}
+
+impl Way {
     fn name(self) -> &'static str {
         match self {
-            Strategy::OneWrite => "one write",
-            Strategy::Engine => "engine",
+            Way::FreeLists => "free lists",
+            Way::Before => "before",
         }
     }
 }
-
-const STRATEGIES: [Strategy; 2] = [Strategy::OneWrite, Strategy::Engine];
 
 /// What the kernel says about free memory and compaction at one moment.
 #[derive(Clone, Debug)]
@@ -149,29 +238,24 @@ fn free_2mi_blocks(buddyinfo: &str) -> Result<u64, String> {
     Ok(blocks)
 }
 
-fn compact_delta(before: &Snapshot, after: &Snapshot, name: &str) -> u64 {
-    let value = |s: &Snapshot| s.compact.get(name).copied().unwrap_or(0);
-    value(after).saturating_sub(value(before))
-}
-
-/// One measured grow from 0 on fragmented memory.
+/// One measured grow from 0.
+#[derive(Debug)]
 struct Grow {
+    size: PageSize,
+    request: u64,
+    /// What the estimate said a grow from 0 gets: min(request, after
+    /// compaction within the guard).
+    predicted: u64,
+    /// The estimate itself: (now, after compaction).
+    estimate: (u64, u64),
     reached: u64,
     total: Duration,
     writes: Vec<Duration>,
-    /// compact_memory writes the engine made (its summary).
-    engine_compactions: Option<u32>,
-    /// The engine's outcome as its summary says it.
-    outcome: Option<serde_json::Value>,
+    compactions: u32,
+    outcome: serde_json::Value,
     min_available: u64,
-    samples: usize,
-    /// The fragmenter's file bytes left in the page cache.
     cache_kept: u64,
-    /// After the reset (free, drop caches, compact), before fragmenting.
-    clean: Snapshot,
-    /// After fragmenting, right before the grow.
     before: Snapshot,
-    /// Right after the grow, pages still held.
     after: Snapshot,
 }
 
@@ -179,20 +263,48 @@ impl Grow {
     fn max_write(&self) -> Duration {
         self.writes.iter().max().copied().unwrap_or_default()
     }
+
+    fn error(&self) -> f64 {
+        self.predicted.abs_diff(self.reached) as f64 / self.request.max(1) as f64
+    }
+
+    fn json(&self, state: &State, way: Way) -> serde_json::Value {
+        serde_json::json!({
+            "state": state.name,
+            "way": way.name(),
+            "size": self.size.to_string(),
+            "request": self.request,
+            "predicted": self.predicted,
+            "obtainableNow": self.estimate.0,
+            "afterCompaction": self.estimate.1,
+            "reached": self.reached,
+            "totalMs": ms(self.total),
+            "writesMs": self.writes.iter().map(|w| ms(*w)).collect::<Vec<_>>(),
+            "maxWriteMs": ms(self.max_write()),
+            "compactions": self.compactions,
+            "outcome": self.outcome,
+            "minMemAvailableBytes": self.min_available,
+            "cacheKeptBytes": self.cache_kept,
+            "before": self.before.json(),
+            "after": self.after.json(),
+        })
+    }
 }
 
 /// Restores the machine's settings when dropped, also on panic.
 struct Restore {
     kernel: SysfsKernel,
-    pool: u64,
+    pools: Vec<(PageSize, u64)>,
     /// Files written as they were: overcommit, compaction sysctls.
     files: Vec<(PathBuf, String)>,
 }
 
 impl Drop for Restore {
     fn drop(&mut self) {
-        if let Err(err) = self.kernel.write_pool(MI2, PoolScope::Global, self.pool) {
-            eprintln!("could not restore {MI2}: {err}");
+        for (size, pages) in &self.pools {
+            if let Err(err) = self.kernel.write_pool(*size, PoolScope::Global, *pages) {
+                eprintln!("could not restore {size}: {err}");
+            }
         }
         for (path, value) in &self.files {
             if let Err(err) = std::fs::write(path, value) {
@@ -482,67 +594,78 @@ fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
 }
 
-/// How much anonymous memory the fragmenter maps, from MemAvailable on a
-/// clean machine: enough that most free memory ends up with holes in it,
-/// little enough that a grow of every requested page still leaves
-/// SAFE_FLOOR + MARGIN available. Half the mapping stays resident; the page
-/// cache counts as available throughout.
-struct Sizing {
-    anon: u64,
-    cache: u64,
-    available: u64,
-}
-
-fn size_fragmenter(available: u64, wanted: u64) -> Result<Sizing, String> {
-    let reserve = SAFE_FLOOR + MARGIN;
-    let after_grow = available.saturating_sub(wanted + reserve);
-    let while_filling = available.saturating_sub(reserve + CACHE_FILE_BYTES);
-    let anon = (2 * after_grow).min(while_filling) / GIB * GIB;
-    let sizing = Sizing {
-        anon,
-        cache: CACHE_FILE_BYTES,
-        available,
-    };
-    let unfragmented = available.saturating_sub(sizing.anon + sizing.cache);
-    if unfragmented >= wanted {
+/// The fragmenter's anonymous memory at its largest: what MemAvailable on
+/// a clean machine leaves above the guard, the page-cache file and a
+/// margin. Half of it stays resident.
+fn anon_bytes(available: u64) -> Result<u64, String> {
+    let anon = available.saturating_sub(ENGINE_GUARD + MARGIN + CACHE_FILE_BYTES) / GIB * GIB;
+    if anon < 2 * GIB {
         return Err(format!(
-            "{} x 2Mi ({:.1} GiB) fits in the {:.1} GiB the fragmenter can leave untouched \
-             with MemAvailable {:.1} GiB and a {:.1} GiB floor; ask for more pages \
-             (HUGEPOOL_FRAGMENT_PAGES)",
-            wanted / MI2.bytes(),
-            gib(wanted),
-            gib(unfragmented),
+            "MemAvailable {:.1} GiB leaves no room to fragment above a {:.0} GiB guard",
             gib(available),
-            gib(reserve)
+            gib(ENGINE_GUARD)
         ));
     }
-    if sizing.anon < 2 * GIB {
-        return Err(format!(
-            "MemAvailable {:.1} GiB leaves no room to fragment under a grow of {:.1} GiB \
-             that keeps {:.1} GiB available; ask for fewer pages (HUGEPOOL_FRAGMENT_PAGES)",
-            gib(available),
-            gib(wanted),
-            gib(reserve)
-        ));
-    }
-    Ok(sizing)
+    Ok(anon)
 }
 
-/// Gives the pool back, frees the fragmenter and starts from a clean,
+/// Gives both pools back, frees the fragmenter and starts from a clean,
 /// compacted machine (compacting here is before fragmenting, never between
 /// fragmenting and a grow).
 fn reset(kernel: &SysfsKernel, cache: &CacheFile) -> Result<(), String> {
-    kernel
-        .write_pool(MI2, PoolScope::Global, 0)
-        .map_err(|e| e.to_string())?;
+    for size in [MI2, GI1] {
+        kernel
+            .write_pool(size, PoolScope::Global, 0)
+            .map_err(|e| e.to_string())?;
+    }
     cache.drop_all()?;
     write("/proc/sys/vm/drop_caches", "3")?;
-    kernel.compact(PoolScope::Global).map_err(|e| e.to_string())
+    kernel
+        .compact(PoolScope::Global)
+        .map_err(|e| e.to_string())?;
+    std::thread::sleep(Duration::from_millis(500));
+    Ok(())
+}
+
+/// Resets, then makes `state`: the fragmenter's memory, held until dropped.
+fn make_state(
+    kernel: &SysfsKernel,
+    cache: &mut CacheFile,
+    state: &State,
+    anon_max: u64,
+) -> Result<(Option<AnonHoles>, u64), String> {
+    reset(kernel, cache)?;
+    let cache_kept = if state.cache {
+        cache.fill_with_holes()?
+    } else {
+        0
+    };
+    let anon_len = ((anon_max as f64 * state.anon) as u64) / (2 * HOLE as u64) * (2 * HOLE as u64);
+    let anon = (anon_len > 0)
+        .then(|| AnonHoles::new(anon_len as usize))
+        .transpose()?;
+    std::thread::sleep(Duration::from_millis(200));
+    Ok((anon, cache_kept))
+}
+
+/// The estimate for a grow of `size` from 0 on the whole machine, as the
+/// engine takes it (its guard and headroom).
+fn predict(
+    kernel: &SysfsKernel,
+    size: PageSize,
+    request: u64,
+) -> Result<(u64, (u64, u64)), String> {
+    let lists = kernel.free_lists().map_err(|e| e.to_string())?;
+    let guard = ENGINE_GUARD + guard_headroom(ENGINE_GUARD);
+    let estimate = lists.for_scope(size, PoolScope::Global, guard);
+    Ok((
+        request.min(estimate.after_compaction),
+        (estimate.obtainable_now, estimate.after_compaction),
+    ))
 }
 
 fn bench() -> Result<(), String> {
-    let reps = env_number("HUGEPOOL_FRAGMENT_REPS", 5)?.max(1) as usize;
-    let pages = env_number("HUGEPOOL_FRAGMENT_PAGES", 6144)?;
+    let base = env_number("HUGEPOOL_FRAGMENT_PAGES", 6144)?;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err("needs root (it writes the hugetlb pools and /proc/sys/vm)".into());
@@ -558,13 +681,18 @@ fn bench() -> Result<(), String> {
     for path in [overcommit.as_str(), PROACTIVENESS, WATERMARK_BOOST] {
         files.push((PathBuf::from(path), read(path)?));
     }
+    let mut pools = Vec::new();
+    for size in [MI2, GI1] {
+        pools.push((
+            size,
+            kernel.pool(size).map_err(|e| e.to_string())?.persistent(),
+        ));
+    }
     let _restore = Restore {
         kernel: kernel.clone(),
-        pool: kernel.pool(MI2).map_err(|e| e.to_string())?.persistent(),
+        pools,
         files,
     };
-    // Only the persistent pool grows; kcompactd stays out of the way between
-    // fragmenting and the grow, so the counters are the grow's own.
     write(&overcommit, "0")?;
     write(PROACTIVENESS, "0")?;
     write(WATERMARK_BOOST, "0")?;
@@ -575,119 +703,89 @@ fn bench() -> Result<(), String> {
         CACHE_FILE_BYTES,
     )?;
     reset(&kernel, &cache)?;
-    std::thread::sleep(Duration::from_millis(500));
-    let wanted = pages * MI2.bytes();
-    let sizing = size_fragmenter(mem_available()?, wanted)?;
+    let available = mem_available()?;
+    let anon_max = anon_bytes(available)?;
     eprintln!(
-        "MemAvailable {:.1} GiB clean; fragmenter: {:.1} GiB page cache and {:.1} GiB \
-         anonymous, each with every other 1 MiB freed; grow of {pages} x 2Mi ({:.1} GiB)",
-        gib(sizing.available),
-        gib(sizing.cache),
-        gib(sizing.anon),
-        gib(wanted)
+        "MemAvailable {:.1} GiB clean; states up to {:.1} GiB page cache and {:.1} GiB anonymous, \
+         every other 1 MiB freed; {base} x 2Mi asked ({:.1} GiB), twice that past the guard; \
+         guard {ENGINE_GUARD_ARG}",
+        gib(available),
+        gib(CACHE_FILE_BYTES),
+        gib(anon_max),
+        gib(base * MI2.bytes()),
     );
 
-    let mut results: Vec<(Strategy, Vec<Grow>)> =
-        STRATEGIES.iter().map(|s| (*s, Vec::new())).collect();
-    for rep in 0..reps {
-        // Alternate which strategy goes first.
-        for i in 0..STRATEGIES.len() {
-            let strategy = STRATEGIES[(i + rep) % STRATEGIES.len()];
-            reset(&kernel, &cache)?;
-            std::thread::sleep(Duration::from_millis(500));
-            let clean = Snapshot::take()?;
-            let cache_kept = cache.fill_with_holes()?;
-            let anon = AnonHoles::new(sizing.anon as usize)?;
-            std::thread::sleep(Duration::from_millis(200));
-            let before = Snapshot::take()?;
-            if before.mem_available < wanted + SAFE_FLOOR {
-                return Err(format!(
-                    "MemAvailable {:.1} GiB after fragmenting: a grow of {:.1} GiB could take it \
-                     under {:.1} GiB (something else uses memory now); stopped",
-                    gib(before.mem_available),
-                    gib(wanted),
-                    gib(SAFE_FLOOR)
-                ));
-            }
-            let grow = match strategy {
-                Strategy::OneWrite => one_write(&kernel, pages, clean, before, cache_kept)?,
-                Strategy::Engine => engine(pages, clean, before, cache_kept)?,
-            };
+    let mut rows: Vec<Row> = Vec::new();
+    for (index, state) in STATES.iter().enumerate() {
+        let request = (base as f64 * state.request) as u64;
+        let ways = if index % 2 == 0 {
+            [Way::FreeLists, Way::Before]
+        } else {
+            [Way::Before, Way::FreeLists]
+        };
+        let mut grows = Vec::new();
+        for way in ways {
+            let (anon, cache_kept) = make_state(&kernel, &mut cache, state, anon_max)?;
+            let grow = engine(&kernel, MI2, request, way, cache_kept)?;
             drop(anon);
             eprintln!(
-                "rep {} {:<9} reached {:>5} of {pages} in {:>7.1} ms, {:>3} writes, max {:>7.1} ms, \
-                 start: cache kept {:.2} GiB, {} free 2Mi blocks of {} MemFree allows, MemAvailable {:.2} GiB, \
-                 end {:.2} GiB, min {:.2} GiB; compact_stall +{}, engine compactions {}",
-                rep + 1,
-                strategy.name(),
+                "{:<32} {:<10} predicted {:>5} reached {:>5} of {request} in {:>7.1} ms, {:>3} writes, \
+                 max {:>6.1} ms, {} compactions; estimate now {} after {}; MemAvailable {:.1} GiB, cache kept {:.1} GiB",
+                state.name,
+                way.name(),
+                grow.predicted,
                 grow.reached,
                 ms(grow.total),
                 grow.writes.len(),
                 ms(grow.max_write()),
-                gib(grow.cache_kept),
-                grow.before.free_2mi_blocks,
-                grow.before.free_allows(),
+                grow.compactions,
+                grow.estimate.0,
+                grow.estimate.1,
                 gib(grow.before.mem_available),
-                gib(grow.after.mem_available),
-                gib(grow.min_available),
-                compact_delta(&grow.before, &grow.after, "compact_stall"),
-                grow.engine_compactions
-                    .map_or("-".to_string(), |c| c.to_string()),
+                gib(cache_kept),
             );
-            if let Some((_, runs)) = results.iter_mut().find(|(s, _)| *s == strategy) {
-                runs.push(grow);
-            }
+            grows.push((way, grow));
         }
+        grows.sort_by_key(|(way, _)| *way != Way::FreeLists);
+        let (anon, cache_kept) = make_state(&kernel, &mut cache, state, anon_max)?;
+        let gigantic = engine(&kernel, GI1, GIGANTIC_REQUEST, Way::FreeLists, cache_kept)?;
+        drop(anon);
+        eprintln!(
+            "{:<32} 1Gi        predicted {:>5} reached {:>5} of {GIGANTIC_REQUEST} in {:>7.1} ms",
+            state.name,
+            gigantic.predicted,
+            gigantic.reached,
+            ms(gigantic.total),
+        );
+        rows.push((*state, grows, gigantic));
     }
     reset(&kernel, &cache)?;
     drop(cache);
-    let table = print_table(&results, pages, reps, &sizing);
-    let saved = save_raw(&results, pages, reps, &sizing, &table)?;
+    let table = print_table(&rows, base);
+    let saved = save_raw(&rows, base, anon_max, available, &table)?;
     println!("\nRaw results: {}", saved.display());
     Ok(())
 }
 
-/// `echo N > nr_hugepages`: one write, whatever the kernel gives.
-fn one_write(
+/// `hugepool-agent resize` of `size` to `pages` from 0 (cold: no model
+/// file), with the bench's guard, and the estimate read right before.
+/// Exit 2 (short of the target) is a result, not an error.
+fn engine(
     kernel: &SysfsKernel,
+    size: PageSize,
     pages: u64,
-    clean: Snapshot,
-    before: Snapshot,
+    way: Way,
     cache_kept: u64,
 ) -> Result<Grow, String> {
-    let sampler = Sampler::start();
-    let started = Instant::now();
-    let written = kernel.write_pool(MI2, PoolScope::Global, pages);
-    let write = started.elapsed();
-    let reached = kernel.pool(MI2).map_err(|e| e.to_string());
-    let total = started.elapsed();
-    let (min_available, samples) = sampler.finish();
-    written.map_err(|e| e.to_string())?;
-    Ok(Grow {
-        reached: reached?.persistent(),
-        total,
-        writes: vec![write],
-        engine_compactions: None,
-        outcome: None,
-        min_available,
-        samples,
-        cache_kept,
-        clean,
-        before,
-        after: Snapshot::take()?,
-    })
-}
-
-/// `hugepool-agent resize --pages N` with its defaults (cold: no model
-/// file) and the guard named; writes and compactions from its summary.
-/// Exit 2 (short of the target) is a result, not an error.
-fn engine(pages: u64, clean: Snapshot, before: Snapshot, cache_kept: u64) -> Result<Grow, String> {
+    let before = Snapshot::take()?;
+    let (predicted, estimate) = predict(kernel, size, pages)?;
     let goal = pages.to_string();
+    let size_arg = size.to_string();
     let mut command = Command::new(env!("CARGO_BIN_EXE_hugepool-agent"));
     command.args([
         "resize",
         "--page-size",
-        "2Mi",
+        &size_arg,
         "--pages",
         &goal,
         "--min-mem-available",
@@ -695,11 +793,14 @@ fn engine(pages: u64, clean: Snapshot, before: Snapshot, cache_kept: u64) -> Res
         "--output",
         "json",
     ]);
+    if way == Way::Before {
+        command.arg("--no-free-lists");
+    }
     let sampler = Sampler::start();
     let started = Instant::now();
     let output = command.output();
     let wall = started.elapsed();
-    let (min_available, samples) = sampler.finish();
+    let (min_available, _) = sampler.finish();
     let after = Snapshot::take()?;
     let output = output.map_err(|e| format!("run hugepool-agent: {e}"))?;
     if !matches!(output.status.code(), Some(0 | 2)) {
@@ -713,6 +814,10 @@ fn engine(pages: u64, clean: Snapshot, before: Snapshot, cache_kept: u64) -> Res
         serde_json::from_slice(&output.stdout).map_err(|e| format!("agent summary: {e}"))?;
     let seconds = |value: &serde_json::Value| value.as_f64().map(Duration::from_secs_f64);
     Ok(Grow {
+        size,
+        request: pages,
+        predicted,
+        estimate,
         reached: report["achieved"]
             .as_u64()
             .ok_or("summary has no achieved")?,
@@ -721,12 +826,10 @@ fn engine(pages: u64, clean: Snapshot, before: Snapshot, cache_kept: u64) -> Res
             .as_array()
             .map(|all| all.iter().filter_map(seconds).collect())
             .unwrap_or_default(),
-        engine_compactions: report["compactions"].as_u64().map(|c| c as u32),
-        outcome: Some(report["outcome"].clone()),
+        compactions: report["compactions"].as_u64().unwrap_or(0) as u32,
+        outcome: report["outcome"].clone(),
         min_available,
-        samples,
         cache_kept,
-        clean,
         before,
         after,
     })
@@ -741,86 +844,73 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
-fn print_table(
-    results: &[(Strategy, Vec<Grow>)],
-    pages: u64,
-    reps: usize,
-    sizing: &Sizing,
-) -> String {
+fn print_table(rows: &[Row], base: u64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nGrow 0 -> {pages} x 2Mi ({:.1} GiB) on fragmented memory ({:.1} GiB page cache and \
-         {:.1} GiB anonymous, every other 1 MiB freed), medians of {reps} interleaved \
-         repetitions; engine guard --min-mem-available {ENGINE_GUARD_ARG}\n",
-        gib(pages * MI2.bytes()),
-        gib(sizing.cache),
-        gib(sizing.anon),
+        "\nGrow of 2Mi pages from 0 ({base} asked, {} past the guard) and of {GIGANTIC_REQUEST} x 1Gi, \
+         per state of memory; guard --min-mem-available {ENGINE_GUARD_ARG}; each grow on the state made anew\n",
+        2 * base
     );
     let _ = writeln!(
         out,
-        "| strategy | reached | % of N | fewest reached | runs at N | total ms | writes | max write ms | writes over 50 ms | engine compactions | \
-         kernel direct compactions | free 2Mi blocks at start | MemFree allows | cache kept GiB | \
-         MemAvailable start GiB | MemAvailable end GiB | min MemAvailable GiB | runs under guard |"
+        "| state | asked | predicted | reached (free lists) | error | reached (before) | time free lists / before (ms) | writes | compactions | max write (ms) | 1Gi predicted / reached |"
     );
-    let _ = writeln!(
-        out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-    );
-    for (strategy, runs) in results {
-        let med = |f: &dyn Fn(&Grow) -> f64| median(runs.iter().map(f).collect());
-        let reached = med(&|g| g.reached as f64);
-        let under = runs
-            .iter()
-            .filter(|g| g.min_available < ENGINE_GUARD)
-            .count();
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut errors = Vec::new();
+    let mut ratios = Vec::new();
+    let mut zeros = (0, 0);
+    for (state, grows, gigantic) in rows {
+        let [(_, with), (_, before)] = &grows[..] else {
+            continue;
+        };
+        errors.push(with.error());
+        ratios.push(with.total.as_secs_f64() / before.total.as_secs_f64().max(1e-9));
+        for grow in [with, gigantic] {
+            if grow.reached == 0 {
+                zeros.1 += 1;
+                if grow.predicted == 0 {
+                    zeros.0 += 1;
+                }
+            }
+        }
         let _ = writeln!(
             out,
-            "| {} | {:.0} | {:.1}% | {} | {} of {} | {:.1} | {:.0} | {:.1} | {:.0} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {under} of {} |",
-            strategy.name(),
-            reached,
-            100.0 * reached / pages as f64,
-            runs.iter().map(|g| g.reached).min().unwrap_or(0),
-            runs.iter().filter(|g| g.reached == pages).count(),
-            runs.len(),
-            med(&|g| ms(g.total)),
-            med(&|g| g.writes.len() as f64),
-            med(&|g| ms(g.max_write())),
-            med(&|g| g.writes.iter().filter(|w| **w > BUDGET).count() as f64),
-            match strategy {
-                Strategy::OneWrite => "-".to_string(),
-                Strategy::Engine => format!(
-                    "{:.0}",
-                    med(&|g| f64::from(g.engine_compactions.unwrap_or(0)))
-                ),
-            },
-            med(&|g| compact_delta(&g.before, &g.after, "compact_stall") as f64),
-            med(&|g| g.before.free_2mi_blocks as f64),
-            med(&|g| g.before.free_allows() as f64),
-            med(&|g| gib(g.cache_kept)),
-            med(&|g| gib(g.before.mem_available)),
-            med(&|g| gib(g.after.mem_available)),
-            med(&|g| gib(g.min_available)),
-            runs.len(),
+            "| {} | {} | {} | {} | {:.1}% | {} | {:.0} / {:.0} | {} / {} | {} / {} | {:.0} / {:.0} | {} / {} |",
+            state.name,
+            with.request,
+            with.predicted,
+            with.reached,
+            100.0 * with.error(),
+            before.reached,
+            ms(with.total),
+            ms(before.total),
+            with.writes.len(),
+            before.writes.len(),
+            with.compactions,
+            before.compactions,
+            ms(with.max_write()),
+            ms(before.max_write()),
+            gigantic.predicted,
+            gigantic.reached,
         );
     }
-    let all: Vec<&Grow> = results.iter().flat_map(|(_, runs)| runs.iter()).collect();
-    let lowest = all.iter().map(|g| g.min_available).min().unwrap_or(0);
-    let background = all
-        .iter()
-        .map(|g| compact_delta(&g.clean, &g.before, "compact_daemon_wake"))
-        .max()
-        .unwrap_or(0);
+    let gigantic_errors: Vec<f64> = rows.iter().map(|(_, _, g)| g.error()).collect();
     let _ = writeln!(
         out,
-        "\nFree 2Mi blocks: order >= 9 in /proc/buddyinfo (order 10 counts 2), right before the \
-         grow; MemFree allows: MemFree / 2 MiB. Kernel direct compactions: compact_stall in \
-         /proc/vmstat during the grow. Fewest reached and runs at N: over all repetitions, \
-         not medians. Lowest MemAvailable sampled in any grow: {:.2} GiB \
-         (every {} ms); kcompactd woke at most {background} times between the clean start and \
-         a grow (compaction_proactiveness and watermark_boost_factor 0 during the bench).",
-        gib(lowest),
-        SAMPLE_EVERY.as_millis(),
+        "\n2Mi: median |predicted - reached| / asked {:.1}% (max {:.1}%) over {} states; 1Gi: median {:.1}% (max {:.1}%).\n\
+         Grows the kernel gave nothing (2Mi and 1Gi): {}, predicted 0 in {}.\n\
+         Time with the free lists against before: median {:.2}x (min {:.2}x, max {:.2}x).",
+        100.0 * median(errors.clone()),
+        100.0 * errors.iter().copied().fold(0.0, f64::max),
+        errors.len(),
+        100.0 * median(gigantic_errors.clone()),
+        100.0 * gigantic_errors.iter().copied().fold(0.0, f64::max),
+        zeros.1,
+        zeros.0,
+        median(ratios.clone()),
+        ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        ratios.iter().copied().fold(0.0, f64::max),
     );
     print!("{out}");
     out
@@ -829,50 +919,32 @@ fn print_table(
 /// Every grow of this run as JSON, next to BENCH.md (one file per run of
 /// the bench, named by its start time), with the table it printed.
 fn save_raw(
-    results: &[(Strategy, Vec<Grow>)],
-    pages: u64,
-    reps: usize,
-    sizing: &Sizing,
+    rows: &[Row],
+    base: u64,
+    anon_max: u64,
+    available: u64,
     table: &str,
 ) -> Result<PathBuf, String> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
-    let runs: Vec<serde_json::Value> = results
-        .iter()
-        .flat_map(|(strategy, runs)| {
-            runs.iter().map(move |grow| {
-                serde_json::json!({
-                    "strategy": strategy.name(),
-                    "reached": grow.reached,
-                    "totalMs": ms(grow.total),
-                    "writesMs": grow.writes.iter().map(|w| ms(*w)).collect::<Vec<_>>(),
-                    "maxWriteMs": ms(grow.max_write()),
-                    "engineCompactions": grow.engine_compactions,
-                    "outcome": grow.outcome,
-                    "minMemAvailableBytes": grow.min_available,
-                    "memAvailableSamples": grow.samples,
-                    "cacheKeptBytes": grow.cache_kept,
-                    "clean": grow.clean.json(),
-                    "before": grow.before.json(),
-                    "after": grow.after.json(),
-                })
-            })
-        })
-        .collect();
+    let mut runs = Vec::new();
+    for (state, grows, gigantic) in rows {
+        for (way, grow) in grows {
+            runs.push(grow.json(state, *way));
+        }
+        runs.push(gigantic.json(state, Way::FreeLists));
+    }
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let now = jiff::Timestamp::now();
     let document = serde_json::json!({
         "bench": "fragment",
         "at": now.to_string(),
         "kernel": release.trim(),
-        "pages": pages,
-        "repetitions": reps,
+        "pages": base,
         "engineGuardBytes": ENGINE_GUARD,
-        "safeFloorBytes": SAFE_FLOOR,
-        "cleanMemAvailableBytes": sizing.available,
-        "cacheFileBytes": sizing.cache,
-        "anonBytes": sizing.anon,
+        "cleanMemAvailableBytes": available,
+        "cacheFileBytes": CACHE_FILE_BYTES,
+        "anonMaxBytes": anon_max,
         "holeBytes": HOLE,
-        "sampleEveryMs": ms(SAMPLE_EVERY),
         "table": table,
         "runs": runs,
     });
