@@ -5,6 +5,7 @@
 #[allow(dead_code)]
 mod support;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -1064,4 +1065,148 @@ async fn pods_requests_show_in_node_and_pool_status_and_top_ranks_unrequested_me
     let client = fleet.client.clone();
     fleet.shutdown().await;
     support::delete_namespace(&client, &scope).await;
+}
+
+/// `plan` of a grow predicts, per node, from the estimates the agents put
+/// in their HugePageNode statuses (what a grow can get): the 16 GiB node
+/// reaches the target, the 4 GiB one comes short by what its memory guard
+/// keeps; applied, the pool lands where the plan said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_predicts_which_nodes_a_grow_leaves_short_from_the_agents_estimates() {
+    let Some(env) = setup().await else { return };
+    let kubeconfig = env.control_plane.kubeconfig.clone();
+    let spec = FleetSpec::new(2).node_memory(1, 4 * support::GIB);
+    let mut fleet = Fleet::start(&env, "foresee", spec).await;
+    let scope = fleet.scope.clone();
+    let names = fleet.node_names();
+    fleet.start_operator(None).await;
+    let pool = format!("{scope}-2m");
+    let pool_spec = |pages: i64| {
+        json!({
+            "nodeSelector": {"matchLabels": {SCOPE_LABEL: scope}},
+            "pageSize": "2Mi",
+            "pages": pages,
+            "rollout": {"maxUnavailable": 2},
+        })
+    };
+    fleet.create_pool(&pool, pool_spec(16)).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |_| {
+            Ok(())
+        })
+        .await;
+    let estimate = |state: &hugepool_crds::HugePageNode| {
+        state.status.as_ref().and_then(|s| {
+            s.page_sizes
+                .iter()
+                .find(|p| p.size == hugepool_crds::PageSize::SIZE_2MI)
+                .and_then(|p| p.obtainable)
+        })
+    };
+    let mut after = Vec::new();
+    for node in &names {
+        let found = wait_for(
+            &format!("{node} reports what a grow can get"),
+            Duration::from_secs(60),
+            || async {
+                estimate(&fleet.node_state(node).await).ok_or_else(|| "no estimate".to_string())
+            },
+        )
+        .await;
+        after.push(found.after_compaction);
+    }
+    // 4 GiB less the 1Gi guard and its 32Mi of headroom: about 1500 pages.
+    assert!(
+        after[0] > 3000 && (1400..1600).contains(&after[1]),
+        "{after:?}"
+    );
+
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(
+        file.path(),
+        format!(
+            "apiVersion: hugepool.dev/v1alpha1\nkind: HugePagePool\nmetadata:\n  name: {pool}\n  labels:\n    {SCOPE_LABEL}: {scope}\nspec: {}\n",
+            pool_spec(3000)
+        ),
+    )
+    .expect("write the pool file");
+    let path = file.path().to_str().expect("path");
+    let plan = plugin_json(&kubeconfig, &["plan", "-f", path]);
+    let predicted: BTreeMap<String, Value> = plan["waves"]
+        .as_array()
+        .expect("waves")
+        .iter()
+        .flat_map(|w| w.as_array().expect("a wave").iter())
+        .map(|c| {
+            (
+                c["node"].as_str().unwrap_or_default().to_string(),
+                c["predicted"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(predicted[&names[0]], json!(3000), "{plan}");
+    assert_eq!(predicted[&names[1]], json!(16 + after[1]), "{plan}");
+    let text = plugin(&kubeconfig, &["plan", "-f", path]);
+    let short = 3000 - 16 - after[1];
+    assert!(
+        text.contains(&format!("{} (short {short})", 16 + after[1])),
+        "{text}"
+    );
+    assert!(
+        text.contains("1 node(s) predicted to come short")
+            && text.contains(&format!("{} by {short}", names[1])),
+        "{text}"
+    );
+
+    // Applied: the small node stops where the plan said (the estimate in
+    // its status moves only by a tenth, so within that of what it got).
+    fleet.patch_pool(&pool, pool_spec(3000)).await;
+    let reached = wait_for(
+        &format!("{} grows as far as it can", names[1]),
+        Duration::from_secs(120),
+        || async {
+            let state = fleet.node_state(&names[1]).await;
+            let status = state.status.as_ref().ok_or("no status")?;
+            let failed = status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "AllocationFailed" && c.status == "True");
+            let total = status
+                .page_sizes
+                .iter()
+                .find(|p| p.size == hugepool_crds::PageSize::SIZE_2MI)
+                .map_or(0, |p| p.total);
+            if failed {
+                Ok(total)
+            } else {
+                Err(format!("at {total}, no AllocationFailed yet"))
+            }
+        },
+    )
+    .await;
+    let planned = 16 + after[1];
+    assert!(
+        planned.abs_diff(reached) * 10 <= planned as u64,
+        "planned {planned}, reached {reached}"
+    );
+    wait_for(
+        &format!("{} reaches 3000", names[0]),
+        Duration::from_secs(120),
+        || async {
+            let state = fleet.node_state(&names[0]).await;
+            let total = state.status.as_ref().and_then(|s| {
+                s.page_sizes
+                    .iter()
+                    .find(|p| p.size == hugepool_crds::PageSize::SIZE_2MI)
+                    .map(|p| p.total)
+            });
+            if total == Some(3000) {
+                Ok(())
+            } else {
+                Err(format!("at {total:?}"))
+            }
+        },
+    )
+    .await;
+    fleet.shutdown().await;
 }

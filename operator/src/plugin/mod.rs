@@ -117,7 +117,11 @@ pub async fn dry_run_pool(
         .as_str()
         .ok_or_else(|| PluginError::NotAPool(source.to_string(), "no metadata.name".into()))?
         .to_string();
+    // Forced: the file is what the user means to apply, whoever set the
+    // pool's fields before (a pool made by `kubectl create` or another
+    // manager would otherwise conflict on every field the file changes).
     let params = PatchParams::apply(PLUGIN_MANAGER)
+        .force()
         .dry_run()
         .validation_strict();
     Api::<HugePagePool>::all(client.clone())
@@ -593,15 +597,46 @@ pub fn render_plan(report: &plan::PlanReport) -> String {
                 change
                     .estimated_seconds
                     .map_or_else(|| "-".into(), |s| format!("{s:.1}s")),
+                match (change.predicted, change.short()) {
+                    (None, _) => "-".into(),
+                    (Some(p), None) => p.to_string(),
+                    (Some(p), Some(short)) => format!("{p} (short {short})"),
+                },
                 drain,
             ]);
         }
     }
     if !rows.is_empty() {
         text.push_str(&table(
-            &["WAVE", "NODE", "FROM", "TO", "ESTIMATE", "DRAIN"],
+            &[
+                "WAVE",
+                "NODE",
+                "FROM",
+                "TO",
+                "ESTIMATE",
+                "PREDICTED",
+                "DRAIN",
+            ],
             &rows,
         ));
+    }
+    let short: Vec<&plan::NodeChange> = report
+        .waves
+        .iter()
+        .flatten()
+        .filter(|c| c.short().is_some())
+        .collect();
+    if !short.is_empty() {
+        let _ = writeln!(
+            text,
+            "{} node(s) predicted to come short by their agents' free lists (after compaction, within minMemAvailable): {}",
+            short.len(),
+            short
+                .iter()
+                .map(|c| format!("{} by {}", c.node, c.short().unwrap_or(0)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
     for conflict in &report.conflicts {
         let _ = writeln!(

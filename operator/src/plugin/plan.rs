@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use hugepool_crds::conditions::{ConditionUpdate, set_condition};
-use hugepool_crds::node::{NumaStatus, PageSizeStatus, PageSizeTarget};
+use hugepool_crds::node::{NumaStatus, ObtainablePages, PageSizeStatus, PageSizeTarget};
 use hugepool_crds::settings::DrainPolicy;
 use hugepool_crds::{HugePageNode, HugePagePool, NodeConditionType, PageSize, Reason};
 use jiff::Timestamp;
@@ -51,6 +51,46 @@ pub struct NodeChange {
     pub drain: Option<DrainNeed>,
     /// From the node's last measured resize rate of the size.
     pub estimated_seconds: Option<f64>,
+    /// For a grow: the pages the node would reach by its agent's estimate of
+    /// what a grow can get (`status.pageSizes[].obtainable`, after
+    /// compaction and within the memory guard; per NUMA node for split
+    /// targets); absent for a shrink or where the agent reports none.
+    pub predicted: Option<i64>,
+}
+
+impl NodeChange {
+    /// Pages the node is predicted to come short of its target.
+    pub fn short(&self) -> Option<i64> {
+        self.predicted
+            .map(|p| self.to - p)
+            .filter(|short| *short > 0)
+    }
+}
+
+/// Where a grow to `entry` would end, from what the node reports: its pages
+/// now plus what its free lists give, per NUMA node for a split target.
+pub fn predicted_reach(entry: &PageSizeTarget, reported: Option<&PageSizeStatus>) -> Option<i64> {
+    let reported = reported?;
+    let reach = |now: i64, want: i64, obtainable: Option<&ObtainablePages>| {
+        if want <= now {
+            return Some(want);
+        }
+        Some(now + (want - now).min(obtainable?.after_compaction.max(0)))
+    };
+    match &entry.numa {
+        None => reach(reported.total, entry.pages, reported.obtainable.as_ref()),
+        Some(targets) => targets
+            .iter()
+            .map(|t| {
+                let node = reported.numa.iter().find(|n| n.id == t.id);
+                reach(
+                    node.map_or(0, |n| n.total),
+                    t.pages,
+                    node.and_then(|n| n.obtainable.as_ref()),
+                )
+            })
+            .sum(),
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -152,16 +192,19 @@ pub fn simulate(
             .admitted
             .iter()
             .filter_map(|node| {
-                let to = plan
+                let entry = plan
                     .nodes
                     .get(node)?
                     .spec
                     .page_sizes
                     .iter()
-                    .find(|e| e.pool == name)?
-                    .pages;
+                    .find(|e| e.pool == name)?;
+                let to = entry.pages;
                 let reported = before.get(node);
                 let from = reported.map_or(0, |r| r.total);
+                let predicted = (to > from)
+                    .then(|| predicted_reach(entry, reported))
+                    .flatten();
                 Some(NodeChange {
                     node: node.clone(),
                     from,
@@ -171,6 +214,7 @@ pub fn simulate(
                         .and_then(|r| r.last_resize.as_ref())
                         .filter(|r| r.pages_per_second > 0.0)
                         .map(|r| (to - from).abs() as f64 / r.pages_per_second),
+                    predicted,
                 })
             })
             .collect();

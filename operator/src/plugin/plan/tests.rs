@@ -248,3 +248,80 @@ fn estimates_come_from_each_nodes_last_measured_rate() {
         "one node a wave: they add up"
     );
 }
+
+#[test]
+fn a_grow_is_predicted_per_node_from_its_agents_free_lists() {
+    let nodes = fleet(3, &["dpdk"]);
+    let mut pools = vec![pool("p", 0, "dpdk", "2Mi", 100)];
+    let mut states = rolled_out(&mut pools, &nodes);
+    let obtainable = |now, after_compaction| {
+        Some(hugepool_crds::node::ObtainablePages {
+            now,
+            after_compaction,
+        })
+    };
+    // Node 0 can take 500 more, node 1 only 120; node 2's agent says nothing.
+    for (state, estimate) in states
+        .iter_mut()
+        .zip([obtainable(50, 500), obtainable(0, 120), None])
+    {
+        fixtures::status_of(state).page_sizes[0].obtainable = estimate;
+    }
+    let mut bigger = pools[0].clone();
+    bigger.spec.pages = Some(300);
+    let report = plan_of(&pools, &nodes, &states, &bigger);
+    let predicted: Vec<(&str, Option<i64>, Option<i64>)> = report
+        .waves
+        .iter()
+        .flatten()
+        .map(|c| (c.node.as_str(), c.predicted, c.short()))
+        .collect();
+    assert_eq!(
+        predicted,
+        [
+            ("w-00", Some(300), None),
+            ("w-01", Some(220), Some(80)),
+            ("w-02", None, None)
+        ]
+    );
+    let text = crate::plugin::render_plan(&report);
+    assert!(text.contains("220 (short 80)"), "{text}");
+    assert!(
+        text.contains("1 node(s) predicted to come short by their agents' free lists (after compaction, within minMemAvailable): w-01 by 80"),
+        "{text}"
+    );
+
+    // A shrink is not a grow: nothing predicted.
+    let mut smaller = pools[0].clone();
+    smaller.spec.pages = Some(50);
+    let report = plan_of(&pools, &nodes, &states, &smaller);
+    assert!(report.waves.iter().flatten().all(|c| c.predicted.is_none()));
+}
+
+#[test]
+fn a_split_target_is_predicted_per_numa_node() {
+    let mut entry = PageSizeTarget::new(PageSize::SIZE_2MI, 200);
+    entry.numa = Some(vec![
+        hugepool_crds::settings::NumaTarget { id: 0, pages: 100 },
+        hugepool_crds::settings::NumaTarget { id: 1, pages: 100 },
+    ]);
+    let numa = |id, total, after| NumaStatus {
+        id,
+        total,
+        obtainable: Some(hugepool_crds::node::ObtainablePages {
+            now: 0,
+            after_compaction: after,
+        }),
+        ..NumaStatus::default()
+    };
+    let mut reported = PageSizeStatus::empty(PageSize::SIZE_2MI);
+    reported.total = 150;
+    // Node 0 has 50 and can take 20 more; node 1 is there already though
+    // it could take nothing.
+    reported.numa = vec![numa(0, 50, 20), numa(1, 100, 0)];
+    assert_eq!(predicted_reach(&entry, Some(&reported)), Some(170));
+    // A NUMA node that needs pages and reports no estimate: no prediction.
+    reported.numa[0].obtainable = None;
+    assert_eq!(predicted_reach(&entry, Some(&reported)), None);
+    assert_eq!(predicted_reach(&entry, None), None);
+}
