@@ -394,9 +394,9 @@ async fn helm_install_on_a_real_node_resizes_this_kernel_from_the_agent_containe
     // What a grow can get, from the free lists the chart mounts read-only
     // (/proc/pagetypeinfo is root only): on a machine with gigabytes free
     // some 2Mi pages are always obtainable after compaction.
-    let obtainable = reported
-        .obtainable
-        .expect("status.pageSizes[2Mi].obtainable: the agent reads the free lists in its container");
+    let obtainable = reported.obtainable.expect(
+        "status.pageSizes[2Mi].obtainable: the agent reads the free lists in its container",
+    );
     assert!(
         obtainable.after_compaction >= obtainable.now && obtainable.after_compaction > 0,
         "{obtainable:?}"

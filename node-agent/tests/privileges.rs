@@ -85,7 +85,8 @@ fn kernel_writes_work_with_every_capability_dropped() {
         let read = with_caps("-all", &["cat", file]);
         assert!(
             read.status.success()
-                && (read.stdout.starts_with(b"Node 0") || read.stdout.starts_with(b"Page block order")),
+                && (read.stdout.starts_with(b"Node 0")
+                    || read.stdout.starts_with(b"Page block order")),
             "{file} without capabilities: {}",
             String::from_utf8_lossy(&read.stderr)
         );
