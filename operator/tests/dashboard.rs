@@ -78,6 +78,16 @@ fn every_metric_the_dashboard_and_the_alerts_query_is_exported() {
     .expect("a target");
     agent.set_targets(&[target]);
     agent.set_requested_pages(size, 1);
+    agent.set_obtainable(
+        true,
+        &std::collections::BTreeMap::from([(
+            (size, None),
+            hugepool_agent::kernel::freelists::GrowEstimate {
+                obtainable_now: 1,
+                after_compaction: 2,
+            },
+        )]),
+    );
     let step = StepLabels {
         size: "2Mi".into(),
         direction: "grow".into(),
@@ -201,6 +211,15 @@ fn the_dashboard_shows_allocated_requested_in_use_and_unrequested_memory() {
     assert!(
         nodes.iter().any(|e| e.contains("hugepool_requested_bytes")),
         "{nodes:?}"
+    );
+    // What a grow can get: both estimates, per node and size.
+    let obtainable = panel_exprs("What a grow can get, by node");
+    assert_eq!(
+        obtainable,
+        [
+            r#"max by (node, size) (hugepool_obtainable_pages{when="now"})"#,
+            r#"max by (node, size) (hugepool_obtainable_pages{when="after_compaction"})"#
+        ],
     );
     // The older panel keeps to what it says: targets against kernels.
     let target = panel_exprs("Pool pages: target vs current");
