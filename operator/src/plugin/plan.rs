@@ -127,6 +127,22 @@ pub struct ClusterView<'a> {
     pub node_states: &'a [HugePageNode],
 }
 
+impl ClusterView<'_> {
+    /// The operator's planner over this cluster, as a pass at `now` would
+    /// plan it (nothing observed of earlier passes).
+    pub fn plan(&self, now: Timestamp) -> planner::Plan {
+        let nodes: Vec<&Node> = self.nodes.iter().collect();
+        let states: Vec<&HugePageNode> = self.node_states.iter().collect();
+        planner::plan(&PlanInput {
+            observed: &Default::default(),
+            pools: self.pools,
+            nodes: &nodes,
+            node_states: &states,
+            now,
+        })
+    }
+}
+
 /// Runs the planner forward with `candidate` in place of (or beside) the
 /// live pool of its name. `pods` are the pods on each node that would shrink
 /// below its pages in use (see [`nodes_to_drain`]); missing ones count as none.

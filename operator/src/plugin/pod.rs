@@ -102,7 +102,7 @@ pub fn report(pod: &Pod, nodes: &[Node], states: &[HugePageNode], pods: &[Pod]) 
                 _ => reason,
             }
         });
-    let requests: Vec<SizeRequest> = requested_sizes(pod)
+    let requests: Vec<SizeRequest> = hugepool_crds::pod::named_sizes(pod)
         .into_iter()
         .map(|size| SizeRequest {
             size,
@@ -140,27 +140,6 @@ pub fn report(pod: &Pod, nodes: &[Node], states: &[HugePageNode], pods: &[Pod]) 
         excluded_by_node_selector: excluded,
         verdict,
     }
-}
-
-/// The hugepage sizes the pod's containers ask for.
-fn requested_sizes(pod: &Pod) -> Vec<PageSize> {
-    let mut sizes: Vec<PageSize> = pod
-        .spec
-        .iter()
-        .flat_map(|s| {
-            s.containers
-                .iter()
-                .chain(s.init_containers.iter().flatten())
-        })
-        .filter_map(|c| c.resources.as_ref())
-        .flat_map(|r| [&r.requests, &r.limits])
-        .flatten()
-        .flat_map(|amounts| amounts.keys())
-        .filter_map(|name| name.strip_prefix("hugepages-")?.parse().ok())
-        .collect();
-    sizes.sort();
-    sizes.dedup();
-    sizes
 }
 
 fn pages_of(

@@ -7,7 +7,7 @@ use jiff::Timestamp;
 use serde::Serialize;
 
 use super::plan::ClusterView;
-use crate::planner::{self, NodeState, PlanInput};
+use crate::planner::NodeState;
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -71,15 +71,7 @@ pub struct NodeRow {
 
 /// Every pool (or only `only`), with its nodes.
 pub fn report(view: &ClusterView<'_>, only: Option<&str>, now: Timestamp) -> Vec<PoolRow> {
-    let nodes: Vec<_> = view.nodes.iter().collect();
-    let states: Vec<_> = view.node_states.iter().collect();
-    let plan = planner::plan(&PlanInput {
-        observed: &Default::default(),
-        pools: view.pools,
-        nodes: &nodes,
-        node_states: &states,
-        now,
-    });
+    let plan = view.plan(now);
     let mut rows = Vec::new();
     for pool in view.pools {
         let name = pool.metadata.name.clone().unwrap_or_default();

@@ -8,7 +8,6 @@ use jiff::Timestamp;
 use serde::Serialize;
 
 use super::plan::ClusterView;
-use crate::planner::{self, PlanInput};
 
 /// One pool, summed over its nodes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -64,15 +63,7 @@ fn bytes(pages: i64, size: PageSize) -> u64 {
 /// whose agent does not report requests last. Sizes a node holds no pages
 /// of, and no pod asks for, are left out.
 pub fn report(view: &ClusterView<'_>, now: Timestamp) -> TopReport {
-    let nodes: Vec<_> = view.nodes.iter().collect();
-    let states: Vec<_> = view.node_states.iter().collect();
-    let plan = planner::plan(&PlanInput {
-        observed: &Default::default(),
-        pools: view.pools,
-        nodes: &nodes,
-        node_states: &states,
-        now,
-    });
+    let plan = view.plan(now);
     let mut pools: Vec<PoolTop> = view
         .pools
         .iter()
