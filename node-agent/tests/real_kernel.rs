@@ -109,8 +109,9 @@ async fn a_few_1gi_pages_grow_and_shrink() {
     // builds this VM had none with 23.9 GiB free, dropped caches and
     // compaction; fresh it had 8). So: either the engine reaches two pages
     // exactly, or it compacts, retries, reports exactly what it got as a
-    // shortfall, and the naive way (one write after a compaction) gets no
-    // more. Either way the shrink to 0 is exact.
+    // shortfall (at once when the free lists foresaw it), and the naive way
+    // (one write after a compaction) gets no more. Either way the shrink to
+    // 0 is exact.
     std::fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches");
     real.kernel
         .compact(PoolScope::Global)
@@ -131,11 +132,18 @@ async fn a_few_1gi_pages_grow_and_shrink() {
             requested: 2,
             achieved,
             reason: ShortfallReason::Fragmented | ShortfallReason::InsufficientMemory,
-            ..
+            ref detail,
         } => {
             eprintln!("only {achieved} x 1Gi could be allocated now: {summary:?}");
             assert_eq!(pool.persistent(), achieved);
-            assert_eq!(summary.compactions, quick().retries);
+            // The free lists never hold a 1Gi page: the engine compacts
+            // before the first write. Where the estimate then foresaw the
+            // shortfall, that was all; otherwise the rounds of retries.
+            let foreseen = detail
+                .as_deref()
+                .is_some_and(|d| d.starts_with("foreseen: "));
+            let rounds = if foreseen { 0 } else { quick().retries };
+            assert_eq!(summary.compactions, 1 + rounds, "{summary:?}");
             real.kernel
                 .compact(PoolScope::Global)
                 .expect("compact memory");
