@@ -18,6 +18,9 @@ bin="$venv/bin/checkov"
 
 installed_version() {
   [[ -x "$venv/bin/python" ]] || return 0
+  # A virtualenv moved with its target/ (a cache restored elsewhere) keeps
+  # its version but its scripts still name the old interpreter: not usable.
+  [[ "$(head -n 1 "$bin" 2>/dev/null)" == "#!$venv/bin/python"* ]] || return 0
   "$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("checkov"))' 2>/dev/null || true
 }
 
