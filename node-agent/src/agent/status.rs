@@ -671,8 +671,7 @@ pub fn obtainable(
                 crate::resize::Settings::default,
                 crate::resize::settings_for,
             )
-            .min_mem_available;
-        let guard = guard + crate::resize::planner::guard_headroom(guard);
+            .kept_free();
         let sized = free_lists.estimates(size, guard);
         estimates.insert((size, None), sized.total);
         for (node, estimate) in sized.numa {

@@ -399,7 +399,6 @@ impl FreeLists {
     /// The NUMA nodes the files list, ascending.
     pub fn nodes(&self) -> Vec<u32> {
         let mut nodes: Vec<u32> = self.zones.iter().map(|z| z.node).collect();
-        nodes.dedup();
         nodes.sort_unstable();
         nodes.dedup();
         nodes

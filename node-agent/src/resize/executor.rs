@@ -168,13 +168,9 @@ async fn observe_with(
     .map_err(|err| Error::WriteThread(err.to_string()))?
 }
 
-/// The memory a grow's estimate keeps free: the guard and the headroom the
-/// engine leaves above it.
+/// The memory a grow's estimate keeps free, when the engine reads one.
 fn estimate_guard(settings: &Settings) -> Option<u64> {
-    let guard = settings.min_mem_available;
-    settings
-        .free_lists
-        .then(|| guard + crate::resize::planner::guard_headroom(guard))
+    settings.free_lists.then(|| settings.kept_free())
 }
 
 /// Compacts what `scope` names; for the whole machine, only the NUMA nodes

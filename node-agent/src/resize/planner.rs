@@ -89,6 +89,13 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// MemAvailable a grow leaves: the guard and the headroom above it
+    /// ([`guard_headroom`]). The engine stops there and the free lists'
+    /// estimate takes it off.
+    pub fn kept_free(&self) -> u64 {
+        self.min_mem_available + guard_headroom(self.min_mem_available)
+    }
+
     /// The pause after a write that took `latency`: `step_pause` in
     /// proportion to the share of the budget the write used, all of it for
     /// a write at or past the budget. The kernel then spends at most
@@ -517,8 +524,7 @@ impl Planner {
         }
         let guard_room = observed
             .mem_available
-            .saturating_sub(self.settings.min_mem_available)
-            .saturating_sub(guard_headroom(self.settings.min_mem_available))
+            .saturating_sub(self.settings.kept_free())
             / self.target.size.bytes();
         // Promoting surplus pages takes no new memory.
         let guard_cap = guard_room.saturating_add(observed.surplus());
