@@ -255,6 +255,11 @@ struct Grow {
     outcome: serde_json::Value,
     min_available: u64,
     cache_kept: u64,
+    /// Medians of `READS` reads of /proc/buddyinfo and of
+    /// /proc/pagetypeinfo right before the grow: what the engine's
+    /// foresight costs when the free blocks decide and when the pageblock
+    /// counts must be read.
+    reads: (Duration, Duration),
     before: Snapshot,
     after: Snapshot,
 }
@@ -285,6 +290,8 @@ impl Grow {
             "outcome": self.outcome,
             "minMemAvailableBytes": self.min_available,
             "cacheKeptBytes": self.cache_kept,
+            "buddyinfoReadMs": ms(self.reads.0),
+            "pagetypeinfoReadMs": ms(self.reads.1),
             "before": self.before.json(),
             "after": self.after.json(),
         })
@@ -672,7 +679,8 @@ fn bench() -> Result<(), String> {
     }
     eprintln!("waiting for the real-kernel lock (hugepool-real-kernel.lock)");
     let _lock = hugepool_e2e::lock_machine_kernel();
-    let kernel = SysfsKernel::default();
+    // Each state is made anew: its pageblock counts too.
+    let kernel = SysfsKernel::default().with_pageblock_counts_max_age(Duration::ZERO);
     let overcommit = format!(
         "/sys/kernel/mm/hugepages/hugepages-{}kB/nr_overcommit_hugepages",
         MI2.bytes() / 1024
@@ -777,6 +785,7 @@ fn engine(
     way: Way,
     cache_kept: u64,
 ) -> Result<Grow, String> {
+    let reads = (read_time("/proc/buddyinfo")?, read_time("/proc/pagetypeinfo")?);
     let before = Snapshot::take()?;
     let (predicted, estimate) = predict(kernel, size, pages)?;
     let goal = pages.to_string();
@@ -830,9 +839,25 @@ fn engine(
         outcome: report["outcome"].clone(),
         min_available,
         cache_kept,
+        reads,
         before,
         after,
     })
+}
+
+/// Reads of each free-list file timed per grow.
+const READS: usize = 5;
+
+/// The median time of `READS` whole reads of `path`.
+fn read_time(path: &str) -> Result<Duration, String> {
+    let mut times = Vec::with_capacity(READS);
+    for _ in 0..READS {
+        let started = Instant::now();
+        std::fs::read(path).map_err(|e| format!("read {path}: {e}"))?;
+        times.push(started.elapsed());
+    }
+    times.sort();
+    Ok(times[READS / 2])
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -854,9 +879,9 @@ fn print_table(rows: &[Row], base: u64) -> String {
     );
     let _ = writeln!(
         out,
-        "| state | asked | predicted | reached (free lists) | error | reached (before) | time free lists / before (ms) | writes | compactions | max write (ms) | 1Gi predicted / reached |"
+        "| state | asked | predicted | reached (free lists) | error | reached (before) | time free lists / before (ms) | writes | compactions | max write (ms) | 1Gi predicted / reached | read buddyinfo / pagetypeinfo (ms) |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut errors = Vec::new();
     let mut ratios = Vec::new();
     let mut zeros = (0, 0);
@@ -876,7 +901,7 @@ fn print_table(rows: &[Row], base: u64) -> String {
         }
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.1}% | {} | {:.0} / {:.0} | {} / {} | {} / {} | {:.0} / {:.0} | {} / {} |",
+            "| {} | {} | {} | {} | {:.1}% | {} | {:.0} / {:.0} | {} / {} | {} / {} | {:.0} / {:.0} | {} / {} | {:.2} / {:.1} |",
             state.name,
             with.request,
             with.predicted,
@@ -893,6 +918,8 @@ fn print_table(rows: &[Row], base: u64) -> String {
             ms(before.max_write()),
             gigantic.predicted,
             gigantic.reached,
+            ms(with.reads.0),
+            ms(with.reads.1),
         );
     }
     let gigantic_errors: Vec<f64> = rows.iter().map(|(_, _, g)| g.error()).collect();
@@ -911,6 +938,21 @@ fn print_table(rows: &[Row], base: u64) -> String {
         median(ratios.clone()),
         ratios.iter().copied().fold(f64::INFINITY, f64::min),
         ratios.iter().copied().fold(0.0, f64::max),
+    );
+    let reads = |pick: fn(&Grow) -> Duration| -> Vec<f64> {
+        rows.iter()
+            .flat_map(|(_, grows, _)| grows.iter().map(move |(_, g)| ms(pick(g))))
+            .collect()
+    };
+    let (buddy, types) = (reads(|g| g.reads.0), reads(|g| g.reads.1));
+    let _ = writeln!(
+        out,
+        "Reading the free lists before a grow: /proc/buddyinfo median {:.2} ms (max {:.2}), \
+         /proc/pagetypeinfo median {:.1} ms (max {:.1}).",
+        median(buddy.clone()),
+        buddy.iter().copied().fold(0.0, f64::max),
+        median(types.clone()),
+        types.iter().copied().fold(0.0, f64::max),
     );
     print!("{out}");
     out

@@ -202,6 +202,9 @@ impl Kernel for Recording {
     fn free_lists(&self) -> hugepool_agent::Result<FreeLists> {
         self.inner.free_lists()
     }
+    fn free_blocks(&self) -> hugepool_agent::Result<FreeLists> {
+        self.inner.free_blocks()
+    }
     fn write_pool(
         &self,
         size: PageSize,

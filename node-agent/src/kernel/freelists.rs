@@ -71,7 +71,7 @@ impl ZoneBlocks {
 }
 
 /// `/proc/pagetypeinfo`, parsed.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PageTypeInfo {
     pub pageblock_order: u32,
     pub pages_per_block: u64,
@@ -367,7 +367,10 @@ pub fn file_bytes(path: &Path, text: &str) -> Result<u64> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FreeLists {
     pub zones: Vec<ZoneFree>,
-    pub pagetypeinfo: PageTypeInfo,
+    /// None when the pageblock counts were not read
+    /// ([`crate::kernel::Kernel::free_blocks`]): a compaction's gain is
+    /// then unknown and `after_compaction` is what needs none.
+    pub pagetypeinfo: Option<PageTypeInfo>,
     /// Page cache per NUMA node (`Active(file) + Inactive(file)` of the
     /// node's meminfo), in bytes: a grow reclaims it (`__GFP_RETRY_MAYFAIL`).
     pub file_bytes: Vec<(u32, u64)>,
@@ -380,7 +383,7 @@ impl FreeLists {
     pub fn of_files(zones: Vec<ZoneFree>, pagetypeinfo: PageTypeInfo) -> Self {
         Self {
             zones,
-            pagetypeinfo,
+            pagetypeinfo: Some(pagetypeinfo),
             file_bytes: Vec::new(),
             mem_available: u64::MAX,
         }
@@ -393,7 +396,9 @@ impl FreeLists {
             .iter()
             .find(|(n, _)| *n == node)
             .map_or(0, |(_, bytes)| *bytes);
-        estimate(&self.zones, &self.pagetypeinfo, node, size, file)
+        let unread = PageTypeInfo::default();
+        let pagetypeinfo = self.pagetypeinfo.as_ref().unwrap_or(&unread);
+        estimate(&self.zones, pagetypeinfo, node, size, file)
     }
 
     /// The NUMA nodes the files list, ascending.
@@ -937,7 +942,7 @@ mod tests {
         .unwrap();
         let lists = kernel.free_lists().unwrap();
         assert_eq!(lists.zones, buddy(BUDDYINFO_TWO_NODES));
-        assert_eq!(lists.pagetypeinfo, types(PAGETYPEINFO_TWO_NODES));
+        assert_eq!(lists.pagetypeinfo, Some(types(PAGETYPEINFO_TWO_NODES)));
         assert_eq!(lists.file_bytes, [(0, 500 * 1024)]);
         assert_eq!(lists.mem_available, 2048 * 1024);
         assert_eq!(
@@ -947,6 +952,49 @@ mod tests {
                 after_compaction: 9,
             }
         );
+    }
+
+    #[test]
+    fn sysfs_kernel_reads_pagetypeinfo_only_when_its_counts_are_old() {
+        use crate::kernel::Kernel;
+        let proc_root = tempfile::tempdir().unwrap();
+        let file = |name: &str, text: &str| std::fs::write(proc_root.path().join(name), text);
+        file("buddyinfo", BUDDYINFO_TWO_NODES).unwrap();
+        file("meminfo", "MemTotal: 4096 kB\nMemAvailable: 2048 kB\nActive(file): 0 kB\nInactive(file): 0 kB\n").unwrap();
+        let kernel = crate::kernel::SysfsKernel::new("/nonexistent-sys", proc_root.path());
+        // The free blocks alone never need pagetypeinfo.
+        let blocks = kernel.free_blocks().unwrap();
+        assert_eq!(blocks.pagetypeinfo, None);
+        assert_eq!(blocks.zones, buddy(BUDDYINFO_TWO_NODES));
+        // Unread pageblock counts: what a compaction adds is unknown, so
+        // after compaction is what needs none.
+        assert_eq!(
+            blocks.estimate(1, PageSize::SIZE_2MI),
+            GrowEstimate {
+                obtainable_now: 5,
+                after_compaction: 5,
+            }
+        );
+        file("pagetypeinfo", PAGETYPEINFO_TWO_NODES).unwrap();
+        let fresh = kernel.free_lists().unwrap();
+        // Gone now: the counts read a moment ago serve both calls (and the
+        // clones that share them); buddyinfo is read every time.
+        std::fs::remove_file(proc_root.path().join("pagetypeinfo")).unwrap();
+        file("buddyinfo", BUDDYINFO_REAL).unwrap();
+        let clone = kernel.clone();
+        assert_eq!(clone.free_lists().unwrap().pagetypeinfo, fresh.pagetypeinfo);
+        let blocks = kernel.free_blocks().unwrap();
+        assert_eq!(blocks.pagetypeinfo, fresh.pagetypeinfo);
+        assert_eq!(blocks.zones, buddy(BUDDYINFO_REAL));
+        // Counts of age zero are always old: the file is read again.
+        let always = crate::kernel::SysfsKernel::new("/nonexistent-sys", proc_root.path())
+            .with_pageblock_counts_max_age(std::time::Duration::ZERO);
+        file("pagetypeinfo", PAGETYPEINFO_TWO_NODES).unwrap();
+        always.free_lists().unwrap();
+        std::fs::remove_file(proc_root.path().join("pagetypeinfo")).unwrap();
+        let err = always.free_lists().unwrap_err().to_string();
+        assert!(err.contains("pagetypeinfo"), "{err}");
+        assert_eq!(always.free_blocks().unwrap().pagetypeinfo, None);
     }
 
     const ZONES: [&str; 5] = ["DMA", "DMA32", "Normal", "Movable", "HighMem"];

@@ -131,8 +131,16 @@ pub trait Kernel: Send + Sync {
     fn write_pool(&self, size: PageSize, scope: PoolScope, pages: u64) -> Result<()>;
     /// Compacts memory of all zones (`Global`) or of one NUMA node.
     fn compact(&self, scope: PoolScope) -> Result<()>;
-    /// The free lists a grow takes its pages from (`freelists`).
+    /// The free lists a grow takes its pages from (`freelists`), with the
+    /// pageblock counts that say what a compaction can add.
     fn free_lists(&self) -> Result<freelists::FreeLists>;
+
+    /// The free lists without reading the pageblock counts when that is
+    /// costly (`FreeLists::pagetypeinfo` may be None): enough to know what a
+    /// grow gets without compaction.
+    fn free_blocks(&self) -> Result<freelists::FreeLists> {
+        self.free_lists()
+    }
 
     /// Counts of one size on every NUMA node that has a pool of it.
     fn numa_pools(&self, size: PageSize) -> Result<Vec<NumaCounts>> {

@@ -165,6 +165,7 @@ struct State {
     hang_next_write: Option<Duration>,
     writes: u64,
     compactions: Vec<PoolScope>,
+    pageblock_reads: u64,
 }
 
 /// A shareable in-memory kernel; see the module docs.
@@ -208,6 +209,7 @@ impl SimulatedKernel {
                 hang_next_write: None,
                 writes: 0,
                 compactions: Vec::new(),
+                pageblock_reads: 0,
             })),
             resize_lock: Arc::new(Mutex::new(())),
         }
@@ -246,6 +248,62 @@ impl SimulatedKernel {
     /// Compactions requested so far, in order.
     pub fn compactions(&self) -> Vec<PoolScope> {
         lock(&self.state).compactions.clone()
+    }
+
+    /// Reads of the free lists with their pageblock counts (the costly
+    /// `/proc/pagetypeinfo` of a real kernel) so far.
+    pub fn pageblock_reads(&self) -> u64 {
+        lock(&self.state).pageblock_reads
+    }
+
+    /// Free lists as this model sees them, one Normal zone per node: the
+    /// contiguous share of free memory in 4 MiB blocks, the rest in 4 KiB
+    /// pages; the share a compaction would reach in Movable pageblocks, the
+    /// rest of the node Unmovable. [`freelists::estimate`] on them gives
+    /// what one write of this model gets now and after a compaction.
+    fn lists(&self) -> freelists::FreeLists {
+        const BLOCK: u64 = 2 << 20;
+        const TOP: u64 = 4 << 20;
+        let state = lock(&self.state);
+        let mut zones = Vec::new();
+        let mut blocks = Vec::new();
+        for (n, node) in state.config.nodes.iter().enumerate() {
+            let free = state.node_free_bytes(n);
+            let contiguous = state.contiguous_bytes(n) / TOP;
+            let mut free_blocks = vec![0; 11];
+            free_blocks[10] = contiguous;
+            free_blocks[0] = (free - contiguous * TOP) / freelists::BASE_PAGE_BYTES;
+            zones.push(freelists::ZoneFree {
+                node: n as u32,
+                zone: "Normal".into(),
+                free_blocks,
+            });
+            let all = node.memory_bytes / BLOCK;
+            let movable =
+                ((free as f64 * node.contiguous_after_compaction) as u64 / BLOCK).min(all);
+            blocks.push(freelists::ZoneBlocks {
+                node: n as u32,
+                zone: "Normal".into(),
+                by_type: vec![
+                    ("Unmovable".into(), all - movable),
+                    ("Movable".into(), movable),
+                ],
+            });
+        }
+        let nodes = state.config.nodes.len() as u32;
+        freelists::FreeLists {
+            file_bytes: (0..nodes).map(|n| (n, 0)).collect(),
+            mem_available: (0..state.config.nodes.len())
+                .map(|n| state.node_free_bytes(n))
+                .sum(),
+            zones,
+            pagetypeinfo: Some(freelists::PageTypeInfo {
+                pageblock_order: 9,
+                pages_per_block: BLOCK / freelists::BASE_PAGE_BYTES,
+                free: Vec::new(),
+                blocks,
+            }),
+        }
     }
 
     /// Sets a pool instantly (no cost, no faults): a starting state.
@@ -579,53 +637,17 @@ impl Kernel for SimulatedKernel {
         Ok(())
     }
 
-    /// Free lists as this model sees them, one Normal zone per node: the
-    /// contiguous share of free memory in 4 MiB blocks, the rest in 4 KiB
-    /// pages; the share a compaction would reach in Movable pageblocks, the
-    /// rest of the node Unmovable. [`freelists::estimate`] on them gives
-    /// what one write of this model gets now and after a compaction.
+    /// The free lists, with what a real kernel reads from pagetypeinfo.
     fn free_lists(&self) -> Result<freelists::FreeLists> {
-        const BLOCK: u64 = 2 << 20;
-        const TOP: u64 = 4 << 20;
-        let state = lock(&self.state);
-        let mut zones = Vec::new();
-        let mut blocks = Vec::new();
-        for (n, node) in state.config.nodes.iter().enumerate() {
-            let free = state.node_free_bytes(n);
-            let contiguous = state.contiguous_bytes(n) / TOP;
-            let mut free_blocks = vec![0; 11];
-            free_blocks[10] = contiguous;
-            free_blocks[0] = (free - contiguous * TOP) / freelists::BASE_PAGE_BYTES;
-            zones.push(freelists::ZoneFree {
-                node: n as u32,
-                zone: "Normal".into(),
-                free_blocks,
-            });
-            let all = node.memory_bytes / BLOCK;
-            let movable =
-                ((free as f64 * node.contiguous_after_compaction) as u64 / BLOCK).min(all);
-            blocks.push(freelists::ZoneBlocks {
-                node: n as u32,
-                zone: "Normal".into(),
-                by_type: vec![
-                    ("Unmovable".into(), all - movable),
-                    ("Movable".into(), movable),
-                ],
-            });
-        }
-        let nodes = state.config.nodes.len() as u32;
+        lock(&self.state).pageblock_reads += 1;
+        Ok(self.lists())
+    }
+
+    /// As a real kernel without a recent pagetypeinfo: no pageblock counts.
+    fn free_blocks(&self) -> Result<freelists::FreeLists> {
         Ok(freelists::FreeLists {
-            file_bytes: (0..nodes).map(|n| (n, 0)).collect(),
-            mem_available: (0..state.config.nodes.len())
-                .map(|n| state.node_free_bytes(n))
-                .sum(),
-            zones,
-            pagetypeinfo: freelists::PageTypeInfo {
-                pageblock_order: 9,
-                pages_per_block: BLOCK / freelists::BASE_PAGE_BYTES,
-                free: Vec::new(),
-                blocks,
-            },
+            pagetypeinfo: None,
+            ..self.lists()
         })
     }
 

@@ -6,8 +6,8 @@
 //! counts, the engine is idempotent: a restart mid-resize simply continues.
 //!
 //! - Step size: the first write of a direction is a probe (512 MiB worth of
-//!   pages for a 50 ms budget) unless earlier writes already measured the
-//!   cost; after that, the smallest of: where the fitted `a + b*pages` puts
+//!   pages for a 50 ms budget; 5 GiB for a grow the free blocks cover)
+//!   unless earlier writes already measured the cost; after that, the smallest of: where the fitted `a + b*pages` puts
 //!   the aim (`budget_fraction * max_step_duration`, or the budget less the
 //!   98th percentile of recent overruns past the fit when that is lower),
 //!   the largest write
@@ -36,6 +36,14 @@ use crate::resize::model::{CostModel, CostModels, Direction, ModelKey, Sample};
 /// `PROBE_BUDGET` (smaller budgets probe less).
 const PROBE_BYTES: u64 = 512 << 20;
 const PROBE_BUDGET: Duration = Duration::from_millis(50);
+
+/// The first write of a grow the free blocks cover moves this much for
+/// `PROBE_BUDGET`. Such a grow takes its pages off the buddy lists, with no
+/// compaction or reclaim (the costs the small probe is sized for: about 10x
+/// a page on fragmented memory): the slowest such grow measured here, 8192
+/// x 2Mi in 150 ms (18 us a page), moves 5 GiB in 46 ms; the fit of this
+/// VM with HVO, 7 ms + 5 us a page, puts it at 20 ms.
+const COVERED_PROBE_BYTES: u64 = 5 << 30;
 
 /// A write "ran within its fit" up to this share over the fit's estimate.
 const WITHIN_FIT: f64 = 1.1;
@@ -286,6 +294,9 @@ pub struct Planner {
     compaction_due: bool,
     /// Where the grow stands with the free lists' estimate.
     foresight: Foresight,
+    /// The free blocks held the whole grow at the last estimate: its pages
+    /// come off the buddy lists, and its first write may be larger.
+    covered: bool,
     short_reason: ShortfallReason,
     failed_writes: u32,
     last_error: Option<String>,
@@ -302,6 +313,7 @@ impl Planner {
             short_grows: 0,
             compaction_due: false,
             foresight: Foresight::Unchecked,
+            covered: false,
             short_reason: ShortfallReason::Fragmented,
             failed_writes: 0,
             last_error: None,
@@ -334,6 +346,7 @@ impl Planner {
         self.short_grows = 0;
         self.compaction_due = false;
         self.foresight = Foresight::Unchecked;
+        self.covered = false;
         self.failed_writes = 0;
         self.idle_writes = 0;
     }
@@ -422,6 +435,9 @@ impl Planner {
             // Nothing measured, or every write so far went over the budget.
             _ => match state.last_step {
                 Some(previous) => previous / 2,
+                None if direction == Direction::Grow && self.covered => {
+                    covered_probe_pages(self.target.size, budget)
+                }
                 None => probe_pages(self.target.size, budget),
             },
         };
@@ -569,6 +585,7 @@ impl Planner {
                 Some(Decision::Compact(self.target.scope))
             }
             Foresight::Unchecked | Foresight::Compacted => {
+                self.covered = estimate.obtainable_now >= needed;
                 self.foresight = if estimate.after_compaction < needed {
                     Foresight::Short { needed, estimate }
                 } else {
@@ -758,8 +775,19 @@ pub fn guard_headroom(min_mem_available: u64) -> u64 {
 /// 73 us per 2Mi page (HVO, 500,000 pages in 36.7 s), so 256 pages take
 /// under 19 ms plus the fixed cost of a write (13 ms with HVO here).
 pub fn probe_pages(size: PageSize, budget: Duration) -> u64 {
-    let bytes = PROBE_BYTES as f64 * (budget.as_secs_f64() / PROBE_BUDGET.as_secs_f64()).min(1.0);
-    ((bytes / size.bytes() as f64) as u64).max(1)
+    probe_of(PROBE_BYTES, size, budget)
+}
+
+/// The first write of a grow the free blocks cover: 5 GiB of pages for the
+/// default 50 ms budget, in proportion below it.
+pub fn covered_probe_pages(size: PageSize, budget: Duration) -> u64 {
+    probe_of(COVERED_PROBE_BYTES, size, budget)
+}
+
+fn probe_of(bytes: u64, size: PageSize, budget: Duration) -> u64 {
+    let share = budget.as_nanos().min(PROBE_BUDGET.as_nanos());
+    let bytes = u128::from(bytes) * share / PROBE_BUDGET.as_nanos();
+    u64::try_from(bytes / u128::from(size.bytes())).map_or(u64::MAX, |pages| pages.max(1))
 }
 
 #[cfg(test)]
@@ -1319,6 +1347,43 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_cold_grow_the_free_blocks_cover_starts_with_the_larger_probe() {
+        let first_write = |now: u64, after_compaction: u64| {
+            let mut planner = Planner::new(target(8192), Settings::default());
+            let mut before = observed(0, 0, 0, 0);
+            before.mem_available = 32 * GIB;
+            before.estimate = Some(GrowEstimate {
+                obtainable_now: now,
+                after_compaction,
+            });
+            loop {
+                match planner.next(&before, &CostModels::default()) {
+                    Decision::Write(write) => return write.value,
+                    // Compacted: the free blocks after it.
+                    Decision::Compact(_) => before.estimate = Some(GrowEstimate {
+                        obtainable_now: after_compaction,
+                        after_compaction,
+                    }),
+                    other => panic!("{other:?}"),
+                }
+            }
+        };
+        // 5 GiB of 2 MiB pages off the buddy lists; 512 MiB otherwise.
+        assert_eq!(first_write(9000, 9000), 2560);
+        assert_eq!(first_write(1000, 4000), 256, "short even after compaction");
+        assert_eq!(first_write(1000, 9000), 2560, "covered once compacted");
+        assert_eq!(covered_probe_pages(MI2, Duration::from_millis(5)), 256);
+        assert_eq!(covered_probe_pages(PageSize::SIZE_1GI, Duration::from_millis(50)), 5);
+        // Without an estimate (free lists unread or off): the small probe.
+        let mut planner = Planner::new(target(8192), Settings::default());
+        let Decision::Write(write) = planner.next(&observed(0, 0, 0, 0), &CostModels::default())
+        else {
+            panic!("a write");
+        };
+        assert_eq!(write.value, 256);
     }
 
     #[test]
