@@ -785,7 +785,10 @@ fn engine(
     way: Way,
     cache_kept: u64,
 ) -> Result<Grow, String> {
-    let reads = (read_time("/proc/buddyinfo")?, read_time("/proc/pagetypeinfo")?);
+    let reads = (
+        read_time("/proc/buddyinfo")?,
+        read_time("/proc/pagetypeinfo")?,
+    );
     let before = Snapshot::take()?;
     let (predicted, estimate) = predict(kernel, size, pages)?;
     let goal = pages.to_string();

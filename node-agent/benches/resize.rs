@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use hugepool_agent::kernel::{Kernel, PoolScope, SysfsKernel};
+use hugepool_agent::kernel::{Kernel, PoolScope, SysfsKernel, cpu_wait};
 use hugepool_crds::PageSize;
 
 const MI2: PageSize = PageSize::SIZE_2MI;
@@ -92,6 +92,9 @@ struct Run {
     total: Duration,
     /// Each write's pages and latency.
     writes: Vec<(u64, Duration)>,
+    /// Of each write's latency, the writer's wait for a CPU (run queue
+    /// wait, `hugepool_agent::kernel::cpu_wait`), index for index.
+    cpu_waits: Vec<Option<Duration>>,
     /// Persistent pages at the end.
     reached: u64,
     peak_rss: Option<u64>,
@@ -510,6 +513,7 @@ fn fixed(
     step: u64,
 ) -> Result<Run, String> {
     let mut writes = Vec::new();
+    let mut cpu_waits = Vec::new();
     let started = Instant::now();
     let mut current = start;
     while current != goal {
@@ -518,11 +522,13 @@ fn fixed(
         } else {
             (current + step).min(goal)
         };
+        let waited = cpu_wait();
         let write = Instant::now();
         kernel
             .write_pool(size, PoolScope::Global, next)
             .map_err(|e| e.to_string())?;
         writes.push((current.abs_diff(next), write.elapsed()));
+        cpu_waits.push(waited.zip(cpu_wait()).map(|(before, after)| after - before));
         let now = kernel.pool(size).map_err(|e| e.to_string())?.persistent();
         if now != next {
             // A grow the kernel could not satisfy: stop where it is.
@@ -534,6 +540,7 @@ fn fixed(
     Ok(Run {
         total: started.elapsed(),
         writes,
+        cpu_waits,
         reached: current,
         peak_rss: None,
         interleaved: false,
@@ -576,14 +583,21 @@ fn engine(size: PageSize, model_file: Option<PathBuf>, goal: u64) -> Result<Run,
     let pages = report["writePages"]
         .as_array()
         .ok_or("summary has no writePages")?;
-    let writes = pages
+    let writes: Vec<(u64, Duration)> = pages
         .iter()
         .zip(latencies)
         .filter_map(|(pages, latency)| Some((pages.as_u64()?, seconds(latency)?)))
         .collect();
+    let cpu_waits = report["writeCpuWaitSeconds"]
+        .as_array()
+        .ok_or("summary has no writeCpuWaitSeconds")?
+        .iter()
+        .map(seconds)
+        .collect();
     Ok(Run {
         total: seconds(&report["durationSeconds"]).ok_or("summary has no durationSeconds")?,
         writes,
+        cpu_waits,
         reached: report["achieved"]
             .as_u64()
             .ok_or("summary has no achieved")?,
@@ -676,14 +690,16 @@ fn print_table(results: &[(Key, Vec<Run>)], size: PageSize, reps: usize) -> Stri
          T* from a + b*n fitted to this run's one-write and fixed-step writes; T*(p99) the \
          same with the budget divided by the p99 of the engine's writes over that fit; \
          max write ms the median of each resize's longest write, longest write ms the \
-         longest of the row's every write; resizes: how many the medians are of; \
+         longest of the row's every write, with the time its writer waited for a CPU; \
+         in parentheses after the writes over budget, how many stay over less that wait; \
+         resizes: how many the medians are of; \
          budget {} ms, pause {} ms\n",
         ms(BUDGET),
         ms(PAUSE)
     );
     let _ = writeln!(
         out,
-        "| size | HVO | direction | strategy | total ms | vs one write | vs T* | vs T*(p99) | writes | max write ms | p99 write ms | longest write ms | writes over budget | reached | resizes |"
+        "| size | HVO | direction | strategy | total ms | vs one write | vs T* | vs T*(p99) | writes | max write ms | p99 write ms | longest write ms (CPU wait) | writes over budget (less CPU wait) | reached | resizes |"
     );
     let _ = writeln!(
         out,
@@ -764,9 +780,29 @@ fn print_table(results: &[(Key, Vec<Run>)], size: PageSize, reps: usize) -> Stri
                     .flat_map(|r| r.writes.iter().map(|w| ms(w.1)))
                     .collect();
                 let over = all_writes.iter().filter(|&&w| w > ms(BUDGET)).count();
+                // The same, each less its wait for a CPU: what the writes'
+                // sizes put over the budget, not the other work on the CPUs.
+                let waits: Vec<(f64, f64)> = runs
+                    .iter()
+                    .flat_map(|r| {
+                        r.writes
+                            .iter()
+                            .zip(&r.cpu_waits)
+                            .map(|((_, latency), wait)| (ms(*latency), wait.map_or(0.0, ms)))
+                    })
+                    .collect();
+                let over_less_wait = waits
+                    .iter()
+                    .filter(|(w, wait)| w - wait > ms(BUDGET))
+                    .count();
+                let longest_wait = waits
+                    .iter()
+                    .copied()
+                    .max_by(|a, b| a.0.total_cmp(&b.0))
+                    .map_or(0.0, |(_, wait)| wait);
                 let _ = writeln!(
                     out,
-                    "| {size} | {hvo_name} | {} | {} | {:.1} | {:.2}x | {:.2}x | {:.2}x | {:.0} | {:.1} | {:.1} | {:.1} | {} of {} | {:.0} | {} |",
+                    "| {size} | {hvo_name} | {} | {} | {:.1} | {:.2}x | {:.2}x | {:.2}x | {:.0} | {:.1} | {:.1} | {:.1} ({:.1}) | {} of {} ({}) | {:.0} | {} |",
                     direction.name(),
                     strategy.name(),
                     total,
@@ -782,8 +818,10 @@ fn print_table(results: &[(Key, Vec<Run>)], size: PageSize, reps: usize) -> Stri
                     ),
                     percentile(all_writes.clone(), 0.99),
                     all_writes.iter().copied().fold(0.0, f64::max),
+                    longest_wait,
                     over,
                     all_writes.len(),
+                    over_less_wait,
                     median(medians_of.iter().map(|r| r.reached as f64).collect()),
                     medians_of.len(),
                 );
@@ -838,8 +876,8 @@ fn save_raw(results: &[(Key, Vec<Run>)], reps: usize, table: &str) -> Result<Pat
                     "strategy": strategy.name(),
                     "totalMs": ms(run.total),
                     "reached": run.reached,
-                    "writes": run.writes.iter().map(|(pages, latency)| {
-                        serde_json::json!({"pages": pages, "ms": ms(*latency)})
+                    "writes": run.writes.iter().zip(&run.cpu_waits).map(|((pages, latency), wait)| {
+                        serde_json::json!({"pages": pages, "ms": ms(*latency), "cpuWaitMs": wait.map(ms)})
                     }).collect::<Vec<_>>(),
                     "peakRssBytes": run.peak_rss,
                     "interleaved": run.interleaved,

@@ -464,7 +464,7 @@ fn millis(duration: Duration) -> String {
 pub fn describe(event: &Event) -> String {
     match event {
         Event::Step(step) => format!(
-            "step {:>3} {:<6} {:>8} -> {:>8} pages (target {}, step {}): write {}{}{}{}{}",
+            "step {:>3} {:<6} {:>8} -> {:>8} pages (target {}, step {}): write {}{}{}{}{}{}",
             step.step,
             step.direction.as_str(),
             step.before,
@@ -472,6 +472,10 @@ pub fn describe(event: &Event) -> String {
             step.target,
             step.pages,
             millis(step.latency),
+            step.cpu_wait
+                .filter(|wait| *wait >= Duration::from_millis(1))
+                .map(|wait| format!(" ({} of it waiting for a CPU)", millis(wait)))
+                .unwrap_or_default(),
             step.estimate
                 .map(|e| format!(", model {}", millis(e)))
                 .unwrap_or_default(),

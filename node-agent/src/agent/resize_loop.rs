@@ -577,8 +577,23 @@ pub(super) fn on_resize_event(
                 written = step.written,
                 after = step.after,
                 latency_ms = step.latency.as_secs_f64() * 1e3,
+                cpu_wait_ms = step.cpu_wait.map(|wait| wait.as_secs_f64() * 1e3),
                 "step"
             );
+            if step.stalled {
+                // The stall was reported while the write ran; now it says
+                // how it ended and how much of it the node's CPUs were busy.
+                if let Some(stall) = shared
+                    .memory()
+                    .sizes
+                    .entry(size)
+                    .or_default()
+                    .stall
+                    .as_mut()
+                {
+                    stall.message = format!("{}; {}", stall.message, ended_after(step));
+                }
+            }
             if stopping.load(Ordering::Relaxed) {
                 // Make the pool as it is now the target: the engine finishes here.
                 goal_tx.send_modify(|goal| goal.target.pages = step.after);
@@ -628,5 +643,53 @@ pub(super) fn on_resize_event(
         Event::Blocked(outcome) => debug!(?outcome, "waiting for pages in use"),
         Event::Retargeted(target) => info!(pages = target.pages, "retargeted at a step boundary"),
         Event::Resettled(settings) => info!(?settings, "new settings at a step boundary"),
+    }
+}
+
+/// How a stalled write ended: its latency, and the share of it the writer
+/// waited for a CPU (other work on the node's CPUs, not the kernel's pool
+/// code) when the kernel says.
+fn ended_after(step: &crate::resize::StepEvent) -> String {
+    let ended = format!("it ended after {:.2}s", step.latency.as_secs_f64());
+    match step.cpu_wait {
+        Some(wait) => format!(
+            "{ended}, {:.2}s of it waiting for a CPU",
+            wait.as_secs_f64()
+        ),
+        None => ended,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::ended_after;
+    use crate::resize::{Direction, StepEvent};
+
+    #[test]
+    fn a_stalled_write_says_how_much_of_it_was_waiting_for_a_cpu() {
+        let mut step = StepEvent {
+            step: 1,
+            direction: Direction::Shrink,
+            target: 0,
+            written: 0,
+            before: 1024,
+            after: 0,
+            pages: 1024,
+            latency: Duration::from_millis(2480),
+            cpu_wait: Some(Duration::from_millis(2290)),
+            estimate: None,
+            over_budget: true,
+            stalled: true,
+            guard_limited: false,
+            mem_available: 0,
+        };
+        assert_eq!(
+            ended_after(&step),
+            "it ended after 2.48s, 2.29s of it waiting for a CPU"
+        );
+        step.cpu_wait = None;
+        assert_eq!(ended_after(&step), "it ended after 2.48s");
     }
 }

@@ -960,7 +960,11 @@ mod tests {
         let proc_root = tempfile::tempdir().unwrap();
         let file = |name: &str, text: &str| std::fs::write(proc_root.path().join(name), text);
         file("buddyinfo", BUDDYINFO_TWO_NODES).unwrap();
-        file("meminfo", "MemTotal: 4096 kB\nMemAvailable: 2048 kB\nActive(file): 0 kB\nInactive(file): 0 kB\n").unwrap();
+        file(
+            "meminfo",
+            "MemTotal: 4096 kB\nMemAvailable: 2048 kB\nActive(file): 0 kB\nInactive(file): 0 kB\n",
+        )
+        .unwrap();
         let kernel = crate::kernel::SysfsKernel::new("/nonexistent-sys", proc_root.path());
         // The free blocks alone never need pagetypeinfo.
         let blocks = kernel.free_blocks().unwrap();

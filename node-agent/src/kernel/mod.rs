@@ -24,6 +24,18 @@ use serde::Serialize;
 
 use crate::Result;
 
+/// How long the calling thread has waited for a CPU (run queue wait, from
+/// `/proc/thread-self/schedstat`); None where the kernel does not keep it
+/// (`CONFIG_SCHED_INFO`). A pool write times its wall clock: taking this
+/// before and after says how much of it the writer was ready but not
+/// running (other work on the CPUs), which no step size changes.
+pub fn cpu_wait() -> Option<std::time::Duration> {
+    let path = std::path::Path::new("/proc/thread-self/schedstat");
+    let text = std::fs::read_to_string(path).ok()?;
+    let (_, waiting) = parse::schedstat(path, &text).ok()?;
+    Some(std::time::Duration::from_nanos(waiting))
+}
+
 /// The running kernel's release (`uname -r`). A container shares the host's
 /// kernel, so this needs no mount of the host's procfs.
 pub fn release() -> String {

@@ -77,6 +77,24 @@ pub fn node_dir(name: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
+/// `/proc/thread-self/schedstat`: nanoseconds on a CPU, nanoseconds waiting
+/// on a run queue, timeslices (Documentation/scheduler/sched-stats.rst).
+pub fn schedstat(path: &Path, text: &str) -> Result<(u64, u64)> {
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    let [on_cpu, waiting, _slices] = fields[..] else {
+        return Err(parse_error(
+            path,
+            format!("expected 3 fields, got {}", fields.len()),
+        ));
+    };
+    let number = |field: &str| {
+        field
+            .parse::<u64>()
+            .map_err(|_| parse_error(path, format!("expected nanoseconds, got {field:?}")))
+    };
+    Ok((number(on_cpu)?, number(waiting)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,6 +138,19 @@ mod tests {
         }
     }
 
+    #[test]
+    fn schedstat_of_a_thread() {
+        // As this machine printed it for a writer thread.
+        assert_eq!(
+            schedstat(Path::new("s"), "24020113 5312 2\n").unwrap(),
+            (24_020_113, 5312)
+        );
+        for bad in ["", "1 2", "1 2 3 4", "1 x 3", "-1 2 3"] {
+            let err = schedstat(Path::new("/proc/thread-self/schedstat"), bad).unwrap_err();
+            assert!(err.to_string().contains("schedstat"), "{err}");
+        }
+    }
+
     proptest! {
         #[test]
         fn count_round_trips(n in any::<u64>(), newline in any::<bool>()) {
@@ -138,7 +169,14 @@ mod tests {
         }
 
         #[test]
+        fn schedstat_reads_its_two_times(on_cpu in any::<u64>(), waiting in any::<u64>(), slices in any::<u32>()) {
+            let text = format!("{on_cpu} {waiting} {slices}\n");
+            prop_assert_eq!(schedstat(Path::new("s"), &text).unwrap(), (on_cpu, waiting));
+        }
+
+        #[test]
         fn count_never_panics(text in ".{0,24}") {
+            let _ = schedstat(Path::new("x"), &text);
             let _ = count(Path::new("x"), &text);
             let _ = flag(Path::new("x"), &text);
             let _ = meminfo(Path::new("x"), &text);

@@ -49,6 +49,9 @@ pub struct StepEvent {
     /// Pages the write was planned to move.
     pub pages: u64,
     pub latency: Duration,
+    /// Of the latency, how long the writer was ready but waited for a CPU
+    /// (other work on the node's CPUs; [`crate::kernel::cpu_wait`]).
+    pub cpu_wait: Option<Duration>,
     pub estimate: Option<Duration>,
     pub over_budget: bool,
     /// The write outlived the stall threshold (a `Stall` event came first).
@@ -120,6 +123,9 @@ pub struct Summary {
     pub outcome: Outcome,
     /// Latency of every write, in order.
     pub write_seconds: Vec<f64>,
+    /// Of each write's latency, the time the writer waited for a CPU
+    /// (null where the kernel does not say).
+    pub write_cpu_wait_seconds: Vec<Option<f64>>,
     /// Pages every write moved (as read back after it), in order.
     pub write_pages: Vec<u64>,
 }
@@ -245,7 +251,7 @@ pub async fn run(
     let mut planner = Planner::new(initial, settings);
     let from = observed.persistent();
     // Pages moved and latency of every write.
-    let mut writes: Vec<(u64, Duration)> = Vec::new();
+    let mut writes: Vec<Written> = Vec::new();
     let mut stalls = 0;
     let mut compactions = 0;
     let mut blocked_since: Option<Instant> = None;
@@ -277,7 +283,7 @@ pub async fn run(
                     }
                 }
                 let step = writes.len() as u32 + 1;
-                let (result, latency, stalled) = write_with_watchdog(
+                let (result, latency, cpu_wait, stalled) = write_with_watchdog(
                     &kernel,
                     planner.target(),
                     &write,
@@ -294,7 +300,11 @@ pub async fn run(
                     Ok(()) => {
                         let after = observe(&kernel, planner.target()).await?;
                         planner.record_write(&write, latency, &after, models);
-                        writes.push((write.from.abs_diff(after.persistent()), latency));
+                        writes.push(Written {
+                            pages: write.from.abs_diff(after.persistent()),
+                            latency,
+                            cpu_wait,
+                        });
                         on_event(&Event::Step(StepEvent {
                             step,
                             direction: write.direction,
@@ -304,6 +314,7 @@ pub async fn run(
                             after: after.persistent(),
                             pages: write.pages,
                             latency,
+                            cpu_wait,
                             estimate: write.estimate,
                             over_budget: latency > planner.settings().max_step_duration,
                             stalled,
@@ -410,12 +421,18 @@ async fn write_with_watchdog(
     settings: &Settings,
     step: u32,
     on_event: &mut (impl FnMut(&Event) + Send),
-) -> Result<(Result<()>, Duration, bool)> {
+) -> Result<(Result<()>, Duration, Option<Duration>, bool)> {
     let kernel = Arc::clone(kernel);
     let value = write.value;
     let started = Instant::now();
-    let mut handle =
-        tokio::task::spawn_blocking(move || kernel.write_pool(target.size, target.scope, value));
+    let mut handle = tokio::task::spawn_blocking(move || {
+        let before = crate::kernel::cpu_wait();
+        let result = kernel.write_pool(target.size, target.scope, value);
+        let cpu_wait = before
+            .zip(crate::kernel::cpu_wait())
+            .map(|(before, after)| after.saturating_sub(before));
+        (result, cpu_wait)
+    });
     let mut stalled = false;
     let joined = tokio::select! {
         joined = &mut handle => joined,
@@ -431,8 +448,15 @@ async fn write_with_watchdog(
             handle.await
         }
     };
-    let result = joined.map_err(|err| Error::WriteThread(err.to_string()))?;
-    Ok((result, started.elapsed(), stalled))
+    let (result, cpu_wait) = joined.map_err(|err| Error::WriteThread(err.to_string()))?;
+    Ok((result, started.elapsed(), cpu_wait, stalled))
+}
+
+/// One write done: pages moved (read back), latency, CPU wait within it.
+struct Written {
+    pages: u64,
+    latency: Duration,
+    cpu_wait: Option<Duration>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -440,7 +464,7 @@ fn summarize(
     target: Target,
     from: u64,
     observed: &Observation,
-    writes: &[(u64, Duration)],
+    writes: &[Written],
     stalls: u32,
     compactions: u32,
     elapsed: Duration,
@@ -460,13 +484,13 @@ fn summarize(
         compactions,
         max_write_seconds: writes
             .iter()
-            .map(|(_, latency)| *latency)
+            .map(|w| w.latency)
             .max()
             .unwrap_or_default()
             .as_secs_f64(),
         total_write_seconds: writes
             .iter()
-            .map(|(_, latency)| *latency)
+            .map(|w| w.latency)
             .sum::<Duration>()
             .as_secs_f64(),
         duration_seconds,
@@ -477,8 +501,12 @@ fn summarize(
         },
         hvo,
         outcome,
-        write_seconds: writes.iter().map(|(_, l)| l.as_secs_f64()).collect(),
-        write_pages: writes.iter().map(|(pages, _)| *pages).collect(),
+        write_seconds: writes.iter().map(|w| w.latency.as_secs_f64()).collect(),
+        write_cpu_wait_seconds: writes
+            .iter()
+            .map(|w| w.cpu_wait.map(|wait| wait.as_secs_f64()))
+            .collect(),
+        write_pages: writes.iter().map(|w| w.pages).collect(),
     }
 }
 
@@ -815,6 +843,17 @@ mod tests {
         assert!(*elapsed >= Duration::from_millis(100));
         assert!(summary.max_write_seconds >= 0.3);
         assert!(matches!(&events[1], Event::Step(StepEvent { step: 1, .. })));
+        // The write slept (a kernel that is slow, not a busy CPU): little
+        // or none of its 300 ms was spent waiting for a CPU, and the wait
+        // is the write's own, not the thread's since it started.
+        if std::path::Path::new("/proc/thread-self/schedstat").exists() {
+            let Event::Step(stalled) = &events[1] else {
+                unreachable!()
+            };
+            let wait = stalled.cpu_wait.expect("schedstat is readable here");
+            assert!(wait < Duration::from_millis(200), "{stalled:?}");
+            assert_eq!(summary.write_cpu_wait_seconds.len() as u32, summary.steps);
+        }
         // The step after the stall is smaller than the stalled one.
         let Some(Event::Step(second)) = events.get(2) else {
             panic!("{events:?}");

@@ -1363,10 +1363,12 @@ mod tests {
                 match planner.next(&before, &CostModels::default()) {
                     Decision::Write(write) => return write.value,
                     // Compacted: the free blocks after it.
-                    Decision::Compact(_) => before.estimate = Some(GrowEstimate {
-                        obtainable_now: after_compaction,
-                        after_compaction,
-                    }),
+                    Decision::Compact(_) => {
+                        before.estimate = Some(GrowEstimate {
+                            obtainable_now: after_compaction,
+                            after_compaction,
+                        })
+                    }
                     other => panic!("{other:?}"),
                 }
             }
@@ -1376,7 +1378,10 @@ mod tests {
         assert_eq!(first_write(1000, 4000), 256, "short even after compaction");
         assert_eq!(first_write(1000, 9000), 2560, "covered once compacted");
         assert_eq!(covered_probe_pages(MI2, Duration::from_millis(5)), 256);
-        assert_eq!(covered_probe_pages(PageSize::SIZE_1GI, Duration::from_millis(50)), 5);
+        assert_eq!(
+            covered_probe_pages(PageSize::SIZE_1GI, Duration::from_millis(50)),
+            5
+        );
         // Without an estimate (free lists unread or off): the small probe.
         let mut planner = Planner::new(target(8192), Settings::default());
         let Decision::Write(write) = planner.next(&observed(0, 0, 0, 0), &CostModels::default())
