@@ -4,8 +4,9 @@
 # helm), starts a real control plane with a real kubelet and containerd
 # (`controlplane up --node`), installs charts/hugepool with `helm install`
 # from the local images, applies examples/pool-2mi.yaml and shows it
-# converge on this machine's kernel, and what `kubectl hugepool status` and
-# `why NODE` say of it; then deletes the pool (Release: the pages go back),
+# converge on this machine's kernel, what `kubectl hugepool status` and
+# `why NODE` say of it, and what `kubectl hugepool plan` predicts of a
+# larger pool from the agent's estimate; then deletes the pool (Release: the pages go back),
 # uninstalls the chart and stops everything. Root only.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -82,6 +83,10 @@ say "kubectl hugepool status; kubectl hugepool why $node (the plugin, on PATH fr
 PATH="$plugin_dir:$PATH" "$kubectl" hugepool status
 echo
 PATH="$plugin_dir:$PATH" "$kubectl" hugepool why "$node"
+
+say "know before you grow: what a grow of 2Mi pages can get on $node, and kubectl hugepool plan of the pool at 4096 pages"
+echo "the agent's estimate from the kernel's free lists: $("$kubectl" get hugepagenode "$node" -o jsonpath='{.status.pageSizes[?(@.size=="2Mi")].obtainable}')"
+sed 's/^  pages: 256$/  pages: 4096/' examples/pool-2mi.yaml | PATH="$plugin_dir:$PATH" "$kubectl" hugepool plan -f -
 
 say "deleting the pool (deletionPolicy Release: the operator shrinks the node to 0 first)"
 "$kubectl" delete -f examples/pool-2mi.yaml --wait=true --timeout=300s
