@@ -293,6 +293,10 @@ pub struct EvictedPod {
     /// The Node it ran on.
     #[schemars(length(max = 253))]
     pub node: String,
+    /// The pod's UID: one record per pod, however often it was asked for.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = 64))]
+    pub uid: String,
     /// Huge pages of the pool's size its requests held.
     pub pages: i64,
     /// Why it was chosen: the pages the node's shrink needed back.
@@ -304,11 +308,28 @@ pub struct EvictedPod {
     pub evicted_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }
 
+impl EvictedPod {
+    /// Whether both record the same pod.
+    pub fn same_pod(&self, other: &EvictedPod) -> bool {
+        if self.uid.is_empty() || other.uid.is_empty() {
+            self.pod == other.pod && self.node == other.node
+        } else {
+            self.uid == other.uid
+        }
+    }
+}
+
 impl HugePagePoolStatus {
     /// Appends `evicted` to the list, keeping the newest
     /// [`MAX_EVICTED_PODS`].
+    /// A pod already listed (same UID, or same pod and node for a record
+    /// without one) is not listed twice.
     pub fn record_evictions(&mut self, evicted: impl IntoIterator<Item = EvictedPod>) {
-        self.evicted_pods.extend(evicted);
+        for record in evicted {
+            if !self.evicted_pods.iter().any(|e| e.same_pod(&record)) {
+                self.evicted_pods.push(record);
+            }
+        }
         let extra = self.evicted_pods.len().saturating_sub(MAX_EVICTED_PODS);
         self.evicted_pods.drain(..extra);
     }
@@ -338,6 +359,7 @@ mod tests {
         let pod = |i: i64| EvictedPod {
             pod: format!("ns/p{i}"),
             node: "n".into(),
+            uid: format!("uid-{i}"),
             pages: i,
             reason: String::new(),
             evicted_at: None,
@@ -347,5 +369,27 @@ mod tests {
         status.record_evictions((4..13).map(pod));
         let pages: Vec<i64> = status.evicted_pods.iter().map(|e| e.pages).collect();
         assert_eq!(pages, (3..13).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_pod_asked_for_twice_is_recorded_once() {
+        let record = |uid: &str, pages: i64| EvictedPod {
+            pod: "ns/p".into(),
+            node: "n".into(),
+            uid: uid.into(),
+            pages,
+            reason: String::new(),
+            evicted_at: None,
+        };
+        let mut status = HugePagePoolStatus::default();
+        status.record_evictions([record("a", 1)]);
+        status.record_evictions([record("a", 2), record("b", 3)]);
+        let kept: Vec<(String, i64)> = status
+            .evicted_pods
+            .iter()
+            .map(|e| (e.uid.clone(), e.pages))
+            .collect();
+        // The first record stays; a pod re-created under the name is another.
+        assert_eq!(kept, [("a".to_string(), 1), ("b".to_string(), 3)]);
     }
 }

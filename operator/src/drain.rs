@@ -274,6 +274,11 @@ impl Refusals {
         self.by_uid.remove(uid);
     }
 
+    /// When the first backoff ends.
+    pub fn next_try(&self) -> Option<Timestamp> {
+        self.by_uid.values().map(|(_, b)| b.next_try).min()
+    }
+
     /// Forgets the refusals of `node`'s pods that are not in `pods` (its
     /// pods now; none when it is not draining).
     pub fn prune(&mut self, node: &str, pods: &[Pod]) {

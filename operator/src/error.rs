@@ -19,7 +19,7 @@ pub enum Error {
     NotLeader,
     #[error("publishing an Event: {source}")]
     Event { source: kube::Error },
-    #[error("the API server did not answer within {0:?}")]
+    #[error("the API server did not answer within {0:?} (the write may or may not have landed)")]
     Timeout(std::time::Duration),
     #[error("leader election: {0}")]
     Leader(#[from] kube_lease_manager::LeaseManagerError),
@@ -50,7 +50,8 @@ impl Error {
 }
 
 impl Error {
-    /// A write refused because what it was planned from changed (409).
+    /// A write refused because what it was planned from changed: 409, or
+    /// 422 from a JSON patch whose `test` of the generation failed.
     pub fn is_conflict(&self) -> bool {
         let source = match self {
             Error::NodeSpec { source, .. }
@@ -60,7 +61,8 @@ impl Error {
             | Error::Finalizer { source, .. } => source,
             _ => return false,
         };
-        matches!(source, kube::Error::Api(status) if status.code == 409)
+        matches!(source, kube::Error::Api(status)
+            if status.code == 409 || (status.code == 422 && status.message.contains("test failed")))
     }
 }
 

@@ -20,9 +20,13 @@ use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use super::writes::{RETRY_BASE, RETRY_MAX};
 use super::*;
 use crate::fixtures::{self, at, converge, hpn, node, pool, status_of};
 use crate::metrics::Metrics;
+use crate::planner::NodePlan;
+use hugepool_crds::{POOL_FINALIZER, PageSize};
+use kube::ResourceExt;
 
 type ApiServerHandle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
 
@@ -38,17 +42,9 @@ enum Scenario {
     RetainDeletion { pool: HugePagePool },
     /// Only the finalizer is removed (no HugePageNode names the pool).
     FinalizerRemoved { pool: HugePagePool },
-    /// A blocked shrink: Draining condition, its event, the taint, the pod
-    /// list, one eviction refused by a PDB (429) and its event, then status.
-    BlockedShrink { pool: HugePagePool, node: Box<Node> },
     /// The API server fails one node's write: the other node and the
     /// pool's status are still written.
     OneNodeWriteFails { pool: HugePagePool },
-    /// A blocked shrink whose eviction the API allows: the pool's status
-    /// records it before the eviction is made.
-    EvictionRecordedFirst { pool: HugePagePool, node: Box<Node> },
-    /// The pod is gone when the eviction is asked for: nothing is recorded.
-    PodAlreadyGone { pool: HugePagePool, node: Box<Node> },
 }
 
 fn ok_json(value: &impl serde::Serialize) -> Response<Body> {
@@ -101,54 +97,6 @@ impl ApiServerVerifier {
                         .expect_event("RolloutStarted")
                         .await;
                 }
-                Scenario::EvictionRecordedFirst { pool, node } => {
-                    self.expect_drain_started(&node)
-                        .await
-                        .expect_eviction("apps", "dpdk", true, StatusCode::CREATED)
-                        .await
-                        .expect_pool_status(&pool, |status| {
-                            let evicted = status["evictedPods"].as_array().unwrap();
-                            assert_eq!(evicted.len(), 1, "{evicted:?}");
-                            assert_eq!(evicted[0]["pod"], "apps/dpdk");
-                            assert_eq!(evicted[0]["node"], "w-1");
-                            assert_eq!(evicted[0]["pages"], 2);
-                        })
-                        .await
-                        .expect_eviction("apps", "dpdk", false, StatusCode::CREATED)
-                        .await
-                        .expect_event("Evicted")
-                        .await;
-                }
-                Scenario::PodAlreadyGone { pool, node } => {
-                    self.expect_drain_started(&node)
-                        .await
-                        .expect_eviction("apps", "dpdk", true, StatusCode::NOT_FOUND)
-                        .await
-                        .expect_pool_status(&pool, |status| {
-                            assert!(status["evictedPods"].is_null(), "{status}");
-                        })
-                        .await;
-                }
-                Scenario::BlockedShrink { pool, node } => {
-                    // The node's pods first: the condition names those
-                    // eviction cannot move.
-                    self.expect_drain_started(&node)
-                        .await
-                        .expect_eviction_refused("apps", "dpdk")
-                        .await
-                        .expect_event("EvictionBlocked")
-                        .await
-                        .expect_pool_status(&pool, |status| {
-                            let progressing = status["conditions"]
-                                .as_array()
-                                .unwrap()
-                                .iter()
-                                .find(|c| c["type"] == "Progressing")
-                                .unwrap();
-                            assert_eq!(progressing["reason"], "Draining");
-                        })
-                        .await;
-                }
             }
         })
     }
@@ -170,19 +118,6 @@ impl ApiServerVerifier {
         serde_json::from_slice(&bytes).unwrap()
     }
 
-    /// A drain starting on w-1: its pods listed, Draining=True with its
-    /// Event, then the taint.
-    async fn expect_drain_started(self, node: &Node) -> Self {
-        self.expect_pod_list("w-1")
-            .await
-            .expect_draining_condition("w-1", "True", "EvictingPods")
-            .await
-            .expect_event("DrainStarted")
-            .await
-            .expect_taint(node, true)
-            .await
-    }
-
     async fn expect_finalizer_added(mut self, pool: &HugePagePool) -> (Self, HugePagePool) {
         let (request, send) = self.next().await;
         assert_eq!(request.method(), Method::PATCH);
@@ -202,18 +137,20 @@ impl ApiServerVerifier {
         (self, updated)
     }
 
+    /// A new HugePageNode: created (a creation is its own precondition),
+    /// owned by its Node.
     async fn expect_node_spec(mut self, node: &str, pages: Option<i64>) -> Self {
         let (request, send) = self.next().await;
-        assert_eq!(request.method(), Method::PATCH);
+        assert_eq!(request.method(), Method::POST);
         assert_eq!(
             request.uri().path(),
-            format!("/apis/hugepool.dev/v1alpha1/hugepagenodes/{node}")
+            "/apis/hugepool.dev/v1alpha1/hugepagenodes"
         );
         let query = request.uri().query().unwrap_or_default().to_string();
         assert!(query.contains("fieldManager=hugepool-operator"), "{query}");
-        assert!(query.contains("force=true"), "{query}");
         let body = Self::body(request).await;
         assert_eq!(body["kind"], "HugePageNode");
+        assert_eq!(body["metadata"]["name"], node);
         assert_eq!(body["metadata"]["ownerReferences"][0]["kind"], "Node");
         assert_eq!(
             body["metadata"]["ownerReferences"][0]["uid"],
@@ -229,7 +166,7 @@ impl ApiServerVerifier {
             None => assert!(entries.is_empty(), "{entries:?}"),
         }
         let mut reply = body.clone();
-        reply["metadata"]["generation"] = json!(2);
+        reply["metadata"]["generation"] = json!(1);
         reply["metadata"]["resourceVersion"] = json!("20");
         send.send_response(ok_json(&reply));
         self
@@ -239,8 +176,9 @@ impl ApiServerVerifier {
         let (request, send) = self.next().await;
         assert_eq!(
             request.uri().path(),
-            format!("/apis/hugepool.dev/v1alpha1/hugepagenodes/{node}")
+            "/apis/hugepool.dev/v1alpha1/hugepagenodes"
         );
+        assert_eq!(Self::body(request).await["metadata"]["name"], node);
         let failure = json!({
             "apiVersion": "v1", "kind": "Status", "status": "Failure",
             "message": "etcdserver: request timed out", "reason": "InternalError", "code": 500,
@@ -262,11 +200,19 @@ impl ApiServerVerifier {
             format!("/apis/hugepool.dev/v1alpha1/hugepagenodes/{node}")
         );
         let content_type = request.headers()[http::header::CONTENT_TYPE].clone();
-        assert_eq!(content_type, "application/merge-patch+json");
+        assert_eq!(content_type, "application/json-patch+json");
         let query = request.uri().query().unwrap_or_default().to_string();
         assert!(query.contains("fieldManager=hugepool-operator"), "{query}");
         let body = Self::body(request).await;
-        assert_eq!(body["spec"], json!({"pageSizes": []}));
+        // Only if the spec is still the one the plan read (generation 1).
+        assert_eq!(
+            body[0],
+            json!({"op": "test", "path": "/metadata/generation", "value": 1})
+        );
+        assert_eq!(
+            body[1],
+            json!({"op": "add", "path": "/spec", "value": {"pageSizes": []}})
+        );
         let reply = hpn(node, 3, vec![]);
         send.send_response(ok_json(&reply));
         self
@@ -290,6 +236,11 @@ impl ApiServerVerifier {
                 .contains("fieldManager=hugepool-operator")
         );
         let body = Self::body(request).await;
+        // Only on the version the pass holds.
+        assert_eq!(
+            body["metadata"]["resourceVersion"],
+            json!(pool.metadata.resource_version)
+        );
         check(&body["status"]);
         let mut reply = serde_json::to_value(pool).unwrap();
         reply["status"] = body["status"].clone();
@@ -325,127 +276,6 @@ impl ApiServerVerifier {
         send.send_response(ok_json(&body));
         self
     }
-
-    async fn expect_draining_condition(mut self, node: &str, status: &str, reason: &str) -> Self {
-        let (request, send) = self.next().await;
-        assert_eq!(request.method(), Method::PATCH);
-        assert_eq!(
-            request.uri().path(),
-            format!("/apis/hugepool.dev/v1alpha1/hugepagenodes/{node}/status")
-        );
-        let body = Self::body(request).await;
-        // Only the operator's own condition: the agent owns the rest.
-        let status_body = body["status"].as_object().unwrap();
-        assert_eq!(status_body.keys().collect::<Vec<_>>(), ["conditions"]);
-        let conditions = body["status"]["conditions"].as_array().unwrap();
-        assert_eq!(conditions.len(), 1);
-        assert_eq!(conditions[0]["type"], "Draining");
-        assert_eq!(conditions[0]["status"], status);
-        assert_eq!(conditions[0]["reason"], reason);
-        let mut reply = body.clone();
-        reply["metadata"] = json!({"name": node, "generation": 2, "resourceVersion": "30"});
-        reply["spec"] = json!({"pageSizes": []});
-        send.send_response(ok_json(&reply));
-        self
-    }
-
-    async fn expect_taint(mut self, node: &Node, present: bool) -> Self {
-        let (request, send) = self.next().await;
-        assert_eq!(request.method(), Method::PATCH);
-        assert_eq!(
-            request.uri().path(),
-            format!("/api/v1/nodes/{}", node.name_any())
-        );
-        let body = Self::body(request).await;
-        let taints = body["spec"]["taints"].as_array().unwrap();
-        let ours = taints
-            .iter()
-            .any(|t| t["key"] == hugepool_crds::DRAINING_TAINT && t["effect"] == "NoSchedule");
-        assert_eq!(ours, present, "{taints:?}");
-        assert!(
-            taints.iter().any(|t| t["key"] == "other"),
-            "other taints stay"
-        );
-        assert_eq!(body["metadata"]["resourceVersion"], "5");
-        send.send_response(ok_json(node));
-        self
-    }
-
-    async fn expect_pod_list(mut self, node: &str) -> Self {
-        let (request, send) = self.next().await;
-        assert_eq!(request.method(), Method::GET);
-        assert_eq!(request.uri().path(), "/api/v1/pods");
-        let query = request.uri().query().unwrap_or_default();
-        assert!(
-            query.contains(&format!("fieldSelector=spec.nodeName%3D{node}")),
-            "{query}"
-        );
-        let pods = json!({
-            "apiVersion": "v1",
-            "kind": "PodList",
-            "metadata": {},
-            "items": [consumer("dpdk", "hugepages-2Mi"), consumer("web", "memory")],
-        });
-        send.send_response(ok_json(&pods));
-        self
-    }
-
-    async fn expect_eviction(
-        mut self,
-        namespace: &str,
-        pod: &str,
-        dry_run: bool,
-        answer: StatusCode,
-    ) -> Self {
-        let (request, send) = self.next().await;
-        assert_eq!(request.method(), Method::POST);
-        assert_eq!(
-            request.uri().path(),
-            format!("/api/v1/namespaces/{namespace}/pods/{pod}/eviction")
-        );
-        let query = request.uri().query().unwrap_or_default().to_string();
-        assert_eq!(query.contains("dryRun=All"), dry_run, "{query}");
-        let body = if answer.is_success() {
-            json!({"apiVersion": "v1", "kind": "Status", "status": "Success", "code": answer.as_u16()})
-        } else {
-            json!({
-                "apiVersion": "v1", "kind": "Status", "status": "Failure",
-                "message": format!("pods \"{pod}\" not found"), "reason": "NotFound",
-                "code": answer.as_u16(),
-            })
-        };
-        send.send_response(
-            Response::builder()
-                .status(answer)
-                .body(Body::from(serde_json::to_vec(&body).unwrap()))
-                .unwrap(),
-        );
-        self
-    }
-
-    async fn expect_eviction_refused(mut self, namespace: &str, pod: &str) -> Self {
-        let (request, send) = self.next().await;
-        assert_eq!(request.method(), Method::POST);
-        assert_eq!(
-            request.uri().path(),
-            format!("/api/v1/namespaces/{namespace}/pods/{pod}/eviction")
-        );
-        // Asked without effect first: a refusal is never recorded.
-        let query = request.uri().query().unwrap_or_default().to_string();
-        assert!(query.contains("dryRun=All"), "{query}");
-        let refusal = json!({
-            "apiVersion": "v1", "kind": "Status", "status": "Failure",
-            "message": "Cannot evict pod as it would violate the pod's disruption budget.",
-            "reason": "TooManyRequests", "code": 429,
-        });
-        send.send_response(
-            Response::builder()
-                .status(StatusCode::TOO_MANY_REQUESTS)
-                .body(Body::from(serde_json::to_vec(&refusal).unwrap()))
-                .unwrap(),
-        );
-        self
-    }
 }
 
 fn consumer(name: &str, resource: &str) -> Pod {
@@ -455,6 +285,7 @@ fn consumer(name: &str, resource: &str) -> Pod {
         metadata: ObjectMeta {
             name: Some(name.into()),
             namespace: Some("apps".into()),
+            uid: Some(format!("uid-{name}")),
             ..ObjectMeta::default()
         },
         spec: Some(PodSpec {
@@ -699,80 +530,491 @@ fn blocked_shrink() -> (HugePagePool, Node, HugePageNode) {
     (pool, node, state)
 }
 
-fn blocked_shrink_harness() -> (HugePagePool, Node, Harness) {
-    let (pool, node, state) = blocked_shrink();
-    let harness = harness(
-        std::slice::from_ref(&pool),
-        std::slice::from_ref(&node),
-        &[state],
-        true,
-    );
-    (pool, node, harness)
+/// One call the API server saw.
+#[derive(Clone, Debug)]
+struct Call {
+    method: Method,
+    path: String,
+    query: String,
+    body: Value,
 }
 
-#[tokio::test]
-async fn blocked_shrink_taints_the_node_and_evicts_only_hugepage_consumers() {
-    let (pool, node, harness) = blocked_shrink_harness();
-    let pass = pass_with(
-        harness,
-        Some(Scenario::BlockedShrink {
-            pool: pool.clone(),
-            node: Box::new(node.clone()),
-        }),
-    )
-    .await;
-    assert_eq!(pass.next, Config::default().drain_poll);
+impl Call {
+    fn is_eviction(&self, dry_run: bool) -> bool {
+        self.method == Method::POST
+            && self.path.ends_with("/eviction")
+            && self.query.contains("dryRun=All") == dry_run
+    }
+
+    fn event(&self) -> Option<&str> {
+        (self.method == Method::POST && self.path.contains("/events"))
+            .then(|| self.body["reason"].as_str())
+            .flatten()
+    }
+
+    fn pool_status(&self) -> Option<&Value> {
+        (self.method == Method::PATCH && self.path.ends_with("/hugepagepools/dpdk/status"))
+            .then_some(&self.body["status"])
+    }
+
+    /// The pods a pool status write records as evicted.
+    fn recorded(&self) -> Option<Vec<String>> {
+        self.pool_status().map(|status| {
+            status["evictedPods"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|e| {
+                    format!(
+                        "{} {}",
+                        e["pod"].as_str().unwrap(),
+                        e["uid"].as_str().unwrap()
+                    )
+                })
+                .collect()
+        })
+    }
+
+    fn draining_message(&self) -> Option<&str> {
+        (self.method == Method::PATCH && self.path.ends_with("/hugepagenodes/w-1/status"))
+            .then(|| self.body["status"]["conditions"][0]["message"].as_str())
+            .flatten()
+    }
 }
+
+/// How the API server answers the evictions of apps/dpdk.
+#[derive(Clone, Copy)]
+struct Evictions {
+    dry_run: Option<StatusCode>,
+    real: Option<StatusCode>,
+}
+
+/// Plays an API server by route (a drain's calls come from a pass and from
+/// the eviction tasks beside it, in no fixed order): lists w-1's pods,
+/// takes every write, answers apps/dpdk's evictions as `evictions` says
+/// (None: never answered), and logs every call.
+fn serve(
+    mut handle: ApiServerHandle,
+    node: Node,
+    pool: HugePagePool,
+    evictions: Evictions,
+) -> (
+    Arc<std::sync::Mutex<Vec<Call>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let calls = Arc::clone(&log);
+    let task = tokio::spawn(async move {
+        let mut unanswered = Vec::new();
+        while let Some((request, send)) = handle.next_request().await {
+            let (parts, body) = request.into_parts();
+            let bytes = body.collect_bytes().await.unwrap();
+            let call = Call {
+                method: parts.method,
+                path: parts.uri.path().to_string(),
+                query: parts.uri.query().unwrap_or_default().to_string(),
+                body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            };
+            calls.lock().unwrap().push(call.clone());
+            let (code, reply) = if call.path == "/api/v1/pods" {
+                let pods = json!({
+                    "apiVersion": "v1", "kind": "PodList", "metadata": {},
+                    "items": [consumer("dpdk", "hugepages-2Mi"), consumer("web", "memory")],
+                });
+                (StatusCode::OK, pods)
+            } else if call.path.ends_with("/eviction") {
+                let answer = if call.is_eviction(true) {
+                    evictions.dry_run
+                } else {
+                    evictions.real
+                };
+                let Some(code) = answer else {
+                    unanswered.push(send);
+                    continue;
+                };
+                let reason = match code.as_u16() {
+                    404 => "NotFound",
+                    429 => "TooManyRequests",
+                    _ => "",
+                };
+                let status = if code.is_success() {
+                    "Success"
+                } else {
+                    "Failure"
+                };
+                let reply = json!({
+                    "apiVersion": "v1", "kind": "Status", "status": status,
+                    "message": format!("answered {}", code.as_u16()), "reason": reason,
+                    "code": code.as_u16(),
+                });
+                (code, reply)
+            } else if call.path.starts_with("/api/v1/nodes/") {
+                (StatusCode::OK, serde_json::to_value(&node).unwrap())
+            } else if call.pool_status().is_some() {
+                let mut reply = serde_json::to_value(&pool).unwrap();
+                reply["status"] = call.body["status"].clone();
+                (StatusCode::OK, reply)
+            } else if call.path.ends_with("/hugepagenodes/w-1/status") {
+                let mut reply = call.body.clone();
+                reply["metadata"] =
+                    json!({"name": "w-1", "generation": 2, "resourceVersion": "30"});
+                reply["spec"] = json!({"pageSizes": []});
+                (StatusCode::OK, reply)
+            } else {
+                (StatusCode::OK, call.body.clone())
+            };
+            send.send_response(
+                Response::builder()
+                    .status(code)
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                    .unwrap(),
+            );
+        }
+    });
+    (log, task)
+}
+
+thread_local! {
+    /// The tests' clock, in seconds after `fixtures::T0` (per test thread:
+    /// each `#[tokio::test]` runs on its own).
+    static CLOCK: std::cell::Cell<i64> = const { std::cell::Cell::new(100) };
+}
+
+fn test_clock() -> Timestamp {
+    at(CLOCK.with(std::cell::Cell::get))
+}
+
+/// A blocked shrink whose evictions run against [`serve`]: passes run one
+/// after another (each after the worker is woken, as `run` does) until
+/// `done` holds of the calls; the pool's cache follows its status writes,
+/// as the watch would.
+struct Drain {
+    ctx: Arc<Context>,
+    worker: Worker,
+    log: Arc<std::sync::Mutex<Vec<Call>>>,
+    pools: Writer<HugePagePool>,
+    pool: HugePagePool,
+    _leader: watch::Sender<bool>,
+    _server: tokio::task::JoinHandle<()>,
+}
+
+impl Drain {
+    fn start(evictions: Evictions) -> Drain {
+        CLOCK.with(|c| c.set(100));
+        let (pool, node, state) = blocked_shrink();
+        let (mock, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(mock, "default");
+        let (leader, leading) = watch::channel(true);
+        let mut pools: Writer<HugePagePool> = Writer::default();
+        pools.apply_watcher_event(&watcher::Event::Init);
+        pools.apply_watcher_event(&watcher::Event::InitApply(pool.clone()));
+        pools.apply_watcher_event(&watcher::Event::InitDone);
+        let mut ctx = Context::new(
+            client,
+            pools.as_reader(),
+            store_of(std::slice::from_ref(&node)),
+            store_of(&[state]),
+            Arc::new(Metrics::default()),
+            crate::leader::Fence::following(leading),
+            Arc::new(AtomicBool::new(true)),
+            Config::default(),
+        );
+        ctx.now = test_clock;
+        let (log, server) = serve(handle, node, pool.clone(), evictions);
+        Drain {
+            ctx: Arc::new(ctx),
+            worker: Worker::default(),
+            log,
+            pools,
+            pool,
+            _leader: leader,
+            _server: server,
+        }
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        self.log.lock().unwrap().clone()
+    }
+
+    async fn pass(&mut self) -> Pass {
+        let pass = tokio::time::timeout(Duration::from_secs(5), pass(&self.ctx, &mut self.worker))
+            .await
+            .expect("the pass finished: it waits for no eviction")
+            .expect("the pass succeeded");
+        // The pool's watch delivers its last status; nothing else is awaited.
+        let last_status = self
+            .calls()
+            .iter()
+            .rev()
+            .find_map(|c| c.pool_status().cloned());
+        if let Some(status) = last_status {
+            let mut pool = self.pool.clone();
+            pool.status = Some(serde_json::from_value(status).unwrap());
+            self.pools.apply_watcher_event(&watcher::Event::Apply(pool));
+        }
+        self.ctx.deliveries.give_up();
+        pass
+    }
+
+    /// Passes, each after a wake-up, until `done` holds of the calls.
+    async fn until(&mut self, what: &str, done: impl Fn(&[Call]) -> bool) {
+        for _ in 0..10 {
+            self.pass().await;
+            if done(&self.calls()) {
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(5), self.ctx.wake.notified()).await;
+        }
+        panic!("{what}: not seen in 10 passes; calls: {:#?}", self.calls());
+    }
+}
+
+fn position(calls: &[Call], what: &str, found: impl Fn(&Call) -> bool) -> usize {
+    calls
+        .iter()
+        .position(found)
+        .unwrap_or_else(|| panic!("{what}: not among {calls:#?}"))
+}
+
+const DPDK: &str = "apps/dpdk uid-dpdk";
 
 #[tokio::test]
 async fn an_eviction_is_recorded_in_its_pools_status_before_it_is_made() {
-    let (pool, node, harness) = blocked_shrink_harness();
-    pass_with(
-        harness,
-        Some(Scenario::EvictionRecordedFirst {
-            pool: pool.clone(),
-            node: Box::new(node.clone()),
-        }),
-    )
-    .await;
+    let mut drain = Drain::start(Evictions {
+        dry_run: Some(StatusCode::CREATED),
+        real: Some(StatusCode::CREATED),
+    });
+    drain
+        .until("the Evicted event", |calls| {
+            calls.iter().any(|c| c.event() == Some("Evicted"))
+        })
+        .await;
+    let calls = drain.calls();
+    // The drain starts: its condition, event and taint; only the hugepage
+    // consumer is asked for, never "web".
+    let condition = position(&calls, "Draining=True", |c| c.draining_message().is_some());
+    assert_eq!(
+        calls[condition].body["status"]["conditions"][0]["reason"],
+        "EvictingPods"
+    );
+    position(&calls, "DrainStarted", |c| {
+        c.event() == Some("DrainStarted")
+    });
+    assert!(calls.iter().all(|c| !c.path.contains("/pods/web/")));
+    let dry_run = position(&calls, "the dry run", |c| c.is_eviction(true));
+    let recorded = position(&calls, "the record", |c| {
+        c.recorded().is_some_and(|r| r == [DPDK])
+    });
+    let evicted = position(&calls, "the eviction", |c| c.is_eviction(false));
+    let told = position(&calls, "the event", |c| c.event() == Some("Evicted"));
+    assert!(
+        dry_run < recorded && recorded < evicted && evicted < told,
+        "{calls:#?}"
+    );
+    // Asked for once, recorded once.
+    assert_eq!(calls.iter().filter(|c| c.is_eviction(false)).count(), 1);
+    let status = &calls[recorded].pool_status().unwrap()["evictedPods"][0];
+    assert_eq!(status["node"], "w-1");
+    assert_eq!(status["pages"], 2);
+    let metrics = drain.ctx.metrics.encode();
+    assert!(
+        metrics.contains(r#"hugepool_evictions_total{pool="dpdk",result="evicted"} 1"#),
+        "{metrics}"
+    );
+}
+
+/// The real eviction answers `real` after an accepted dry run: the record
+/// written before it goes again, and the pod is not counted evicted.
+async fn record_withdrawn_when_the_real_eviction_answers(real: StatusCode, result: &str) {
+    let mut drain = Drain::start(Evictions {
+        dry_run: Some(StatusCode::CREATED),
+        real: Some(real),
+    });
+    drain
+        .until("the record withdrawn", |calls| {
+            let Some(evicted) = calls.iter().position(|c| c.is_eviction(false)) else {
+                return false;
+            };
+            calls[evicted..]
+                .iter()
+                .any(|c| c.recorded().is_some_and(|r| r.is_empty()))
+        })
+        .await;
+    let calls = drain.calls();
+    let recorded = position(&calls, "the record", |c| {
+        c.recorded().is_some_and(|r| r == [DPDK])
+    });
+    let evicted = position(&calls, "the eviction", |c| c.is_eviction(false));
+    assert!(recorded < evicted, "{calls:#?}");
+    let status = drain.ctx.pools.state()[0].status.clone().unwrap();
+    assert!(status.evicted_pods.is_empty(), "{status:?}");
+    let metrics = drain.ctx.metrics.encode();
+    assert!(
+        metrics.contains(&format!(
+            r#"hugepool_evictions_total{{pool="dpdk",result="{result}"}} 1"#
+        )),
+        "{metrics}"
+    );
+    assert!(!metrics.contains(r#"result="evicted""#), "{metrics}");
+}
+
+#[tokio::test]
+async fn a_real_eviction_refused_after_an_accepted_dry_run_is_not_recorded() {
+    record_withdrawn_when_the_real_eviction_answers(StatusCode::TOO_MANY_REQUESTS, "blocked").await;
+}
+
+#[tokio::test]
+async fn a_pod_gone_between_the_dry_run_and_the_eviction_is_not_recorded() {
+    record_withdrawn_when_the_real_eviction_answers(StatusCode::NOT_FOUND, "gone").await;
 }
 
 #[tokio::test]
 async fn a_pod_already_gone_is_not_recorded_as_evicted() {
-    let (pool, node, harness) = blocked_shrink_harness();
-    let metrics = Arc::clone(&harness.ctx.metrics);
-    pass_with(
-        harness,
-        Some(Scenario::PodAlreadyGone {
-            pool: pool.clone(),
-            node: Box::new(node.clone()),
-        }),
-    )
-    .await;
-    let text = metrics.encode();
+    let mut drain = Drain::start(Evictions {
+        dry_run: Some(StatusCode::NOT_FOUND),
+        real: None,
+    });
+    drain
+        .until("the dry run answered", |calls| {
+            calls.iter().any(|c| c.is_eviction(true))
+        })
+        .await;
+    // One more pass takes the answer in.
+    drain.pass().await;
+    let calls = drain.calls();
+    assert!(calls.iter().all(|c| !c.is_eviction(false)), "{calls:#?}");
     assert!(
-        text.contains(r#"hugepool_evictions_total{pool="dpdk",result="gone"} 1"#),
-        "{text}"
+        calls
+            .iter()
+            .all(|c| c.recorded().is_none_or(|r| r.is_empty())),
+        "{calls:#?}"
     );
-    assert!(!text.contains(r#"result="evicted""#), "{text}");
+    let metrics = drain.ctx.metrics.encode();
+    assert!(
+        metrics.contains(r#"hugepool_evictions_total{pool="dpdk",result="gone"} 1"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_refused_eviction_is_told_once_named_on_the_node_and_retried_with_backoff() {
+    let mut drain = Drain::start(Evictions {
+        dry_run: Some(StatusCode::TOO_MANY_REQUESTS),
+        real: None,
+    });
+    drain
+        .until("EvictionBlocked", |calls| {
+            calls.iter().any(|c| c.event() == Some("EvictionBlocked"))
+        })
+        .await;
+    // The next pass names the refusal on the node and looks again when its
+    // backoff ends, not before.
+    let pass = drain.pass().await;
+    assert!(
+        pass.next <= crate::drain::FIRST_BACKOFF + Duration::from_millis(100),
+        "{pass:?}"
+    );
+    let calls = drain.calls();
+    let message = calls.iter().rev().find_map(Call::draining_message).unwrap();
+    assert!(
+        message.contains("eviction of apps/dpdk refused: answered 429"),
+        "{message}"
+    );
+    assert!(calls.iter().all(|c| !c.is_eviction(false)));
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.recorded().is_none_or(|r| r.is_empty()))
+    );
+    // Within the backoff nothing is asked again.
+    let asked = calls.iter().filter(|c| c.is_eviction(true)).count();
+    drain.pass().await;
+    assert_eq!(
+        drain.calls().iter().filter(|c| c.is_eviction(true)).count(),
+        asked
+    );
+    let status = drain.ctx.pools.state()[0].status.clone().unwrap();
+    let progressing = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Progressing")
+        .unwrap();
+    assert_eq!(progressing.reason, "Draining");
+    // Told once per streak.
+    CLOCK.with(|c| c.set(100 + 2));
+    drain
+        .until("asked again after the backoff", |calls| {
+            calls.iter().filter(|c| c.is_eviction(true)).count() > asked
+        })
+        .await;
+    drain.pass().await;
+    let told = drain
+        .calls()
+        .iter()
+        .filter(|c| c.event() == Some("EvictionBlocked"))
+        .count();
+    assert_eq!(told, 1);
+}
+
+#[tokio::test]
+async fn an_eviction_nobody_answers_holds_up_no_pass_and_is_named_on_its_node() {
+    let mut drain = Drain::start(Evictions {
+        dry_run: None,
+        real: None,
+    });
+    drain
+        .until("the dry run sent", |calls| {
+            calls.iter().any(|c| c.is_eviction(true))
+        })
+        .await;
+    // Passes go on while it hangs: the pool's status is written, and the
+    // pass looks again when the eviction turns slow.
+    let pass = drain.pass().await;
+    assert!(
+        pass.next <= SLOW_EVICTION + Duration::from_millis(100),
+        "{pass:?}"
+    );
+    assert!(drain.calls().iter().any(|c| c.pool_status().is_some()));
+    CLOCK.with(|c| c.set(100 + SLOW_EVICTION.as_secs() as i64));
+    drain.pass().await;
+    let calls = drain.calls();
+    let message = calls.iter().rev().find_map(Call::draining_message).unwrap();
+    assert!(
+        message.contains("eviction of apps/dpdk unanswered since"),
+        "{message}"
+    );
+    // Asked once: an eviction in flight is not asked for again.
+    assert_eq!(calls.iter().filter(|c| c.is_eviction(true)).count(), 1);
 }
 
 #[test]
-fn node_spec_apply_names_the_node_as_owner() {
+fn a_spec_is_written_only_on_the_generation_the_plan_read() {
     let node = node("w-1", &[]);
     let plan = NodePlan {
         spec: hugepool_crds::HugePageNodeSpec::default(),
         spec_changed: true,
         ..NodePlan::default()
     };
-    let body = node_spec_apply(&node, &plan, Some("41"));
-    assert_eq!(body["apiVersion"], "hugepool.dev/v1alpha1");
-    assert_eq!(body["metadata"]["name"], "w-1");
-    assert_eq!(body["metadata"]["ownerReferences"][0]["uid"], "uid-w-1");
-    assert_eq!(body["spec"]["pageSizes"], json!([]));
-    // Planned from version 41: the write fails if the object moved on.
-    assert_eq!(body["metadata"]["resourceVersion"], "41");
-    assert!(node_spec_apply(&node, &plan, None)["metadata"]["resourceVersion"].is_null());
+    let created = new_node_state(&node, &plan);
+    assert_eq!(created.metadata.name.as_deref(), Some("w-1"));
+    assert_eq!(
+        created.metadata.owner_references.as_ref().unwrap()[0].uid,
+        "uid-w-1"
+    );
+    let mut current = hpn("w-1", 41, vec![]);
+    let patch = serde_json::to_value(node_spec_patch(&current, &node, &plan, true)).unwrap();
+    assert_eq!(
+        patch[0],
+        json!({"op": "test", "path": "/metadata/generation", "value": 41})
+    );
+    assert_eq!(patch[1]["path"], "/spec");
+    assert_eq!(patch[2]["value"][0]["uid"], "uid-w-1");
+    // Without a generation (never so on a real server), the version.
+    current.metadata.generation = None;
+    current.metadata.resource_version = Some("7".into());
+    let patch = serde_json::to_value(node_spec_patch(&current, &node, &plan, false)).unwrap();
+    assert_eq!(patch[0]["path"], "/metadata/resourceVersion");
+    assert_eq!(patch.as_array().unwrap().len(), 2);
 }
 
 #[test]
@@ -822,10 +1064,9 @@ async fn a_failed_node_write_does_not_hold_up_the_others_and_is_retried() {
     .await
     .expect("one node's failure does not fail the pass");
     // Only w-1 waits for its retry, about a second (jittered).
-    let retry = worker.node_retries.get("w-1").expect("w-1 is retried");
-    assert_eq!(retry.attempts, 1);
-    assert!(retry.error.contains("etcdserver"), "{}", retry.error);
-    assert_eq!(worker.node_retries.len(), 1);
+    let errors = worker.node_retries.errors();
+    assert_eq!(errors.keys().collect::<Vec<_>>(), ["w-1"]);
+    assert!(errors["w-1"].contains("etcdserver"), "{}", errors["w-1"]);
     assert!(pass.next <= RETRY_BASE, "{:?}", pass.next);
     assert!(pass.next >= RETRY_BASE / 4, "{:?}", pass.next);
 }
@@ -858,33 +1099,42 @@ fn a_relist_forgets_the_nodes_it_no_longer_lists() {
 }
 
 #[test]
-fn a_write_waits_for_the_cache_until_its_version_or_a_relist_is_delivered() {
+fn a_write_waits_for_the_cache_until_its_version_a_relist_or_its_deletion_is_delivered() {
     let deliveries = Deliveries::default();
-    let mut state = hpn("w-1", 1, vec![]);
-    state.metadata.resource_version = Some("b".into());
-    let written = Written {
-        kind: "HugePageNode",
-        key: "HugePageNode/w-1".into(),
-        version: "b".into(),
-        relists: deliveries.relists("HugePageNode"),
+    let version = |v: &str| {
+        let mut state = hpn("w-1", 1, vec![]);
+        state.metadata.resource_version = Some(v.into());
+        state
     };
-    assert!(!deliveries.seen(&written));
+    deliveries.await_write("HugePageNode", &version("b"));
+    assert_eq!(deliveries.outstanding(), 1);
     // Another version is not ours (versions are compared for equality only).
-    let mut other = state.clone();
-    other.metadata.resource_version = Some("a".into());
-    deliveries.record("HugePageNode", &other);
-    assert!(!deliveries.seen(&written));
-    deliveries.record("HugePageNode", &state);
-    assert!(deliveries.seen(&written));
-    // A re-list of the kind also makes the cache at least as new.
-    let unseen = Written {
-        version: "c".into(),
-        ..written.clone()
-    };
+    deliveries.record("HugePageNode", &version("a"));
+    assert_eq!(deliveries.outstanding(), 1);
+    deliveries.record("HugePageNode", &version("b"));
+    assert_eq!(deliveries.outstanding(), 0);
+    // Delivered before it was awaited, however many versions came after.
+    for v in ["c", "d", "e", "f", "g"] {
+        deliveries.record("HugePageNode", &version(v));
+    }
+    deliveries.await_write("HugePageNode", &version("c"));
+    assert_eq!(deliveries.outstanding(), 0);
+    // Awaited first: seen once delivered, whatever follows it.
+    deliveries.await_write("HugePageNode", &version("h"));
+    for v in ["h", "i", "j", "k", "l", "m"] {
+        deliveries.record("HugePageNode", &version(v));
+    }
+    assert_eq!(deliveries.outstanding(), 0);
+    // A re-list of the kind makes the cache at least as new.
+    deliveries.await_write("HugePageNode", &version("x"));
     deliveries.relisted("Node");
-    assert!(!deliveries.seen(&unseen));
+    assert_eq!(deliveries.outstanding(), 1);
     deliveries.relisted("HugePageNode");
-    assert!(deliveries.seen(&unseen));
+    assert_eq!(deliveries.outstanding(), 0);
+    // So does the object's deletion.
+    deliveries.await_write("HugePageNode", &version("y"));
+    deliveries.forget("HugePageNode", &version("y"));
+    assert_eq!(deliveries.outstanding(), 0);
 }
 
 #[tokio::test]

@@ -1,0 +1,357 @@
+//! Carrying out a node's drain as the plan says: its Draining condition,
+//! the taints, and which of its pods to evict (the evictions themselves run
+//! beside the passes, see `evictions`).
+
+use hugepool_crds::conditions::{bounded_message, find_condition, set_condition};
+use hugepool_crds::pool::EvictedPod;
+use hugepool_crds::{HugePageNode, NodeConditionType, OPERATOR_MANAGER, PageSize};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Node, Pod, Taint};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+use tracing::info;
+
+use super::evictions::PlannedEviction;
+use super::watches::slim_node;
+use super::writes::{WRITE_TIMEOUT, fenced};
+use super::{Context, Worker, node_reference};
+use crate::drain;
+use crate::error::{Error, Result};
+use crate::events;
+use crate::planner::{DrainPlan, NodePlan, has_taint};
+
+pub fn has_drain_taint(node: &Node) -> bool {
+    has_taint(node, hugepool_crds::DRAINING_TAINT)
+}
+
+/// Whether carrying out `drain` reads the node's HugePageNode (its status:
+/// the pages held, the Draining condition).
+pub(super) fn reads_state(drain: &DrainPlan) -> bool {
+    drain.condition.is_some() || !drain.evict.is_empty() || !drain.evict_pods.is_empty()
+}
+
+/// Which of a draining node's pods to evict, and what its condition says
+/// of them.
+struct DrainSelection<'a> {
+    /// Pods to evict, each with the pools its eviction is for.
+    chosen: Vec<(&'a Pod, Vec<String>)>,
+    /// What the condition adds: whom it evicts, whom it cannot.
+    notes: Vec<String>,
+    kept: Vec<String>,
+    /// The UIDs a kubelet restart waits for.
+    restart_waits_for: Vec<String>,
+}
+
+/// Only the fewest pods whose own requests free what the shrink needs (the
+/// agent's word alone drains nothing), and the pods the kubelet's Memory
+/// Manager holds memory for; never those eviction cannot move.
+fn select_pods<'a>(
+    on_node: &'a [Pod],
+    node_state: Option<&HugePageNode>,
+    plan: &NodePlan,
+) -> DrainSelection<'a> {
+    let drain = &plan.drain;
+    let mut chosen: Vec<(&Pod, Vec<String>)> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    let credit = |chosen: &mut Vec<(&'a Pod, Vec<String>)>, pod: &'a Pod, pool: &str| match chosen
+        .iter_mut()
+        .find(|(c, _)| c.metadata.uid == pod.metadata.uid)
+    {
+        Some((_, pools)) if !pools.iter().any(|p| p == pool) => pools.push(pool.to_string()),
+        Some(_) => {}
+        None => chosen.push((pod, vec![pool.to_string()])),
+    };
+    for &size in &drain.evict {
+        let selection = drain::choose(on_node, size, must_free(node_state, plan, size));
+        notes.extend(selection.unexplained);
+        let pool = drain.shrink_pools.get(&size).cloned().unwrap_or_default();
+        for pod in selection.evict {
+            credit(&mut chosen, pod, &pool);
+        }
+    }
+    let (held, held_kept) = drain::memory_manager_holders(on_node, &drain.evict_pods);
+    let restart_waits_for: Vec<String> =
+        held.iter().filter_map(|p| p.metadata.uid.clone()).collect();
+    for pod in held {
+        for pool in &drain.restart_pools {
+            credit(&mut chosen, pod, pool);
+        }
+    }
+    if !chosen.is_empty() {
+        let named: Vec<String> = chosen
+            .iter()
+            .map(|(p, _)| {
+                let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(p, s)).sum();
+                format!(
+                    "{}/{} ({pages} pages)",
+                    p.namespace().unwrap_or_default(),
+                    p.name_any()
+                )
+            })
+            .collect();
+        notes.push(format!("evicting {}", named.join(", ")));
+    }
+    let mut kept = drain::unevictable_consumers(on_node, &drain.evict);
+    for pod in held_kept {
+        if !kept.contains(&pod) {
+            kept.push(pod);
+        }
+    }
+    if !kept.is_empty() {
+        notes.push(format!("not evicted: {}", kept.join(", ")));
+    }
+    DrainSelection {
+        chosen,
+        notes,
+        kept,
+        restart_waits_for,
+    }
+}
+
+/// Sets the Draining condition and the taints as the plan says; returns the
+/// node's pods when it is evicting.
+pub(super) async fn carry_out_drain(
+    ctx: &Context,
+    worker: &mut Worker,
+    node: &Node,
+    node_state: Option<&HugePageNode>,
+    plan: &NodePlan,
+    now: Timestamp,
+) -> Result<Option<Vec<Pod>>> {
+    let drain = &plan.drain;
+    let name = node.name_any();
+    let evicts = !drain.evict.is_empty() || !drain.evict_pods.is_empty();
+    let on_node = if evicts {
+        let pods: Api<Pod> = Api::all(ctx.client.clone());
+        let listed = tokio::time::timeout(
+            WRITE_TIMEOUT,
+            pods.list(&ListParams::default().fields(&format!("spec.nodeName={name}"))),
+        )
+        .await
+        .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?;
+        listed
+            .map_err(|source| Error::ListPods {
+                node: name.clone(),
+                source,
+            })?
+            .items
+    } else {
+        Vec::new()
+    };
+    worker.evictions.prune(&name, &on_node);
+    let mut selection = select_pods(&on_node, node_state, plan);
+    selection.notes.extend(worker.evictions.notes(&name, now));
+    let condition_update = drain.condition.clone().map(|mut update| {
+        if update.status && !selection.notes.is_empty() {
+            update.message = format!("{}; {}", update.message, selection.notes.join("; "));
+        } else if !selection.kept.is_empty() {
+            update.message = format!(
+                "{}; not evicted: {}",
+                update.message,
+                selection.kept.join(", ")
+            );
+        }
+        update
+    });
+    if let (Some(update), Some(state)) = (&condition_update, node_state) {
+        let mut conditions = state
+            .status
+            .as_ref()
+            .map(|s| s.conditions.clone())
+            .unwrap_or_default();
+        let before = find_condition(&conditions, NodeConditionType::Draining).cloned();
+        if set_condition(&mut conditions, update.clone(), &Time(now))
+            && let Some(condition) = find_condition(&conditions, NodeConditionType::Draining)
+        {
+            // Only on the version the plan read: a deposed leader's late
+            // write cannot overwrite what the new one wrote since.
+            let api: Api<HugePageNode> = Api::all(ctx.client.clone());
+            let updated = fenced(ctx, async {
+                api.patch_status(
+                    &name,
+                    &PatchParams::apply(OPERATOR_MANAGER).force(),
+                    &Patch::Apply(json!({
+                        "apiVersion": HugePageNode::api_version(&()),
+                        "kind": HugePageNode::kind(&()),
+                        "metadata": {"resourceVersion": state.resource_version()},
+                        "status": {"conditions": [condition]},
+                    })),
+                )
+                .await
+                .map_err(|source| Error::DrainCondition {
+                    node: name.clone(),
+                    source,
+                })
+            })
+            .await?;
+            ctx.deliveries.await_write("HugePageNode", &updated);
+            if let Some(event) = events::drain_event(before.as_ref(), update) {
+                ctx.publish(event, &node_reference(node)).await;
+            }
+        }
+    }
+    let taints = [
+        (hugepool_crds::DRAINING_TAINT, drain.taint),
+        (hugepool_crds::NOT_READY_TAINT, plan.not_ready_taint),
+    ];
+    if taints
+        .iter()
+        .any(|&(key, want)| has_taint(node, key) != want)
+    {
+        let updated = set_taints(ctx, node, &taints).await?;
+        ctx.deliveries.await_write("Node", &updated);
+    }
+    Ok(evicts.then_some(on_node))
+}
+
+/// The evictions a draining node's plan asks for now: the selected pods
+/// not waiting out a refusal, each with its record for the pools it is for.
+pub(super) fn choose_evictions(
+    worker: &Worker,
+    node: &Node,
+    node_state: Option<&HugePageNode>,
+    plan: &NodePlan,
+    on_node: &[Pod],
+    now: Timestamp,
+) -> Vec<PlannedEviction> {
+    let drain = &plan.drain;
+    let name = node.name_any();
+    let selection = select_pods(on_node, node_state, plan);
+    let needed: Vec<String> = drain
+        .evict
+        .iter()
+        .map(|&size| format!("{} of {size}", must_free(node_state, plan, size)))
+        .collect();
+    selection
+        .chosen
+        .into_iter()
+        .filter(|(pod, _)| {
+            let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+            worker.evictions.may_ask(uid, now)
+        })
+        .map(|(pod, pools)| {
+            let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+            let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(pod, s)).sum();
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            let reason = if selection.restart_waits_for.contains(&uid) {
+                format!(
+                    "the kubelet's Static Memory Manager held memory for it; the kubelet \
+                     restart of {name} waited for it"
+                )
+            } else {
+                format!(
+                    "held {pages} pages; the shrink of {name} needed {} back",
+                    needed.join(" and ")
+                )
+            };
+            PlannedEviction {
+                pod: pod.clone(),
+                node: name.clone(),
+                pools,
+                record: EvictedPod {
+                    pod: key,
+                    node: name.clone(),
+                    uid,
+                    pages: pages as i64,
+                    reason: bounded_message(reason),
+                    evicted_at: Some(Time(now)),
+                },
+            }
+        })
+        .collect()
+}
+
+/// Adds or removes our taints (`NoSchedule`), leaving other taints alone;
+/// the resourceVersion makes a concurrent change fail and retry once.
+pub(super) async fn set_taints(
+    ctx: &Context,
+    node: &Node,
+    taints: &[(&str, bool)],
+) -> Result<Node> {
+    let name = node.name_any();
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    let error = |source| Error::Taint {
+        node: name.clone(),
+        source,
+    };
+    let first = fenced(ctx, async {
+        Ok(api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(taints_patch(node, taints)),
+            )
+            .await)
+    })
+    .await?;
+    let mut updated = match first {
+        Ok(updated) => updated,
+        // The Node moved on since the watch saw it (status updates do
+        // that often): read it once more and try again.
+        Err(kube::Error::Api(status)) if status.code == 409 => {
+            fenced(ctx, async {
+                let fresh = api.get(&name).await.map_err(error)?;
+                api.patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(taints_patch(&fresh, taints)),
+                )
+                .await
+                .map_err(error)
+            })
+            .await?
+        }
+        Err(source) => return Err(error(source)),
+    };
+    info!(node = %name, ?taints, "taints updated");
+    slim_node(&mut updated);
+    Ok(updated)
+}
+
+/// Pages of `size` that must come back before the node's shrink can
+/// finish (`planner::pages_to_free`: node-wide, or per NUMA node).
+fn must_free(node_state: Option<&HugePageNode>, plan: &NodePlan, size: PageSize) -> u64 {
+    let Some(entry) = plan.spec.page_sizes.iter().find(|e| e.size == size) else {
+        return 0;
+    };
+    node_state
+        .and_then(|s| s.status.as_ref())
+        .and_then(|s| s.page_sizes.iter().find(|r| r.size == size))
+        .map_or(0, |reported| crate::planner::pages_to_free(reported, entry))
+}
+
+/// The merge patch that sets the Node's taints so that each of ours in
+/// `wanted` (key, present) is there or not, `NoSchedule`, other taints left
+/// alone. Taints are one atomic list, so the patch names the
+/// resourceVersion it was computed from.
+pub fn taints_patch(node: &Node, wanted: &[(&str, bool)]) -> serde_json::Value {
+    let mut taints: Vec<Taint> = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    for &(key, present) in wanted {
+        let had = taints.iter().any(|t| t.key == key);
+        if had && !present {
+            taints.retain(|t| t.key != key);
+        } else if present && !had {
+            taints.push(Taint {
+                key: key.into(),
+                effect: "NoSchedule".into(),
+                value: None,
+                time_added: None,
+            });
+        }
+    }
+    json!({
+        "metadata": {"resourceVersion": node.resource_version()},
+        "spec": {"taints": taints},
+    })
+}
+
+/// [`taints_patch`] for `hugepool.dev/draining` alone.
+pub fn taint_patch(node: &Node, taint: bool) -> serde_json::Value {
+    taints_patch(node, &[(hugepool_crds::DRAINING_TAINT, taint)])
+}

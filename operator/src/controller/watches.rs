@@ -1,0 +1,165 @@
+//! The watches behind the caches: what of a Node is kept, which events
+//! wake the worker, and the task that drives each watch.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use tokio::sync::Notify;
+use tracing::debug;
+
+use super::writes::Deliveries;
+
+/// Keeps of a Node what the operator reads: name, uid, labels, taints, the
+/// kubelet's `hugepages-*` capacity and the Ready condition (without its
+/// heartbeat).
+pub fn slim_node(node: &mut Node) {
+    node.metadata.managed_fields = None;
+    node.metadata.annotations = None;
+    if let Some(status) = node.status.take() {
+        let hugepages = |resources: Option<BTreeMap<String, Quantity>>| {
+            resources.map(|r| {
+                r.into_iter()
+                    .filter(|(name, _)| name.starts_with("hugepages-"))
+                    .collect()
+            })
+        };
+        let ready = status.conditions.map(|conditions| {
+            conditions
+                .into_iter()
+                .filter(|c| c.type_ == "Ready")
+                .map(|c| NodeCondition {
+                    last_heartbeat_time: None,
+                    message: None,
+                    ..c
+                })
+                .collect()
+        });
+        node.status = Some(NodeStatus {
+            capacity: hugepages(status.capacity),
+            allocatable: hugepages(status.allocatable),
+            conditions: ready,
+            ..NodeStatus::default()
+        });
+    }
+}
+
+/// Whether Node events can change a plan: a Node is new or deleted, or its
+/// labels, taints or hugepage capacity changed (a hash of each Node's is
+/// kept). Heartbeats, images and conditions plan nothing.
+#[derive(Default)]
+pub struct NodeTrigger {
+    seen: HashMap<String, u64>,
+    /// Names listed so far while the watch lists everything anew.
+    relisting: Option<HashSet<String>>,
+}
+
+impl NodeTrigger {
+    /// Whether `event` can change a plan. A re-list forgets the Nodes it did
+    /// not list (deleted while the watch was down).
+    pub fn wakes(&mut self, event: &watcher::Event<Node>) -> bool {
+        use std::hash::{Hash, Hasher};
+        match event {
+            watcher::Event::Apply(node) | watcher::Event::InitApply(node) => {
+                let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                node.metadata.uid.hash(&mut hasher);
+                node.metadata.labels.hash(&mut hasher);
+                for taint in node.spec.iter().flat_map(|s| s.taints.iter().flatten()) {
+                    (&taint.key, &taint.value, &taint.effect).hash(&mut hasher);
+                }
+                let capacity = node.status.as_ref().and_then(|s| s.capacity.as_ref());
+                for (name, quantity) in capacity.into_iter().flatten() {
+                    (name, &quantity.0).hash(&mut hasher);
+                }
+                let conditions = node.status.as_ref().and_then(|s| s.conditions.as_ref());
+                for ready in conditions.into_iter().flatten() {
+                    (&ready.type_, &ready.status).hash(&mut hasher);
+                }
+                let hash = hasher.finish();
+                let name = node.name_any();
+                if let Some(listed) = &mut self.relisting {
+                    listed.insert(name.clone());
+                }
+                self.seen.insert(name, hash) != Some(hash)
+            }
+            watcher::Event::Delete(node) => {
+                self.seen.remove(&node.name_any());
+                true
+            }
+            watcher::Event::Init => {
+                self.relisting = Some(HashSet::new());
+                false
+            }
+            watcher::Event::InitDone => {
+                let listed = self.relisting.take().unwrap_or_default();
+                let before = self.seen.len();
+                self.seen.retain(|name, _| listed.contains(name));
+                // A Node that went while the watch was down changes plans.
+                self.seen.len() != before
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
+    }
+}
+
+/// Aborts its tasks when dropped.
+pub(super) struct AbortOnDrop(pub Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// Drives one watch into its cache: records what it delivers and wakes the
+/// worker for the events `wakes` lets through.
+pub(super) fn follow<K>(
+    kind: &'static str,
+    events: impl futures::Stream<Item = std::result::Result<watcher::Event<K>, watcher::Error>>
+    + Send
+    + 'static,
+    deliveries: Arc<Deliveries>,
+    wake: Arc<Notify>,
+    mut wakes: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
+) -> tokio::task::JoinHandle<()>
+where
+    K: Resource + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut events = std::pin::pin!(events);
+        while let Some(event) = events.next().await {
+            let event = match event {
+                Ok(event) => event,
+                // The watcher backs off and lists anew by itself.
+                Err(err) => {
+                    debug!(%kind, error = %err, "watch");
+                    continue;
+                }
+            };
+            match &event {
+                watcher::Event::Apply(object) | watcher::Event::InitApply(object) => {
+                    deliveries.record(kind, object);
+                }
+                watcher::Event::Delete(object) => deliveries.forget(kind, object),
+                watcher::Event::InitDone => deliveries.relisted(kind),
+                watcher::Event::Init => {}
+            }
+            if wakes(&event) {
+                wake.notify_one();
+            }
+        }
+    })
+}

@@ -1,0 +1,226 @@
+//! How the worker writes: every write fenced by the Lease and bounded in
+//! time, a failed write retried with backoff for its node or pool alone,
+//! and the worker's own writes awaited in the caches before it plans again.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use hugepool_crds::conditions::bounded_message;
+use kube::Resource;
+use tokio::sync::Notify;
+use tracing::warn;
+
+use super::Context;
+use crate::error::{Error, Result};
+
+/// How long one write may take when the Lease does not bound it sooner.
+pub(super) const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The first retry of a failed write comes after about this long, doubling.
+pub(super) const RETRY_BASE: Duration = Duration::from_secs(1);
+/// The first retry of a write that found its object changed (409) comes
+/// sooner: nothing failed, the cache was behind.
+const CONFLICT_RETRY_BASE: Duration = Duration::from_millis(200);
+/// ... up to this.
+pub(super) const RETRY_MAX: Duration = Duration::from_secs(300);
+
+/// How long to wait before the `attempts`-th retry: `RETRY_BASE` doubled
+/// per attempt up to `RETRY_MAX`, of which `jitter` (0..1) takes off up to
+/// half, so nodes that failed together do not retry together.
+pub fn retry_delay(attempts: u32, jitter: f64) -> Duration {
+    backoff(RETRY_BASE, attempts, jitter)
+}
+
+fn backoff(base: Duration, attempts: u32, jitter: f64) -> Duration {
+    let full = base
+        .saturating_mul(1 << attempts.saturating_sub(1).min(16))
+        .min(RETRY_MAX);
+    full.mul_f64(1.0 - jitter.clamp(0.0, 1.0) / 2.0)
+}
+
+/// A node or pool whose last write failed or found its object changed.
+#[derive(Clone, Debug)]
+pub(super) struct Retry {
+    pub attempts: u32,
+    pub next_try: Instant,
+    pub error: String,
+    /// The last attempt found the object changed (409): the cache was
+    /// behind, nothing failed, and the pool does not report it.
+    pub conflict: bool,
+}
+
+/// Nodes (or pools) whose last write did not land, each with its backoff.
+#[derive(Debug, Default)]
+pub(super) struct Retries(BTreeMap<String, Retry>);
+
+impl Retries {
+    /// Records a failed write of `name`; true on the first failure of a
+    /// streak (a conflict is not one).
+    pub fn fail(&mut self, name: &str, error: &Error) -> bool {
+        let conflict = error.is_conflict();
+        let retry = self.0.entry(name.to_string()).or_insert(Retry {
+            attempts: 0,
+            next_try: Instant::now(),
+            error: String::new(),
+            conflict,
+        });
+        let first_failure = !conflict && (retry.attempts == 0 || retry.conflict);
+        retry.attempts += 1;
+        retry.conflict = conflict;
+        let base = if conflict {
+            CONFLICT_RETRY_BASE
+        } else {
+            RETRY_BASE
+        };
+        retry.next_try = Instant::now() + backoff(base, retry.attempts, fastrand::f64());
+        retry.error = bounded_message(error.to_string());
+        if conflict {
+            tracing::debug!(%name, attempts = retry.attempts, "object changed since the plan read it; retried");
+        } else {
+            warn!(%name, %error, attempts = retry.attempts, "write failed; retried with backoff");
+        }
+        first_failure
+    }
+
+    /// The write of `name` landed.
+    pub fn succeeded(&mut self, name: &str) {
+        self.0.remove(name);
+    }
+
+    /// Whether `name` may be written at `now` (no retry pending before).
+    pub fn due(&self, name: &str, now: Instant) -> bool {
+        self.0.get(name).is_none_or(|r| r.next_try <= now)
+    }
+
+    /// When the first retry is due.
+    pub fn next(&self) -> Option<Instant> {
+        self.0.values().map(|r| r.next_try).min()
+    }
+
+    /// The failures (not conflicts) by name, for the pools' status.
+    pub fn errors(&self) -> BTreeMap<String, String> {
+        self.0
+            .iter()
+            .filter(|(_, r)| !r.conflict)
+            .map(|(name, r)| (name.clone(), r.error.clone()))
+            .collect()
+    }
+
+    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.0.retain(|name, _| keep(name));
+    }
+}
+
+/// Runs `write` only while this replica may write, and abandons it (not
+/// done) if it has not finished when the Lease's safe window closes or
+/// after `WRITE_TIMEOUT`. `NotLeader` only when the Lease is no longer
+/// ours; a write that ran out of time while it still is, is `Timeout`:
+/// that write's failure, retried for its node or pool.
+pub(super) async fn fenced<T>(ctx: &Context, write: impl Future<Output = Result<T>>) -> Result<T> {
+    let Some(window) = ctx.leader.remaining() else {
+        return Err(Error::NotLeader);
+    };
+    let limit = window.min(WRITE_TIMEOUT);
+    match tokio::time::timeout(limit, write).await {
+        Ok(result) => result,
+        Err(_) if !ctx.leader.open() => Err(Error::NotLeader),
+        Err(_) => Err(Error::Timeout(limit)),
+    }
+}
+
+/// What the watches delivered, per object, so that a pass can tell that the
+/// caches show the writes of the pass before it. resourceVersions are
+/// opaque: they are compared for equality only.
+#[derive(Default)]
+pub struct Deliveries {
+    log: std::sync::Mutex<DeliveryLog>,
+    pub(super) delivered: Notify,
+}
+
+#[derive(Default)]
+struct DeliveryLog {
+    /// "Kind/name" -> the last few resourceVersions delivered, for a write
+    /// whose version arrived before the worker asked for it.
+    recent: HashMap<String, VecDeque<String>>,
+    /// Writes awaited: ("Kind/name", version). A delivery of that version,
+    /// the object's deletion or a re-list of its kind settles one, however
+    /// many versions come after it.
+    awaited: HashSet<(String, String)>,
+}
+
+/// How many resourceVersions are kept per object: a write is registered
+/// right after it returns, so only what came in between matters.
+const RECENT_VERSIONS: usize = 8;
+
+impl Deliveries {
+    fn log(&self) -> std::sync::MutexGuard<'_, DeliveryLog> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The watch of `kind` delivered `object` (it is in the cache now).
+    pub fn record<K: Resource>(&self, kind: &'static str, object: &K) {
+        let (Some(name), Some(version)) = (&object.meta().name, &object.meta().resource_version)
+        else {
+            return;
+        };
+        {
+            let mut log = self.log();
+            let key = format!("{kind}/{name}");
+            log.awaited.remove(&(key.clone(), version.clone()));
+            let recent = log.recent.entry(key).or_default();
+            if recent.len() == RECENT_VERSIONS {
+                recent.pop_front();
+            }
+            recent.push_back(version.clone());
+        }
+        self.delivered.notify_waiters();
+    }
+
+    /// The object is gone from the cache: no write of it is awaited.
+    pub fn forget<K: Resource>(&self, kind: &'static str, object: &K) {
+        if let Some(name) = &object.meta().name {
+            let key = format!("{kind}/{name}");
+            let mut log = self.log();
+            log.awaited.retain(|(awaited, _)| *awaited != key);
+            log.recent.remove(&key);
+        }
+        self.delivered.notify_waiters();
+    }
+
+    /// The watch of `kind` listed everything anew: its cache is newer than
+    /// any write made before.
+    pub fn relisted(&self, kind: &'static str) {
+        let prefix = format!("{kind}/");
+        self.log()
+            .awaited
+            .retain(|(key, _)| !key.starts_with(&prefix));
+        self.delivered.notify_waiters();
+    }
+
+    /// A write of `object` as `kind` returned: awaited until delivered.
+    pub(super) fn await_write<K: Resource>(&self, kind: &'static str, object: &K) {
+        let (Some(name), Some(version)) = (&object.meta().name, &object.meta().resource_version)
+        else {
+            return;
+        };
+        let key = format!("{kind}/{name}");
+        let mut log = self.log();
+        let arrived = log
+            .recent
+            .get(&key)
+            .is_some_and(|versions| versions.contains(version));
+        if !arrived {
+            log.awaited.insert((key, version.clone()));
+        }
+    }
+
+    /// How many writes the caches have not shown yet.
+    pub(super) fn outstanding(&self) -> usize {
+        self.log().awaited.len()
+    }
+
+    /// Gives up on the writes awaited (they are planned from as they are).
+    pub(super) fn give_up(&self) {
+        self.log().awaited.clear();
+    }
+}
