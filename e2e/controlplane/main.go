@@ -4,6 +4,8 @@
 //
 //	controlplane up --data-dir DIR     start everything, write DIR/kubeconfig, then DIR/ready
 //	controlplane version               print the Kubernetes version this binary was built from
+//	controlplane webhook --data-dir DIR --dir WDIR
+//	                                   a pods/eviction admission webhook the fault tests steer
 //
 // The etcd, apiserver and controller-manager subcommands are internal: `up`
 // re-executes this binary with them, one process per component, because the
@@ -24,6 +26,7 @@ const usageText = `usage:
   controlplane up --data-dir DIR [--timeout 3m] [--apiserver-arg=--flag=value]... [--controller-manager-arg=--flag=value]...
                   [--node [--node-name NAME] [--images DIR]]
   controlplane version
+  controlplane webhook --data-dir DIR --dir WDIR   (a pods/eviction webhook for fault tests)
 
 internal (started by up):
   controlplane etcd --data-dir DIR --client-url URL --peer-url URL
@@ -64,6 +67,13 @@ func main() {
 		os.Exit(runControllerManager(args))
 	case "scheduler":
 		os.Exit(runScheduler(args))
+	case "webhook":
+		if err := runWebhook(args); errors.Is(err, flag.ErrHelp) {
+			os.Exit(2)
+		} else if err != nil {
+			fmt.Fprintf(os.Stderr, "webhook: %v\n", err)
+			os.Exit(1)
+		}
 	case "version", "--version":
 		fmt.Println(version.Get().GitVersion)
 	case "help", "-h", "--help":

@@ -6,13 +6,13 @@
 //! No kubelet runs, so the tests play it: they force-delete evicted pods,
 //! release the pages those pods held, and set pods Running/Ready for PDBs.
 
+#[allow(dead_code)]
 mod support;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hugepool_agent::kernel::SimulatedKernel;
 use hugepool_crds::{HugePageNode, HugePagePool, HugePagePoolStatus, PageSize};
 use hugepool_e2e::setup;
 use hugepool_operator::LeaderConfig;
@@ -20,26 +20,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
-use support::{Fleet, FleetSpec, MI2, wait_for};
-
-const ROLE_LABEL: &str = "fleet.hugepool.dev/role";
-
-fn pool_spec(
-    scope: &str,
-    role: &str,
-    pages: i64,
-    max_unavailable: serde_json::Value,
-) -> serde_json::Value {
-    json!({
-        "nodeSelector": {"matchLabels": {support::SCOPE_LABEL: scope, ROLE_LABEL: role}},
-        "pageSize": "2Mi",
-        "pages": pages,
-        "resize": {"maxStepDuration": "50ms", "stepPause": "5ms", "stallThreshold": "2s"},
-        "rollout": {"maxUnavailable": max_unavailable},
-    })
-}
+use support::{Fleet, FleetSpec, MI2, ROLE_LABEL, play_kubelet, pool_spec, wait_for};
 
 /// Grows a pool on 50 nodes with an integer `maxUnavailable`, then shrinks
 /// it with a percentage; a watcher of every HugePageNode never sees more
@@ -376,83 +359,6 @@ async fn relabelled_nodes_leave_and_join_as_deletion_policy_says() {
         assert_eq!(fleet.node(&fleet.node_name(index)).pages_2mi(), (512, 0));
     }
     fleet.shutdown().await;
-}
-
-/// What the harness, playing kubelet, did with evicted pods.
-#[derive(Clone, Debug, Default)]
-struct KubeletRecord {
-    /// (pod, whether the drain taint was on its Node when it was evicted).
-    evicted: Vec<(String, bool)>,
-}
-
-/// Plays kubelet for the pods of `namespace`: a pod the operator evicted
-/// (terminating) gets its held pages released on its simulated kernel, as
-/// the process exiting would, and is then force-deleted.
-fn play_kubelet(
-    fleet: &Fleet,
-    namespace: &str,
-    held: Vec<(String, String, u64)>,
-) -> (Arc<Mutex<KubeletRecord>>, tokio::task::JoinHandle<()>) {
-    let record = Arc::new(Mutex::new(KubeletRecord::default()));
-    let pods: Api<Pod> = Api::namespaced(fleet.client.clone(), namespace);
-    let nodes: Api<Node> = Api::all(fleet.client.clone());
-    let kernels: Vec<(String, SimulatedKernel)> = fleet
-        .nodes
-        .iter()
-        .map(|n| (n.name.clone(), n.kernel.clone()))
-        .collect();
-    let task = tokio::spawn({
-        let record = record.clone();
-        async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                let Ok(list) = pods.list(&ListParams::default()).await else {
-                    continue;
-                };
-                for pod in list.items {
-                    if pod.metadata.deletion_timestamp.is_none() {
-                        continue;
-                    }
-                    let name = pod.name_any();
-                    let node = pod
-                        .spec
-                        .as_ref()
-                        .and_then(|s| s.node_name.clone())
-                        .unwrap_or_default();
-                    let tainted = nodes
-                        .get(&node)
-                        .await
-                        .is_ok_and(|n| support::has_drain_taint(&n));
-                    // Recorded before the pages come back: a test that
-                    // waits for the shrink then reads the record.
-                    record
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .evicted
-                        .push((name.clone(), tainted));
-                    for (pod_name, node_name, pages) in &held {
-                        if *pod_name == name
-                            && let Some((_, kernel)) = kernels.iter().find(|(n, _)| n == node_name)
-                        {
-                            kernel
-                                .release_pages(MI2, 0, *pages)
-                                .expect("release held pages");
-                        }
-                    }
-                    let _ = pods
-                        .delete(
-                            &name,
-                            &DeleteParams {
-                                grace_period_seconds: Some(0),
-                                ..DeleteParams::default()
-                            },
-                        )
-                        .await;
-                }
-            }
-        }
-    });
-    (record, task)
 }
 
 /// A fleet of `nodes` with the operator running and a 512-page pool that

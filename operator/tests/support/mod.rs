@@ -24,7 +24,7 @@ use hugepool_e2e::TestEnv;
 use hugepool_operator::{Config as OperatorConfig, LeaderConfig};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::client::ClientBuilder;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
@@ -32,6 +32,26 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
+
+/// The label a test's pools select its nodes by, with the scope label.
+pub const ROLE_LABEL: &str = "fleet.hugepool.dev/role";
+
+/// A 2Mi pool of `pages` over the scope's nodes labelled `role`, resized
+/// in short steps, rolled out `max_unavailable` at a time.
+pub fn pool_spec(
+    scope: &str,
+    role: &str,
+    pages: i64,
+    max_unavailable: serde_json::Value,
+) -> serde_json::Value {
+    json!({
+        "nodeSelector": {"matchLabels": {SCOPE_LABEL: scope, ROLE_LABEL: role}},
+        "pageSize": "2Mi",
+        "pages": pages,
+        "resize": {"maxStepDuration": "50ms", "stepPause": "5ms", "stallThreshold": "2s"},
+        "rollout": {"maxUnavailable": max_unavailable},
+    })
+}
 
 /// Label every object of one fleet carries, valued with the fleet's scope.
 pub const SCOPE_LABEL: &str = "fleet.hugepool.dev/scope";
@@ -992,5 +1012,183 @@ impl HoldingProxy {
 impl Drop for HoldingProxy {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// What the harness, playing kubelet, did with evicted pods.
+#[derive(Clone, Debug, Default)]
+pub struct KubeletRecord {
+    /// (pod, whether the drain taint was on its Node when it was evicted).
+    pub evicted: Vec<(String, bool)>,
+}
+
+/// Plays kubelet for the pods of `namespace`: a pod the operator evicted
+/// (terminating) gets its held pages released on its simulated kernel, as
+/// the process exiting would, and is then force-deleted.
+pub fn play_kubelet(
+    fleet: &Fleet,
+    namespace: &str,
+    held: Vec<(String, String, u64)>,
+) -> (Arc<Mutex<KubeletRecord>>, tokio::task::JoinHandle<()>) {
+    let record = Arc::new(Mutex::new(KubeletRecord::default()));
+    let pods: Api<Pod> = Api::namespaced(fleet.client.clone(), namespace);
+    let nodes: Api<Node> = Api::all(fleet.client.clone());
+    let kernels: Vec<(String, SimulatedKernel)> = fleet
+        .nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.kernel.clone()))
+        .collect();
+    let task = tokio::spawn({
+        let record = record.clone();
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let Ok(list) = pods.list(&ListParams::default()).await else {
+                    continue;
+                };
+                for pod in list.items {
+                    if pod.metadata.deletion_timestamp.is_none() {
+                        continue;
+                    }
+                    let name = pod.name_any();
+                    let node = pod
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.node_name.clone())
+                        .unwrap_or_default();
+                    let tainted = nodes.get(&node).await.is_ok_and(|n| has_drain_taint(&n));
+                    // Recorded before the pages come back: a test that
+                    // waits for the shrink then reads the record.
+                    record
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .evicted
+                        .push((name.clone(), tainted));
+                    for (pod_name, node_name, pages) in &held {
+                        if *pod_name == name
+                            && let Some((_, kernel)) = kernels.iter().find(|(n, _)| n == node_name)
+                        {
+                            kernel
+                                .release_pages(MI2, 0, *pages)
+                                .expect("release held pages");
+                        }
+                    }
+                    let _ = pods
+                        .delete(
+                            &name,
+                            &DeleteParams {
+                                grace_period_seconds: Some(0),
+                                ..DeleteParams::default()
+                            },
+                        )
+                        .await;
+                }
+            }
+        }
+    });
+    (record, task)
+}
+
+/// A validating admission webhook for `pods/eviction` in one namespace
+/// (`controlplane webhook`, registered on the real apiserver), steered
+/// through its mode file: `allow`, `delay=20s`, `hang`, `deny-real`.
+pub struct EvictionWebhook {
+    name: String,
+    dir: tempfile::TempDir,
+    process: std::process::Child,
+}
+
+impl EvictionWebhook {
+    /// Starts the webhook in `mode` and registers it for the evictions of
+    /// `namespace`'s pods, with the apiserver's longest timeout (30 s),
+    /// `failurePolicy: Fail` and `sideEffects: None` (so dry runs reach it).
+    pub async fn start(env: &TestEnv, namespace: &str, mode: &str) -> EvictionWebhook {
+        let dir = tempfile::tempdir().expect("webhook dir");
+        std::fs::write(dir.path().join("mode"), mode).expect("mode");
+        let data_dir = env
+            .control_plane
+            .kubeconfig
+            .parent()
+            .expect("the control plane's data dir");
+        let process =
+            std::process::Command::new(hugepool_e2e::controlplane_bin_dir().join("controlplane"))
+                .arg("webhook")
+                .arg("--data-dir")
+                .arg(data_dir)
+                .arg("--dir")
+                .arg(dir.path())
+                .stderr(std::fs::File::create(dir.path().join("log")).expect("log"))
+                .spawn()
+                .expect("controlplane webhook (make controlplane)");
+        let addr_file = dir.path().join("addr");
+        let addr = wait_for("the webhook listening", Duration::from_secs(30), || {
+            let addr = std::fs::read_to_string(&addr_file);
+            async move { addr.map_err(|e| e.to_string()) }
+        })
+        .await;
+        let ca =
+            std::fs::read(data_dir.join("pki").join("ca.crt")).expect("the control plane's CA");
+        let name = format!("{namespace}-evictions");
+        let config: k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration =
+            serde_json::from_value(json!({
+                "metadata": {"name": name},
+                "webhooks": [{
+                    "name": "evictions.faults.hugepool.dev",
+                    "clientConfig": {
+                        "url": format!("https://{addr}/evict"),
+                        "caBundle": k8s_openapi::ByteString(ca),
+                    },
+                    "rules": [{
+                        "operations": ["CREATE"],
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "resources": ["pods/eviction"],
+                    }],
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": namespace},
+                    },
+                    "failurePolicy": "Fail",
+                    "sideEffects": "None",
+                    "timeoutSeconds": 30,
+                    "admissionReviewVersions": ["v1"],
+                }],
+            }))
+            .expect("a webhook configuration");
+        let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+            Api::all(env.client.clone());
+        api.create(&PostParams::default(), &config)
+            .await
+            .expect("webhook registered");
+        EvictionWebhook { name, dir, process }
+    }
+
+    pub fn set_mode(&self, mode: &str) {
+        let path = self.dir.path().join("mode");
+        let next = self.dir.path().join("mode.next");
+        std::fs::write(&next, mode).expect("mode");
+        std::fs::rename(next, path).expect("mode");
+    }
+
+    /// What it was asked, in order: "dryRun=BOOL namespace/pod mode".
+    pub fn requests(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.path().join("requests"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Unregisters it (the apiserver stops calling it at once).
+    pub async fn remove(&self, client: &Client) {
+        let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+            Api::all(client.clone());
+        let _ = api.delete(&self.name, &DeleteParams::default()).await;
+    }
+}
+
+impl Drop for EvictionWebhook {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
     }
 }

@@ -1,0 +1,240 @@
+//! The operator under the faults real clusters have, on the real apiserver
+//! with simulated agents: each test injects one fault, asserts that nothing
+//! was lost and the records are exact, and prints what it measured
+//! ("fault: ..." lines; docs/operations.md, "Faults and recovery").
+//!
+//! No kubelet runs, so the tests play it (`support::play_kubelet`).
+
+#[allow(dead_code)]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use hugepool_crds::{HugePageNode, HugePagePool, HugePagePoolStatus};
+use hugepool_e2e::setup;
+use hugepool_operator::LeaderConfig;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use serde_json::json;
+use support::{EvictionWebhook, Fleet, FleetSpec, MI2, ROLE_LABEL, play_kubelet, pool_spec};
+
+/// The chart's Lease: 15 s, renewed 5 s before it runs out, so one write
+/// may take at most 12.5 s.
+fn chart_lease(scope: &str) -> LeaderConfig {
+    LeaderConfig {
+        namespace: scope.to_string(),
+        lease_name: "hugepool-operator".into(),
+        identity: format!("{scope}-a"),
+        duration: Duration::from_secs(15),
+        grace: Duration::from_secs(5),
+    }
+}
+
+fn status_of(pool: &HugePagePool) -> HugePagePoolStatus {
+    pool.status.clone().unwrap_or_default()
+}
+
+fn draining_message(state: &HugePageNode) -> String {
+    state
+        .status
+        .as_ref()
+        .and_then(|s| support::condition(&s.conditions, "Draining"))
+        .map(|c| c.message.clone())
+        .unwrap_or_default()
+}
+
+/// Two nodes under a 512-page pool that drains (IfNeeded, 10 minutes),
+/// the operator leading on the chart's Lease; on the first node a pod
+/// holds 300 pages (requesting 600Mi) and the pool's evictions go through
+/// an eviction webhook in `mode`. Returns the fleet, the pool, the blocked
+/// node, the consumer pod and the webhook.
+async fn drain_behind_a_webhook(
+    env: &hugepool_e2e::TestEnv,
+    prefix: &str,
+    mode: &str,
+) -> (Fleet, String, String, Pod, EvictionWebhook) {
+    let mut fleet = Fleet::start(env, prefix, FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&fleet.client, &scope).await;
+    fleet.start_operator(Some(chart_lease(&scope))).await;
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 512, json!(2));
+    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "600s"});
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    let blocked = fleet.node_name(0);
+    let held = fleet
+        .node(&blocked)
+        .kernel
+        .hold_pages(MI2, 0, 300)
+        .expect("hold");
+    assert_eq!(held, 300);
+    let consumer = support::run_pod(
+        &fleet.client,
+        &scope,
+        support::pod("consumer", &blocked, "dpdk", Some("600Mi")),
+    )
+    .await;
+    let webhook = EvictionWebhook::start(env, &scope, mode).await;
+    (fleet, pool, blocked, consumer, webhook)
+}
+
+/// Waits until the pool has shrunk to 100 pages on both nodes, and returns
+/// its status.
+async fn wait_shrunk(fleet: &Fleet, pool: &str, timeout: Duration) -> HugePagePoolStatus {
+    let shrunk = fleet
+        .wait_pool(pool, "Available", "True", timeout, |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 2 && status.pages.current == 200)
+                .then_some(())
+                .ok_or(format!("{:?} {:?}", status.nodes, status.pages))
+        })
+        .await;
+    status_of(&shrunk)
+}
+
+/// An eviction webhook that answers in 20 s (longer than the Lease lets one
+/// write take) holds up its pod alone: while the eviction waits, the other
+/// node's shrink lands and the pool's status says so, and the blocked node
+/// names the pod it waits for; once the webhook is removed the eviction
+/// goes through and the shrink finishes. One record, with the pod's UID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_eviction_webhook_holds_up_its_pod_alone_and_its_removal_lets_the_drain_finish() {
+    let Some(env) = setup().await else { return };
+    let (fleet, pool, blocked, consumer, webhook) =
+        drain_behind_a_webhook(&env, "slowhook", "delay=20s").await;
+    let scope = fleet.scope.clone();
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![("consumer".into(), blocked.clone(), 300)],
+    );
+    let shrink = Instant::now();
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+
+    let unanswered = format!("eviction of {scope}/consumer unanswered since");
+    let named = support::wait_for(
+        "the other node's shrink in the pool's status while the eviction waits",
+        Duration::from_secs(60),
+        || async {
+            let status = status_of(&fleet.pool(&pool).await);
+            let message = draining_message(&fleet.node_state(&blocked).await);
+            let evicted = !kubelet.lock().expect("kubelet").evicted.is_empty();
+            if evicted {
+                panic!("evicted before the pool said anything: {status:?} {message}");
+            }
+            (status.nodes.converged == 1 && message.contains(&unanswered))
+                .then(|| shrink.elapsed())
+                .ok_or(format!("{:?}; Draining: {message}", status.nodes))
+        },
+    )
+    .await;
+
+    webhook.remove(&env.client).await;
+    let removed = Instant::now();
+    let status = wait_shrunk(&fleet, &pool, Duration::from_secs(120)).await;
+    let recovered = removed.elapsed();
+    eprintln!(
+        "fault: eviction webhook answering in 20 s: the waiting pod named and the other node \
+         reported after {named:?}; drain finished {recovered:?} after the webhook was removed \
+         ({:?} after the shrink)",
+        shrink.elapsed()
+    );
+    let records: Vec<(String, String)> = status
+        .evicted_pods
+        .iter()
+        .map(|e| (e.pod.clone(), e.uid.clone()))
+        .collect();
+    assert_eq!(
+        records,
+        [(
+            format!("{scope}/consumer"),
+            consumer.metadata.uid.clone().expect("uid")
+        )]
+    );
+    assert_eq!(
+        kubelet.lock().expect("kubelet").evicted,
+        [("consumer".to_string(), true)],
+        "evicted once, under the taint"
+    );
+    let asked = webhook.requests();
+    assert!(
+        asked
+            .first()
+            .is_some_and(|r| r.starts_with(&format!("dryRun=true {scope}/consumer"))),
+        "{asked:?}"
+    );
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}
+
+/// A webhook that lets the dry run through and refuses the real eviction:
+/// the record written before the eviction is taken back and the node names
+/// the refusal; once the webhook lets it through, the pod is evicted and
+/// recorded once, though it was asked for (and recorded) more than once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_refused_after_its_dry_run_is_not_recorded_and_one_accepted_later_is_recorded_once()
+ {
+    let Some(env) = setup().await else { return };
+    let (fleet, pool, blocked, consumer, webhook) =
+        drain_behind_a_webhook(&env, "denyreal", "deny-real").await;
+    let scope = fleet.scope.clone();
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![("consumer".into(), blocked.clone(), 300)],
+    );
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+
+    let refused = format!("eviction of {scope}/consumer refused");
+    support::wait_for(
+        "the refusal named, and no record",
+        Duration::from_secs(60),
+        || async {
+            let status = status_of(&fleet.pool(&pool).await);
+            let message = draining_message(&fleet.node_state(&blocked).await);
+            let real_asked = webhook
+                .requests()
+                .iter()
+                .any(|r| r.starts_with("dryRun=false"));
+            (real_asked && message.contains(&refused) && status.evicted_pods.is_empty())
+                .then_some(())
+                .ok_or(format!("{:?}; Draining: {message}", status.evicted_pods))
+        },
+    )
+    .await;
+    assert!(kubelet.lock().expect("kubelet").evicted.is_empty());
+
+    webhook.set_mode("allow");
+    let allowed = Instant::now();
+    let status = wait_shrunk(&fleet, &pool, Duration::from_secs(120)).await;
+    eprintln!(
+        "fault: real eviction refused after an accepted dry run: the record withdrawn; drain \
+         finished {:?} after the webhook allowed it",
+        allowed.elapsed()
+    );
+    let uid = consumer.metadata.uid.clone().expect("uid");
+    let records: Vec<&str> = status.evicted_pods.iter().map(|e| e.uid.as_str()).collect();
+    assert_eq!(records, [uid.as_str()]);
+    let real_asked = webhook
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("dryRun=false"))
+        .count();
+    assert!(real_asked >= 2, "{:?}", webhook.requests());
+    assert_eq!(
+        kubelet.lock().expect("kubelet").evicted,
+        [("consumer".to_string(), true)]
+    );
+    let pods: Api<Pod> = Api::namespaced(fleet.client.clone(), &scope);
+    assert!(pods.get_opt("consumer").await.expect("get").is_none());
+    webhook.remove(&env.client).await;
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}
