@@ -349,7 +349,7 @@ fn rbac_is_the_designs_list() {
             ),
             rule("hugepool.dev", "hugepagenodes/status", &["patch"]),
             rule("", "nodes", &["get", "list", "watch", "patch"]),
-            rule("", "pods", &["list"]),
+            rule("", "pods", &["get", "list", "watch"]),
             rule("", "pods/eviction", &["create"]),
             rule("events.k8s.io", "events", &["create", "patch"]),
         ])

@@ -29,7 +29,7 @@ mod statuses;
 mod watches;
 mod writes;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -61,7 +61,7 @@ use crate::leader::{Fence, LeaderConfig, Leadership};
 use crate::metrics::{Health, Metrics};
 use crate::planner::{self, Plan, PlanInput};
 use evictions::{Evictions, PlannedEviction};
-use watches::{AbortOnDrop, follow};
+use watches::{AbortOnDrop, PodWatches, follow};
 use writes::{Retries, fenced};
 
 /// How the operator runs; `main` fills it from flags, tests directly.
@@ -75,8 +75,6 @@ pub struct Config {
     pub instance: String,
     /// Re-plan at least this often even without events.
     pub resync: Duration,
-    /// Re-plan this often while a drain is evicting pods.
-    pub drain_poll: Duration,
 }
 
 impl Default for Config {
@@ -86,7 +84,6 @@ impl Default for Config {
             leader: None,
             instance: "hugepool-operator".into(),
             resync: Duration::from_secs(300),
-            drain_poll: Duration::from_secs(5),
         }
     }
 }
@@ -110,6 +107,8 @@ pub struct Worker {
     /// Evictions in flight, refused ones waiting out their backoff, and
     /// the records to take back.
     evictions: Evictions,
+    /// The pods of the nodes being drained, watched.
+    pod_watches: PodWatches,
     /// Pools whose metrics are published.
     pools_seen: HashSet<String>,
     /// Failed writes and unacknowledged specs, for the planner.
@@ -262,6 +261,7 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
     let drain_states = write_specs(ctx, worker, &plan, &snapshot, started).await?;
     let (to_evict, evicting) =
         carry_out_drains(ctx, worker, &plan, &snapshot, &drain_states, now, started).await?;
+    worker.pod_watches.keep(&ctx.client, &ctx.wake, evicting);
     statuses::write_statuses(ctx, worker, &plan, pools, started).await?;
     for eviction in to_evict {
         worker
@@ -270,7 +270,7 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
     }
 
     forget_what_went(ctx, worker, &plan, &snapshot);
-    let next = next_look(ctx, worker, &plan, evicting, now);
+    let next = next_look(ctx, worker, &plan, now);
     ctx.metrics.observe_reconcile(started.elapsed());
     Ok(Pass { next })
 }
@@ -389,7 +389,7 @@ async fn write_specs(
 
 /// Carries out each node's drain as planned (in node order: they are few):
 /// the Draining condition, the taints, and the pods to evict. Returns the
-/// evictions to start and whether any node is evicting.
+/// evictions to start and the nodes evicting.
 async fn carry_out_drains(
     ctx: &Context,
     worker: &mut Worker,
@@ -398,9 +398,9 @@ async fn carry_out_drains(
     drain_states: &HashMap<String, Arc<HugePageNode>>,
     now: Timestamp,
     started: Instant,
-) -> Result<(Vec<PlannedEviction>, bool)> {
+) -> Result<(Vec<PlannedEviction>, BTreeSet<String>)> {
     let mut to_evict = Vec::new();
-    let mut evicting = false;
+    let mut evicting = BTreeSet::new();
     for (node_name, node_plan) in &plan.nodes {
         let Some(node) = snapshot.node(node_name) else {
             continue;
@@ -411,7 +411,7 @@ async fn carry_out_drains(
         let node_state = drain_states.get(node_name).map(Arc::as_ref);
         match drains::carry_out_drain(ctx, worker, node, node_state, node_plan, now).await {
             Ok(Some(pods)) => {
-                evicting = true;
+                evicting.insert(node_name.clone());
                 to_evict.extend(drains::choose_evictions(
                     worker, node, node_state, node_plan, &pods, now,
                 ));
@@ -451,13 +451,7 @@ fn forget_what_went(ctx: &Context, worker: &mut Worker, plan: &Plan, snapshot: &
 
 /// When to look again without an event: the earliest deadline the plan,
 /// the retries and the evictions know, at most `resync` away.
-fn next_look(
-    ctx: &Context,
-    worker: &Worker,
-    plan: &Plan,
-    evicting: bool,
-    now: Timestamp,
-) -> Duration {
+fn next_look(ctx: &Context, worker: &Worker, plan: &Plan, now: Timestamp) -> Duration {
     let until = |deadline: Timestamp| {
         Duration::try_from(deadline.duration_since(now)).unwrap_or(Duration::ZERO)
             + Duration::from_millis(100)
@@ -468,9 +462,6 @@ fn next_look(
     }
     if let Some(deadline) = worker.evictions.next_deadline() {
         next = next.min(until(deadline));
-    }
-    if evicting {
-        next = next.min(ctx.config.drain_poll);
     }
     let retry = worker
         .node_retries

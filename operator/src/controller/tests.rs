@@ -606,6 +606,7 @@ fn serve(
     let calls = Arc::clone(&log);
     let task = tokio::spawn(async move {
         let mut unanswered = Vec::new();
+        let mut watches = 0;
         while let Some((request, send)) = handle.next_request().await {
             let (parts, body) = request.into_parts();
             let bytes = body.collect_bytes().await.unwrap();
@@ -616,9 +617,28 @@ fn serve(
                 body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
             };
             calls.lock().unwrap().push(call.clone());
+            // The drain's watch of the node's pods: the first one sees
+            // "web" go; later ones stay open.
+            if call.query.contains("watch=true") {
+                watches += 1;
+                if watches > 1 {
+                    unanswered.push(send);
+                    continue;
+                }
+                let mut gone = consumer("web", "memory");
+                gone.metadata.resource_version = Some("41".into());
+                let event = json!({"type": "DELETED", "object": gone});
+                send.send_response(
+                    Response::builder()
+                        .status(StatusCode::OK)
+                        .body(Body::from(format!("{event}\n").into_bytes()))
+                        .unwrap(),
+                );
+                continue;
+            }
             let (code, reply) = if call.path == "/api/v1/pods" {
                 let pods = json!({
-                    "apiVersion": "v1", "kind": "PodList", "metadata": {},
+                    "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "40"},
                     "items": [consumer("dpdk", "hugepages-2Mi"), consumer("web", "memory")],
                 });
                 (StatusCode::OK, pods)
@@ -985,6 +1005,29 @@ async fn an_eviction_nobody_answers_holds_up_no_pass_and_is_named_on_its_node() 
     );
     // Asked once: an eviction in flight is not asked for again.
     assert_eq!(calls.iter().filter(|c| c.is_eviction(true)).count(), 1);
+}
+
+#[tokio::test]
+async fn a_pod_that_goes_from_a_draining_node_wakes_the_worker() {
+    // The eviction hangs: nothing but the watch of w-1's pods can wake it.
+    let mut drain = Drain::start(Evictions {
+        dry_run: None,
+        real: None,
+    });
+    drain.pass().await;
+    tokio::time::timeout(Duration::from_secs(5), drain.ctx.wake.notified())
+        .await
+        .expect("woken by the pod that went");
+    let calls = drain.calls();
+    let watch = calls
+        .iter()
+        .find(|c| c.path == "/api/v1/pods" && c.query.contains("watch=true"))
+        .expect("w-1's pods watched");
+    assert!(
+        watch.query.contains("fieldSelector=spec.nodeName%3Dw-1"),
+        "only w-1's pods: {}",
+        watch.query
+    );
 }
 
 #[test]

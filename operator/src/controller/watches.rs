@@ -1,14 +1,15 @@
 //! The watches behind the caches: what of a Node is kept, which events
 //! wake the worker, and the task that drives each watch.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::runtime::watcher;
-use kube::{Resource, ResourceExt};
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
 use tokio::sync::Notify;
 use tracing::debug;
 
@@ -162,4 +163,58 @@ where
             }
         }
     })
+}
+
+/// Watches of the pods on the nodes being drained, one per node (a field
+/// selector on `spec.nodeName`): a drain hears within a second of a pod
+/// that went or changed, without watching every pod of the cluster.
+#[derive(Default)]
+pub(super) struct PodWatches(BTreeMap<String, tokio::task::JoinHandle<()>>);
+
+impl PodWatches {
+    /// Watches exactly `nodes`' pods from now on.
+    pub fn keep(&mut self, client: &Client, wake: &Arc<Notify>, nodes: BTreeSet<String>) {
+        self.0.retain(|node, task| {
+            let keep = nodes.contains(node);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for node in nodes {
+            self.0.entry(node.clone()).or_insert_with(|| {
+                tokio::spawn(wake_on_pods(
+                    Api::all(client.clone()),
+                    node,
+                    Arc::clone(wake),
+                ))
+            });
+        }
+    }
+}
+
+impl Drop for PodWatches {
+    fn drop(&mut self) {
+        for task in self.0.values() {
+            task.abort();
+        }
+    }
+}
+
+/// Wakes the worker on every change of a pod on `node` after the first
+/// listing (the pass that started the watch has just listed them).
+async fn wake_on_pods(api: Api<Pod>, node: String, wake: Arc<Notify>) {
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+    let mut events = std::pin::pin!(watcher(api, config).default_backoff());
+    let mut listed = false;
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(watcher::Event::InitDone) => listed = true,
+            Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) if listed => {
+                wake.notify_one();
+            }
+            Ok(_) => {}
+            Err(err) => debug!(%node, error = %err, "watching the pods of a draining node"),
+        }
+    }
 }

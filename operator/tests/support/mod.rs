@@ -372,7 +372,6 @@ impl Fleet {
             leader,
             instance: format!("{}-operator-{index}", self.scope),
             resync: Duration::from_secs(60),
-            drain_poll: Duration::from_millis(500),
         };
         let mut kube_config = self.kube_config().await;
         if let Some(url) = url {
