@@ -561,7 +561,7 @@ pub async fn run(
                 Api::<HugePageNode>::all(client.clone()),
                 watcher::Config::default(),
             )
-            .modify(|state: &mut HugePageNode| state.metadata.managed_fields = None),
+            .modify(watches::slim_node_state),
         )
         .default_backoff(),
         Arc::clone(&deliveries),

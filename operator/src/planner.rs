@@ -65,8 +65,10 @@ pub struct Observed {
 
 impl Observed {
     /// Keeps `unacknowledged` up to date with `states` at `now`: a
-    /// generation first seen waiting starts its clock, one acknowledged
-    /// (or gone) leaves.
+    /// generation waits since the operator wrote it, as the object says
+    /// (its managedFields entry's time, so a new leader does not start the
+    /// clock again), else since first seen waiting; one acknowledged (or
+    /// gone) leaves.
     pub fn track_acknowledgements<'s>(
         &mut self,
         states: impl IntoIterator<Item = &'s HugePageNode>,
@@ -86,14 +88,30 @@ impl Observed {
             if observed >= generation {
                 continue;
             }
-            let since = match self.unacknowledged.get(&name) {
-                Some(&(seen, since)) if seen == generation => since,
+            let since = match (spec_written_at(state), self.unacknowledged.get(&name)) {
+                (Some(written), _) => written.min(now),
+                (None, Some(&(seen, since))) if seen == generation => since,
                 _ => now,
             };
             waiting.insert(name, (generation, since));
         }
         self.unacknowledged = waiting;
     }
+}
+
+/// When the operator last wrote the HugePageNode's spec, as the API server
+/// recorded it (the operator's managedFields entry of the object itself,
+/// not of its status).
+pub fn spec_written_at(state: &HugePageNode) -> Option<Timestamp> {
+    state
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|m| m.manager.as_deref() == Some(hugepool_crds::OPERATOR_MANAGER))
+        .filter(|m| m.subresource.as_deref().unwrap_or_default().is_empty())
+        .filter_map(|m| m.time.as_ref().map(|t| t.0))
+        .max()
 }
 
 /// What the cluster should look like after this pass.
@@ -176,6 +194,9 @@ pub struct PoolPlan {
     pub write_errors: Vec<(String, String)>,
     /// Nodes with work left for the pool that do not answer, with why.
     pub unresponsive: Vec<(String, String)>,
+    /// Nodes holding a rollout slot that have not answered yet, each with
+    /// when it will be passed over unless it answers.
+    pub silent: Vec<(String, Timestamp)>,
     /// Every node the pool manages, by name, with where it stands.
     pub members: Vec<PoolMember>,
     /// The pool's page size (its pages in bytes, for the metrics).
@@ -573,6 +594,8 @@ struct Member {
     capacity_stale: bool,
     /// Why the node does not answer (see [`unresponsive`]), if it does not.
     unresponsive: Option<String>,
+    /// Silent for now: passed over from this time on unless it answers.
+    silent_until: Option<Timestamp>,
 }
 
 type NodeStates<'a> = BTreeMap<&'a str, &'a HugePageNode>;
@@ -623,6 +646,7 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             ) {
                 Answer::Answers => {}
                 Answer::SilentSince(deadline) => {
+                    member.silent_until = Some(deadline);
                     // Wake up when it would count as unresponsive.
                     unresponsive_deadline = Some(
                         unresponsive_deadline.map_or(deadline, |d: Timestamp| d.min(deadline)),
@@ -888,6 +912,7 @@ fn classify(
         },
         capacity_stale: false,
         unresponsive: None,
+        silent_until: None,
     };
     let desired = match want {
         Want::Frozen => {
@@ -1083,6 +1108,11 @@ fn settle_pool(
         drain_timeouts,
         write_errors: Vec::new(),
         unresponsive,
+        silent: active
+            .iter()
+            .filter(|m| matches!(m.state, NodeState::Updating | NodeState::Failed { .. }))
+            .filter_map(|m| Some((m.node.clone(), m.silent_until?)))
+            .collect(),
         members: active
             .iter()
             .map(|m| PoolMember {
@@ -1560,6 +1590,25 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             name_nodes(&plan.blocked)
         )
     };
+    // Nodes that hold a slot and have not answered yet: named before they
+    // are passed over, so a rollout that waits on them says on whom.
+    let silent_note = if plan.silent.is_empty() {
+        String::new()
+    } else {
+        let named: Vec<String> = plan
+            .silent
+            .iter()
+            .take(MAX_NAMED_NODES)
+            .map(|(node, until)| {
+                let until = until.strftime("%Y-%m-%dT%H:%M:%SZ");
+                format!("{node} (passed over at {until} unless it answers)")
+            })
+            .collect();
+        format!(
+            "; waiting on nodes that do not answer yet: {}",
+            named.join(", ")
+        )
+    };
     let progressing = if halted {
         update(
             Progressing,
@@ -1577,7 +1626,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             Progressing,
             counts.updating > 0,
             Reason::Paused,
-            format!("rollout paused: {summary}{blocked_note}"),
+            format!("rollout paused: {summary}{blocked_note}{silent_note}"),
         )
     } else if !plan.draining.is_empty() {
         update(
@@ -1585,7 +1634,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::Draining,
             format!(
-                "draining {} for the shrink; {summary}",
+                "draining {} for the shrink; {summary}{silent_note}",
                 name_nodes(&plan.draining)
             ),
         )
@@ -1596,7 +1645,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             Reason::MaxUnavailableReached,
             format!(
                 "{changing}/{} nodes changing (maxUnavailable), {waiting} waiting; \
-                 {summary}{blocked_note}",
+                 {summary}{blocked_note}{silent_note}",
                 plan.max_unavailable
             ),
         )
@@ -1606,7 +1655,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::RollingOut,
             format!(
-                "{summary}; maxUnavailable {}{blocked_note}",
+                "{summary}; maxUnavailable {}{blocked_note}{silent_note}",
                 plan.max_unavailable
             ),
         )
@@ -1627,6 +1676,34 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
     } else {
         String::new()
     };
+    let described_unresponsive = || {
+        let described: Vec<String> = plan
+            .unresponsive
+            .iter()
+            .take(MAX_NAMED_NODES)
+            .map(|(node, why)| format!("{node} ({why})"))
+            .collect();
+        let more = plan.unresponsive.len().saturating_sub(MAX_NAMED_NODES);
+        format!(
+            "{}{}",
+            described.join("; "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        )
+    };
+    // Nodes that do not answer are named whatever else the pool reports.
+    let unresponsive_note = if plan.unresponsive.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; {} nodes do not answer: {}",
+            plan.unresponsive.len(),
+            described_unresponsive()
+        )
+    };
     // A timed-out drain names its own cause (a PodDisruptionBudget, most
     // likely) even when it is also what halted the rollout.
     let degraded = if !plan.drain_timeouts.is_empty() {
@@ -1635,7 +1712,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::DrainTimeout,
             format!(
-                "drain timed out on {}{halt_note}: {}",
+                "drain timed out on {}{halt_note}: {}{unresponsive_note}",
                 name_nodes(&plan.drain_timeouts),
                 describe_failed()
             ),
@@ -1646,7 +1723,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::RolloutHalted,
             format!(
-                "{} nodes failed, rollout halted at maxUnavailable {}: {}",
+                "{} nodes failed, rollout halted at maxUnavailable {}: {}{unresponsive_note}",
                 counts.failed,
                 plan.max_unavailable,
                 describe_failed()
@@ -1659,7 +1736,7 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             Reason::Conflict,
             format!(
                 "{} nodes selected by this pool belong for {} pages to the older pool {}, \
-                 this pool leaves them alone: {}",
+                 this pool leaves them alone: {}{unresponsive_note}",
                 conflict_nodes.len(),
                 pool.size,
                 conflict_owners.into_iter().collect::<Vec<_>>().join(", "),
@@ -1679,16 +1756,13 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             Degraded,
             true,
             reason,
-            format!("{} nodes failed: {}", counts.failed, describe_failed()),
+            format!(
+                "{} nodes failed: {}{unresponsive_note}",
+                counts.failed,
+                describe_failed()
+            ),
         )
     } else if !plan.unresponsive.is_empty() {
-        let described: Vec<String> = plan
-            .unresponsive
-            .iter()
-            .take(MAX_NAMED_NODES)
-            .map(|(node, why)| format!("{node} ({why})"))
-            .collect();
-        let more = plan.unresponsive.len().saturating_sub(MAX_NAMED_NODES);
         let waits = if pool.deleting {
             "the deletion waits for them"
         } else {
@@ -1699,14 +1773,9 @@ fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [ConditionUpdate; 3
             true,
             Reason::NodesUnresponsive,
             format!(
-                "{} nodes do not answer, {waits}: {}{}",
+                "{} nodes do not answer, {waits}: {}",
                 plan.unresponsive.len(),
-                described.join("; "),
-                if more > 0 {
-                    format!(" and {more} more")
-                } else {
-                    String::new()
-                }
+                described_unresponsive()
             ),
         )
     } else if !plan.stalled.is_empty() {

@@ -238,3 +238,114 @@ async fn an_eviction_refused_after_its_dry_run_is_not_recorded_and_one_accepted_
     support::delete_namespace(&fleet.client, &scope).await;
     fleet.shutdown().await;
 }
+
+/// A selected Node turns NotReady (its agent down) as the pool grows, with
+/// `maxUnavailable: 1`: while it holds the one slot without answering, the
+/// pool's Progressing message names it and when it will be passed over;
+/// then it is passed over and named in Degraded while the node that
+/// answers gets its pages. When it comes back, its agent converges and its
+/// name goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_turns_not_ready_is_named_passed_over_and_converges_when_it_returns() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "notready",
+        FleetSpec::new(2).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 64, json!(1));
+    spec["rollout"]["unresponsiveAfter"] = json!("10s");
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    // The first node by name is the first admitted.
+    let mut names = fleet.node_names();
+    names.sort();
+    let (silent, answering) = (names[0].clone(), names[1].clone());
+    fleet.stop_agent(&silent).await;
+    fleet.set_ready(&silent, false).await;
+    let grown = Instant::now();
+    fleet.patch_pool(&pool, json!({"pages": 128})).await;
+
+    let waiting = format!("waiting on nodes that do not answer yet: {silent} (passed over at");
+    support::wait_for(
+        "the silent node named while it holds the slot",
+        Duration::from_secs(30),
+        || async {
+            let progressing = fleet
+                .pool(&pool)
+                .await
+                .status
+                .and_then(|s| support::condition(&s.conditions, "Progressing").cloned())
+                .map(|c| c.message)
+                .unwrap_or_default();
+            progressing
+                .contains(&waiting)
+                .then_some(())
+                .ok_or(progressing)
+        },
+    )
+    .await;
+    let named = grown.elapsed();
+    let passed_over = fleet
+        .wait_pool(&pool, "Degraded", "True", Duration::from_secs(60), |p| {
+            let status = status_of(p);
+            let degraded = support::condition(&status.conditions, "Degraded").cloned();
+            let message = degraded.map(|c| c.message).unwrap_or_default();
+            (message.contains(&format!("{silent} (NotReady since")) && status.nodes.converged == 1)
+                .then_some(())
+                .ok_or(message)
+        })
+        .await;
+    assert_eq!(
+        support::condition(&status_of(&passed_over).conditions, "Degraded")
+            .map(|c| c.reason.clone()),
+        Some("NodesUnresponsive".to_string())
+    );
+    fleet
+        .wait_kernels(
+            std::slice::from_ref(&answering),
+            128,
+            Duration::from_secs(30),
+        )
+        .await;
+    let over = grown.elapsed();
+
+    fleet.set_ready(&silent, true).await;
+    fleet.restart_agent(&silent);
+    let back = Instant::now();
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 2 && status.nodes.unresponsive == 0)
+                .then_some(())
+                .ok_or(format!("{:?}", status.nodes))
+        })
+        .await;
+    fleet
+        .wait_kernels(&names, 128, Duration::from_secs(30))
+        .await;
+    let degraded = fleet
+        .wait_pool(&pool, "Degraded", "False", Duration::from_secs(30), |_| {
+            Ok(())
+        })
+        .await;
+    let message = support::condition(&status_of(&degraded).conditions, "Degraded")
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(!message.contains(&silent), "{message}");
+    eprintln!(
+        "fault: a node NotReady with its agent down (unresponsiveAfter 10s): named in \
+         Progressing after {named:?}, passed over and the other node grown after {over:?}; \
+         back: converged {:?} after Ready and its agent returned",
+        back.elapsed()
+    );
+    fleet.shutdown().await;
+}

@@ -124,7 +124,7 @@ pub(super) async fn write_node_spec(
         };
         written.map_err(error).map(|mut updated| {
             // Only its name, version, generation, spec and status are read.
-            updated.metadata.managed_fields = None;
+            super::watches::slim_node_state(&mut updated);
             updated
         })
     })

@@ -13,6 +13,8 @@ use kube::{Client, Resource, ResourceExt};
 use tokio::sync::Notify;
 use tracing::debug;
 
+use hugepool_crds::{HugePageNode, OPERATOR_MANAGER};
+
 use super::writes::Deliveries;
 
 /// Keeps of a Node what the operator reads: name, uid, labels, taints, the
@@ -46,6 +48,21 @@ pub fn slim_node(node: &mut Node) {
             conditions: ready,
             ..NodeStatus::default()
         });
+    }
+}
+
+/// Keeps of a HugePageNode's managedFields only when the operator last
+/// wrote its spec (the entry's time, without its field set): the
+/// acknowledgement clock reads it (`planner::spec_written_at`).
+pub fn slim_node_state(state: &mut HugePageNode) {
+    if let Some(fields) = &mut state.metadata.managed_fields {
+        fields.retain(|m| {
+            m.manager.as_deref() == Some(OPERATOR_MANAGER)
+                && m.subresource.as_deref().unwrap_or_default().is_empty()
+        });
+        for entry in fields.iter_mut() {
+            entry.fields_v1 = None;
+        }
     }
 }
 

@@ -1127,11 +1127,27 @@ fn a_node_whose_agent_does_not_answer_gives_back_its_slot_and_is_named() {
     let mut observed = Observed::default();
     observed.track_acknowledgements(&hpns, at(0));
     assert_eq!(observed.unacknowledged.keys().collect::<Vec<_>>(), ["w-00"]);
-    // Within the bound it keeps the slot, and the plan wakes at the bound.
+    // Within the bound it keeps the slot, and the plan wakes at the bound;
+    // the pool already names whom it waits on, and until when.
     let waiting = plan_observed(&pools, &nodes, &hpns, &observed, 30);
     assert_eq!(target_of(&waiting, "w-01", "2Mi"), None);
     assert_eq!(waiting.pools["dpdk"].status.nodes.unresponsive, 0);
     assert_eq!(waiting.next_deadline, Some(at(60)));
+    let progressing = waiting.pools["dpdk"]
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Progressing")
+        .unwrap()
+        .message
+        .clone();
+    let until = at(60).strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+    assert!(
+        progressing.contains(&format!(
+            "waiting on nodes that do not answer yet: w-00 (passed over at {until}"
+        )),
+        "{progressing}"
+    );
     // Past it: the slot goes to w-01, w-00 is counted apart and named.
     let silent = plan_observed(&pools, &nodes, &hpns, &observed, 60);
     assert_eq!(target_of(&silent, "w-01", "2Mi"), Some(64));
@@ -1191,6 +1207,66 @@ fn a_node_not_ready_past_the_bound_gets_no_slot() {
         degraded.contains("w-00 (NotReady since") && degraded.contains("NodeStatusUnknown"),
         "{degraded}"
     );
+}
+
+#[test]
+fn nodes_that_do_not_answer_are_named_beside_failed_nodes() {
+    use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+    let mut pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(2),
+    )];
+    pools[0].spec.rollout.unresponsive_after = "1m".into();
+    let mut nodes = fleet(3, &["dpdk"]);
+    nodes[2].status = Some(NodeStatus {
+        conditions: Some(vec![NodeCondition {
+            type_: "Ready".into(),
+            status: "False".into(),
+            reason: Some("KubeletNotReady".into()),
+            last_transition_time: Some(Time(at(0))),
+            ..NodeCondition::default()
+        }]),
+        ..NodeStatus::default()
+    });
+    let mut hpns = Vec::new();
+    let first = run_plan(&pools, &nodes, &hpns, 0);
+    apply_specs(&first, &mut hpns);
+    // w-00 fails its grow; w-02 has been NotReady for two minutes.
+    fail_allocation(&mut hpns[0]);
+    let later = run_plan(&pools, &nodes, &hpns, 120);
+    assert_eq!(
+        condition(&later, "dpdk", PoolConditionType::Degraded).1,
+        "AllocationFailed"
+    );
+    let degraded = degraded_message(&later, "dpdk");
+    assert!(
+        degraded.contains("1 nodes do not answer: w-02 (NotReady since"),
+        "{degraded}"
+    );
+}
+
+#[test]
+fn the_acknowledgement_clock_starts_when_the_spec_was_written_whoever_leads_now() {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+    let mut waiting = hpn("w-00", 3, vec![]);
+    let entry = |manager: &str, subresource: Option<&str>, second: i64| ManagedFieldsEntry {
+        manager: Some(manager.into()),
+        operation: Some("Update".into()),
+        subresource: subresource.map(str::to_string),
+        time: Some(Time(at(second))),
+        ..ManagedFieldsEntry::default()
+    };
+    waiting.metadata.managed_fields = Some(vec![
+        entry(hugepool_crds::OPERATOR_MANAGER, None, 40),
+        // Its Draining condition, and the agent's status: not the spec.
+        entry(hugepool_crds::OPERATOR_MANAGER, Some("status"), 90),
+        entry("hugepool-agent", Some("status"), 95),
+    ]);
+    // A replica that has just become leader sees it for the first time at
+    // 100: the generation has waited since 40, when the spec was written.
+    let mut observed = Observed::default();
+    observed.track_acknowledgements([&waiting], at(100));
+    assert_eq!(observed.unacknowledged["w-00"], (3, at(40)));
 }
 
 #[test]

@@ -544,6 +544,53 @@ impl Fleet {
         .await;
     }
 
+    /// Stops `name`'s agent, as on a node whose agent went down; its
+    /// kernel keeps what it holds.
+    pub async fn stop_agent(&mut self, name: &str) {
+        let node = self
+            .nodes
+            .iter_mut()
+            .find(|n| n.name == name)
+            .expect("a node of the fleet");
+        let _ = node.stop.send(true);
+        let _ = (&mut node.task).await;
+    }
+
+    /// Starts `name`'s agent again, over the same kernel.
+    pub fn restart_agent(&mut self, name: &str) {
+        let index = self
+            .nodes
+            .iter()
+            .position(|n| n.name == name)
+            .expect("a node of the fleet");
+        let kernel = self.nodes[index].kernel.clone();
+        self.nodes[index] = start_agent(&self.client, name, kernel);
+    }
+
+    /// Sets the Node's Ready condition as a kubelet (or the node lifecycle
+    /// controller) would, changed now.
+    pub async fn set_ready(&self, name: &str, ready: bool) {
+        let now = jiff::Timestamp::now().to_string();
+        let (status, reason) = if ready {
+            ("True", "KubeletReady")
+        } else {
+            ("False", "NodeStatusUnknown")
+        };
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        nodes
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"conditions": [{
+                    "type": "Ready", "status": status, "reason": reason,
+                    "message": "set by the test", "lastTransitionTime": now,
+                    "lastHeartbeatTime": now,
+                }]}})),
+            )
+            .await
+            .expect("Node Ready condition");
+    }
+
     pub fn node_names(&self) -> Vec<String> {
         self.nodes.iter().map(|n| n.name.clone()).collect()
     }
