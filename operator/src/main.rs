@@ -124,7 +124,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }),
         instance: identity,
         resync: args.resync,
-        ..Config::default()
     };
     hugepool_operator::run(kube_client().await?, config, shutdown_signal())
         .await
