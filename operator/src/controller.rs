@@ -98,7 +98,6 @@ const NODE_WRITES_IN_FLIGHT: usize = 32;
 const FENCE_RECHECK: Duration = Duration::from_millis(500);
 
 /// What the worker carries from one pass to the next.
-#[derive(Default)]
 pub struct Worker {
     /// Nodes whose last write did not land.
     node_retries: Retries,
@@ -113,6 +112,19 @@ pub struct Worker {
     pools_seen: HashSet<String>,
     /// Failed writes and unacknowledged specs, for the planner.
     observed: planner::Observed,
+}
+
+impl Default for Worker {
+    fn default() -> Self {
+        Self {
+            node_retries: Retries::up_to(writes::RETRY_MAX),
+            pool_retries: Retries::up_to(writes::POOL_RETRY_MAX),
+            evictions: Evictions::default(),
+            pod_watches: PodWatches::default(),
+            pools_seen: HashSet::new(),
+            observed: planner::Observed::default(),
+        }
+    }
 }
 
 /// Waits until the caches show every write of the last pass (or its kind

@@ -349,3 +349,146 @@ async fn a_node_that_turns_not_ready_is_named_passed_over_and_converges_when_it_
     );
     fleet.shutdown().await;
 }
+
+/// The API server fails every write of the pool's status (500) for 30 s
+/// while the pool grows: the nodes are written and converge meanwhile (the
+/// failure stays with the pool's status), the operator's error counter
+/// names it, and once writes succeed again the status catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundreds_on_a_pools_status_for_30_s_hold_up_only_its_status() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "status5xx",
+        FleetSpec::new(3).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    let replica = fleet.start_leading_replica().await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(3)))
+        .await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    let failing = support::fail_writes(
+        &fleet.client,
+        &scope,
+        "hugepool.dev",
+        "hugepagepools/status",
+    )
+    .await;
+    let started = Instant::now();
+    fleet.patch_pool(&pool, json!({"pages": 128})).await;
+    // The nodes go on while the pool's status cannot be written.
+    fleet
+        .wait_kernels(&fleet.node_names(), 128, Duration::from_secs(60))
+        .await;
+    let kernels_done = started.elapsed();
+    let metrics_addr = replica.addr.clone();
+    support::wait_for(
+        "the failed status writes counted",
+        Duration::from_secs(30),
+        || {
+            let addr = metrics_addr.clone();
+            async move {
+                let text = hugepool_e2e::http_get(&addr, "/metrics")?;
+                text.lines()
+                    .any(|l| {
+                        l.starts_with("hugepool_reconcile_errors_total{error=\"pool_status\"}")
+                    })
+                    .then_some(())
+                    .ok_or(text)
+            }
+        },
+    )
+    .await;
+    let stale = status_of(&fleet.pool(&pool).await);
+    assert_eq!(
+        stale.pages.target,
+        3 * 64,
+        "the status stayed as it was: {stale:?}"
+    );
+    // 30 s of failures in all, then writes succeed again.
+    let left = Duration::from_secs(30).saturating_sub(started.elapsed());
+    tokio::time::sleep(left).await;
+    support::stop_failing_writes(&fleet.client, &failing).await;
+    let healed = Instant::now();
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |p| {
+            let status = status_of(p);
+            (status.pages.target == 3 * 128 && status.nodes.converged == 3)
+                .then_some(())
+                .ok_or(format!("{:?}", status.pages))
+        })
+        .await;
+    eprintln!(
+        "fault: 500 on every write of a pool's status for 30 s: the kernels reached the new \
+         target after {kernels_done:?} meanwhile; the status caught up {:?} after writes \
+         succeeded again",
+        healed.elapsed()
+    );
+    fleet.shutdown().await;
+}
+
+/// An eviction webhook that never answers: the API server gives up at the
+/// webhook's timeout (30 s) and refuses the eviction; the pod is named on
+/// its node meanwhile and the refusal after; once the webhook answers, the
+/// eviction goes through on its next try, recorded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_webhook_that_hangs_to_its_timeout_is_named_and_retried() {
+    let Some(env) = setup().await else { return };
+    let (fleet, pool, blocked, consumer, webhook) =
+        drain_behind_a_webhook(&env, "hanghook", "hang").await;
+    let scope = fleet.scope.clone();
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![("consumer".into(), blocked.clone(), 300)],
+    );
+    let shrink = Instant::now();
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+    let unanswered = format!("eviction of {scope}/consumer unanswered since");
+    let refused = format!("eviction of {scope}/consumer refused");
+    support::wait_for(
+        "the hanging eviction named",
+        Duration::from_secs(60),
+        || async {
+            let message = draining_message(&fleet.node_state(&blocked).await);
+            message.contains(&unanswered).then_some(()).ok_or(message)
+        },
+    )
+    .await;
+    support::wait_for(
+        "the refusal at the webhook's timeout named",
+        Duration::from_secs(90),
+        || async {
+            let message = draining_message(&fleet.node_state(&blocked).await);
+            message.contains(&refused).then_some(()).ok_or(message)
+        },
+    )
+    .await;
+    let timed_out = shrink.elapsed();
+    assert!(kubelet.lock().expect("kubelet").evicted.is_empty());
+    webhook.set_mode("allow");
+    let allowed = Instant::now();
+    let status = wait_shrunk(&fleet, &pool, Duration::from_secs(120)).await;
+    eprintln!(
+        "fault: eviction webhook that never answers (timeoutSeconds 30): refused and named \
+         after {timed_out:?}; the drain finished {:?} after the webhook answered again",
+        allowed.elapsed()
+    );
+    let uids: Vec<&str> = status.evicted_pods.iter().map(|e| e.uid.as_str()).collect();
+    assert_eq!(uids, [consumer.metadata.uid.as_deref().expect("uid")]);
+    assert_eq!(
+        kubelet.lock().expect("kubelet").evicted,
+        [("consumer".to_string(), true)]
+    );
+    webhook.remove(&env.client).await;
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}

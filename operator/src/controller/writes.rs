@@ -21,20 +21,24 @@ pub(super) const RETRY_BASE: Duration = Duration::from_secs(1);
 /// The first retry of a write that found its object changed (409) comes
 /// sooner: nothing failed, the cache was behind.
 const CONFLICT_RETRY_BASE: Duration = Duration::from_millis(200);
-/// ... up to this.
+/// ... up to this for a node (thousands of them retrying must not load the
+/// API server that just came back) ...
 pub(super) const RETRY_MAX: Duration = Duration::from_secs(300);
+/// ... and up to this for a pool (few, and their status is what people
+/// read).
+pub(super) const POOL_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How long to wait before the `attempts`-th retry: `RETRY_BASE` doubled
 /// per attempt up to `RETRY_MAX`, of which `jitter` (0..1) takes off up to
 /// half, so nodes that failed together do not retry together.
 pub fn retry_delay(attempts: u32, jitter: f64) -> Duration {
-    backoff(RETRY_BASE, attempts, jitter)
+    backoff(RETRY_BASE, RETRY_MAX, attempts, jitter)
 }
 
-fn backoff(base: Duration, attempts: u32, jitter: f64) -> Duration {
+fn backoff(base: Duration, max: Duration, attempts: u32, jitter: f64) -> Duration {
     let full = base
         .saturating_mul(1 << attempts.saturating_sub(1).min(16))
-        .min(RETRY_MAX);
+        .min(max);
     full.mul_f64(1.0 - jitter.clamp(0.0, 1.0) / 2.0)
 }
 
@@ -50,15 +54,26 @@ pub(super) struct Retry {
 }
 
 /// Nodes (or pools) whose last write did not land, each with its backoff.
-#[derive(Debug, Default)]
-pub(super) struct Retries(BTreeMap<String, Retry>);
+#[derive(Debug)]
+pub(super) struct Retries {
+    retries: BTreeMap<String, Retry>,
+    max: Duration,
+}
 
 impl Retries {
+    /// Retries backing off up to `max`.
+    pub fn up_to(max: Duration) -> Self {
+        Self {
+            retries: BTreeMap::new(),
+            max,
+        }
+    }
+
     /// Records a failed write of `name`; true on the first failure of a
     /// streak (a conflict is not one).
     pub fn fail(&mut self, name: &str, error: &Error) -> bool {
         let conflict = error.is_conflict();
-        let retry = self.0.entry(name.to_string()).or_insert(Retry {
+        let retry = self.retries.entry(name.to_string()).or_insert(Retry {
             attempts: 0,
             next_try: Instant::now(),
             error: String::new(),
@@ -72,7 +87,7 @@ impl Retries {
         } else {
             RETRY_BASE
         };
-        retry.next_try = Instant::now() + backoff(base, retry.attempts, fastrand::f64());
+        retry.next_try = Instant::now() + backoff(base, self.max, retry.attempts, fastrand::f64());
         retry.error = bounded_message(error.to_string());
         if conflict {
             tracing::debug!(%name, attempts = retry.attempts, "object changed since the plan read it; retried");
@@ -84,22 +99,22 @@ impl Retries {
 
     /// The write of `name` landed.
     pub fn succeeded(&mut self, name: &str) {
-        self.0.remove(name);
+        self.retries.remove(name);
     }
 
     /// Whether `name` may be written at `now` (no retry pending before).
     pub fn due(&self, name: &str, now: Instant) -> bool {
-        self.0.get(name).is_none_or(|r| r.next_try <= now)
+        self.retries.get(name).is_none_or(|r| r.next_try <= now)
     }
 
     /// When the first retry is due.
     pub fn next(&self) -> Option<Instant> {
-        self.0.values().map(|r| r.next_try).min()
+        self.retries.values().map(|r| r.next_try).min()
     }
 
     /// The failures (not conflicts) by name, for the pools' status.
     pub fn errors(&self) -> BTreeMap<String, String> {
-        self.0
+        self.retries
             .iter()
             .filter(|(_, r)| !r.conflict)
             .map(|(name, r)| (name.clone(), r.error.clone()))
@@ -107,7 +122,7 @@ impl Retries {
     }
 
     pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
-        self.0.retain(|name, _| keep(name));
+        self.retries.retain(|name, _| keep(name));
     }
 }
 

@@ -1238,3 +1238,48 @@ impl Drop for EvictionWebhook {
         let _ = self.process.wait();
     }
 }
+
+/// Makes the API server fail (500: "failed calling webhook", the webhook's
+/// address refuses connections) every write of `resource` (e.g.
+/// `hugepagepools/status`) in group `group` whose object carries the
+/// scope label, until the returned configuration is deleted.
+pub async fn fail_writes(client: &Client, scope: &str, group: &str, resource: &str) -> String {
+    let name = format!("{scope}-fail-writes");
+    let closed = format!("127.0.0.1:{}", hugepool_e2e::free_port());
+    let config: k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration =
+        serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "webhooks": [{
+                "name": "fail-writes.faults.hugepool.dev",
+                "clientConfig": {"url": format!("https://{closed}/fail")},
+                "rules": [{
+                    "operations": ["CREATE", "UPDATE"],
+                    "apiGroups": [group],
+                    "apiVersions": ["*"],
+                    "resources": [resource],
+                    "scope": "*",
+                }],
+                "objectSelector": {"matchLabels": {SCOPE_LABEL: scope}},
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "timeoutSeconds": 5,
+                "admissionReviewVersions": ["v1"],
+            }],
+        }))
+        .expect("a webhook configuration");
+    let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+        Api::all(client.clone());
+    api.create(&PostParams::default(), &config)
+        .await
+        .expect("failing webhook registered");
+    name
+}
+
+/// Ends what [`fail_writes`] started.
+pub async fn stop_failing_writes(client: &Client, name: &str) {
+    let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+        Api::all(client.clone());
+    api.delete(name, &DeleteParams::default())
+        .await
+        .expect("failing webhook removed");
+}
