@@ -492,3 +492,110 @@ async fn an_eviction_webhook_that_hangs_to_its_timeout_is_named_and_retried() {
     support::delete_namespace(&fleet.client, &scope).await;
     fleet.shutdown().await;
 }
+
+/// The leader is killed while its real eviction waits on a slow webhook
+/// (the record already written): the other replica takes over and finishes
+/// the drain; the pod is evicted once and recorded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_killed_mid_drain_the_other_replica_finishes_it_with_one_eviction_and_one_record()
+ {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "killdrain",
+        FleetSpec::new(2).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&fleet.client, &scope).await;
+    let lease = "hugepool-operator";
+    let replica = |identity: &str| LeaderConfig {
+        namespace: scope.clone(),
+        lease_name: lease.to_string(),
+        identity: identity.to_string(),
+        duration: Duration::from_secs(3),
+        grace: Duration::from_secs(1),
+    };
+    let first = fleet.start_operator(Some(replica("replica-a"))).await;
+    support::wait_for("replica A leads", Duration::from_secs(60), || async {
+        match support::lease_holder(&fleet.client, &scope, lease).await {
+            Some(holder) if holder == "replica-a" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    fleet.start_operator(Some(replica("replica-b"))).await;
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 512, json!(2));
+    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "600s"});
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    let blocked = fleet.node_name(0);
+    fleet
+        .node(&blocked)
+        .kernel
+        .hold_pages(MI2, 0, 300)
+        .expect("hold");
+    let consumer = support::run_pod(
+        &fleet.client,
+        &scope,
+        support::pod("consumer", &blocked, "dpdk", Some("600Mi")),
+    )
+    .await;
+    let webhook = EvictionWebhook::start(&env, &scope, "delay=8s").await;
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![("consumer".into(), blocked.clone(), 300)],
+    );
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+    // A's real eviction is at the webhook: its record is written.
+    support::wait_for(
+        "A's real eviction sent",
+        Duration::from_secs(60),
+        || async {
+            let asked = webhook.requests();
+            asked
+                .iter()
+                .any(|r| r.starts_with("dryRun=false"))
+                .then_some(())
+                .ok_or(format!("{asked:?}"))
+        },
+    )
+    .await;
+    let recorded = status_of(&fleet.pool(&pool).await).evicted_pods.len();
+    fleet.take_operator(first).kill().await;
+    let killed = Instant::now();
+    let status = wait_shrunk(&fleet, &pool, Duration::from_secs(120)).await;
+    eprintln!(
+        "fault: the leader killed while its eviction waited on an 8 s webhook (record {}): \
+         the other replica finished the drain {:?} after the kill",
+        if recorded == 1 {
+            "written"
+        } else {
+            "not yet seen"
+        },
+        killed.elapsed()
+    );
+    let uids: Vec<&str> = status.evicted_pods.iter().map(|e| e.uid.as_str()).collect();
+    assert_eq!(uids, [consumer.metadata.uid.as_deref().expect("uid")]);
+    assert_eq!(
+        kubelet.lock().expect("kubelet").evicted,
+        [("consumer".to_string(), true)],
+        "evicted once"
+    );
+    assert_eq!(
+        support::lease_holder(&fleet.client, &scope, lease)
+            .await
+            .as_deref(),
+        Some("replica-b")
+    );
+    webhook.remove(&env.client).await;
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}

@@ -22,7 +22,7 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
-use support::{Fleet, FleetSpec, MI2, ROLE_LABEL, play_kubelet, pool_spec, wait_for};
+use support::{Fleet, FleetSpec, MI2, ROLE_LABEL, lease_holder, play_kubelet, pool_spec, wait_for};
 
 /// Grows a pool on 50 nodes with an integer `maxUnavailable`, then shrinks
 /// it with a percentage; a watcher of every HugePageNode never sees more
@@ -838,16 +838,6 @@ async fn allocation_failures_halt_the_rollout_at_max_unavailable() {
 }
 
 /// The Lease holder of `namespace/name`.
-async fn lease_holder(client: &kube::Client, namespace: &str, name: &str) -> Option<String> {
-    Api::<Lease>::namespaced(client.clone(), namespace)
-        .get_opt(name)
-        .await
-        .ok()
-        .flatten()
-        .and_then(|l| l.spec)
-        .and_then(|s| s.holder_identity)
-}
-
 /// Two operator replicas with leader election; the leader is killed mid-
 /// rollout (its runtime dropped, the Lease left to expire): the other takes
 /// over, the rollout finishes, and no view of the fleet ever has more than

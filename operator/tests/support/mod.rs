@@ -1283,3 +1283,14 @@ pub async fn stop_failing_writes(client: &Client, name: &str) {
         .await
         .expect("failing webhook removed");
 }
+
+/// Who holds the Lease `name` in `namespace`, if anyone.
+pub async fn lease_holder(client: &Client, namespace: &str, name: &str) -> Option<String> {
+    Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity)
+}
