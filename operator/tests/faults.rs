@@ -599,3 +599,76 @@ async fn the_leader_killed_mid_drain_the_other_replica_finishes_it_with_one_evic
     support::delete_namespace(&fleet.client, &scope).await;
     fleet.shutdown().await;
 }
+
+/// The API server (and etcd) killed mid-rollout and started again on a
+/// control plane of this test's own: the operator's watches, writes and
+/// the agents reconnect, the rollout finishes within `maxUnavailable`
+/// and every kernel reaches the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_apiserver_killed_mid_rollout_and_started_again_the_rollout_finishes() {
+    if setup().await.is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(hugepool_e2e::unique_name("apiserver-restart"));
+    let mut own = hugepool_e2e::OwnedControlPlane::start(&dir).expect("a private control plane");
+    let client = own.control_plane.client().await.expect("client");
+    hugepool_e2e::install_crds(client.clone())
+        .await
+        .expect("CRDs");
+    let env = hugepool_e2e::TestEnv {
+        control_plane: Box::leak(Box::new(hugepool_e2e::ControlPlane {
+            kubeconfig: own.control_plane.kubeconfig.clone(),
+        })),
+        client,
+    };
+    let mut fleet =
+        Fleet::start(&env, "restart", FleetSpec::new(6).label(ROLE_LABEL, "dpdk")).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(1)))
+        .await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    let names = fleet.node_names();
+    fleet.patch_pool(&pool, json!({"pages": 2048})).await;
+    support::wait_for("the first node grown", Duration::from_secs(60), || async {
+        names
+            .iter()
+            .any(|n| fleet.node(n).pages_2mi().0 == 2048)
+            .then_some(())
+            .ok_or("none yet".to_string())
+    })
+    .await;
+    tokio::task::block_in_place(|| own.kill());
+    let grown_at_kill = names
+        .iter()
+        .filter(|n| fleet.node(n).pages_2mi().0 == 2048)
+        .count();
+    tokio::task::block_in_place(|| own.restart()).expect("the control plane started again");
+    let back = Instant::now();
+    let status = fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 6 && status.pages.current == 6 * 2048)
+                .then_some(())
+                .ok_or(format!("{:?} {:?}", status.nodes, status.pages))
+        })
+        .await;
+    fleet
+        .wait_kernels(&names, 2048, Duration::from_secs(30))
+        .await;
+    eprintln!(
+        "fault: apiserver and etcd killed mid-rollout ({grown_at_kill}/6 nodes grown) and \
+         started again: the rollout finished {:?} after the apiserver was back",
+        back.elapsed()
+    );
+    assert_eq!(status_of(&status).pages.target, 6 * 2048);
+    fleet.shutdown().await;
+    drop(own);
+    let _ = std::fs::remove_dir_all(&dir);
+}
