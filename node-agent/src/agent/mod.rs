@@ -124,6 +124,10 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Status patches sent, for tests and logs.
     pub patches: AtomicU64,
+    /// Statuses built and compared with the last one sent (written or
+    /// found unchanged), for tests: a writer that would send blocks on the
+    /// send before it counts the next.
+    pub reports: AtomicU64,
     /// The resize loop's heartbeat, which `/healthz` reports.
     pub liveness: Arc<liveness::Liveness>,
 }
@@ -142,6 +146,7 @@ impl Shared {
             ready: Arc::new(AtomicBool::new(false)),
             metrics,
             patches: AtomicU64::new(0),
+            reports: AtomicU64::new(0),
             liveness: Arc::new(liveness::Liveness::new(timeout)),
         })
     }
@@ -419,9 +424,16 @@ mod tests {
         })
         .await;
 
-        // Nothing changed: several refreshes later, still no second request.
+        // Nothing changed: three statuses built later, still no second
+        // request (a writer that sent one would wait for its answer and
+        // build no further status).
+        let built = shared.reports.load(Ordering::Relaxed);
         shared.touch(true);
-        no_request_within(&mut handle, Duration::from_millis(400)).await;
+        eventually("three statuses built after the touch", || {
+            shared.reports.load(Ordering::Relaxed) >= built + 3
+        })
+        .await;
+        no_request_within(&mut handle, Duration::ZERO).await;
 
         // The kernel changed (pages taken by something else): one new apply,
         // Converged flips and its transition time moves.

@@ -144,6 +144,7 @@ pub(super) async fn write_status(
                 }
             }
         }
+        shared.reports.fetch_add(1, Ordering::Relaxed);
         if *done.borrow() {
             return;
         }
