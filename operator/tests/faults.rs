@@ -672,3 +672,71 @@ async fn the_apiserver_killed_mid_rollout_and_started_again_the_rollout_finishes
     drop(own);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The operator killed in the middle of a `Release` deletion and started
+/// again: the new one finishes the release, and the pool goes only once
+/// every node is back at 0 (a finalizer removed early would leave pages on
+/// the nodes for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_restarted_mid_release_deletion_returns_every_node_to_zero() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "releasekill",
+        FleetSpec::new(4).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    let mut spec = pool_spec(&scope, "dpdk", 2048, json!(1));
+    spec["deletionPolicy"] = json!("Release");
+    fleet.create_pool(&pool, spec).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |_| {
+            Ok(())
+        })
+        .await;
+    let names = fleet.node_names();
+    fleet
+        .pool_api()
+        .delete(&pool, &kube::api::DeleteParams::default())
+        .await
+        .expect("delete the pool");
+    support::wait_for(
+        "the first node released",
+        Duration::from_secs(60),
+        || async {
+            names
+                .iter()
+                .any(|n| fleet.node(n).pages_2mi().0 == 0)
+                .then_some(())
+                .ok_or("none yet".to_string())
+        },
+    )
+    .await;
+    fleet.take_operator(0).kill().await;
+    let released_at_kill = names
+        .iter()
+        .filter(|n| fleet.node(n).pages_2mi().0 == 0)
+        .count();
+    fleet.start_operator(None).await;
+    let restarted = Instant::now();
+    support::wait_for("the pool gone", Duration::from_secs(120), || async {
+        match fleet.pool_api().get_opt(&pool).await {
+            Ok(None) => Ok(()),
+            other => Err(format!(
+                "{:?}",
+                other.map(|p| p.map(|p| status_of(&p).nodes))
+            )),
+        }
+    })
+    .await;
+    let gone = restarted.elapsed();
+    fleet.wait_kernels(&names, 0, Duration::from_secs(30)).await;
+    eprintln!(
+        "fault: the operator killed mid-Release deletion ({released_at_kill}/4 nodes released) \
+         and started again: the pool went {gone:?} after the restart, every node at 0"
+    );
+    fleet.shutdown().await;
+}
