@@ -384,7 +384,9 @@ async fn write_specs(
                 // A conflict (the spec changed since the plan read it, or
                 // the object exists already) is retried soon for this node
                 // alone; a failure is reported and backs off.
-                if !err.is_conflict() {
+                if err.is_conflict() {
+                    ctx.metrics.write_conflicts.inc();
+                } else {
                     ctx.metrics.count_error(err.metric_label());
                 }
                 if worker.node_retries.fail(&node_name, &err)
@@ -431,7 +433,9 @@ async fn carry_out_drains(
             Ok(None) => {}
             Err(Error::NotLeader) => return Err(Error::NotLeader),
             Err(err) => {
-                if !err.is_conflict() {
+                if err.is_conflict() {
+                    ctx.metrics.write_conflicts.inc();
+                } else {
                     ctx.metrics.count_error(err.metric_label());
                 }
                 if worker.node_retries.fail(node_name, &err) {

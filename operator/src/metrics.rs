@@ -82,6 +82,8 @@ pub struct Metrics {
     pub evictions: Family<EvictionLabels, Counter>,
     pub reconciles: Counter,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
+    /// Writes that found their object changed since the plan read it.
+    pub write_conflicts: Counter,
     pub reconcile_duration: Histogram,
     pub plan_duration: Histogram,
     pub leader: Gauge,
@@ -99,6 +101,7 @@ impl Default for Metrics {
         let evictions = Family::<EvictionLabels, Counter>::default();
         let reconciles = Counter::default();
         let reconcile_errors = Family::<ErrorLabels, Counter>::default();
+        let write_conflicts = Counter::default();
         let reconcile_duration = Histogram::new([
             0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ]);
@@ -150,6 +153,11 @@ impl Default for Metrics {
             reconcile_errors.clone(),
         );
         registry.register(
+            "hugepool_write_conflicts",
+            "Writes that found their object changed since the plan read it (retried for that node or pool)",
+            write_conflicts.clone(),
+        );
+        registry.register(
             "hugepool_reconcile_duration_seconds",
             "Duration of one reconcile",
             reconcile_duration.clone(),
@@ -180,6 +188,7 @@ impl Default for Metrics {
             evictions,
             reconciles,
             reconcile_errors,
+            write_conflicts,
             reconcile_duration,
             plan_duration,
             leader,

@@ -740,3 +740,96 @@ async fn the_operator_restarted_mid_release_deletion_returns_every_node_to_zero(
     );
     fleet.shutdown().await;
 }
+
+/// Something writes every HugePageNode of the fleet all the time (here
+/// their annotations, which move the objects' resourceVersion as the
+/// agents' status writes do at every refresh) while a rollout runs: the
+/// spec writes, conditioned on the generation, never conflict with them,
+/// and the rollout finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_beside_the_operators_never_make_its_spec_writes_conflict() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "chatter",
+        FleetSpec::new(10).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    let replica = fleet.start_leading_replica().await;
+    let scope = fleet.scope.clone();
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(3)))
+        .await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    let names = fleet.node_names();
+    let writes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // One writer per node, each writing its node's object again as soon
+    // as the last write returned.
+    let chatter: Vec<_> = names
+        .iter()
+        .map(|name| {
+            let api: Api<HugePageNode> = Api::all(fleet.client.clone());
+            let name = name.clone();
+            let writes = std::sync::Arc::clone(&writes);
+            tokio::spawn(async move {
+                for round in 0u64.. {
+                    let patch = json!({"metadata": {"annotations": {
+                        "faults.hugepool.dev/chatter": round.to_string(),
+                    }}});
+                    let params = kube::api::PatchParams::default();
+                    if api
+                        .patch(&name, &params, &kube::api::Patch::Merge(&patch))
+                        .await
+                        .is_ok()
+                    {
+                        writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    support::wait_for("the chatter running", Duration::from_secs(30), || async {
+        (writes.load(std::sync::atomic::Ordering::Relaxed) >= 20)
+            .then_some(())
+            .ok_or("not yet".to_string())
+    })
+    .await;
+    let started = Instant::now();
+    let before = writes.load(std::sync::atomic::Ordering::Relaxed);
+    fleet.patch_pool(&pool, json!({"pages": 512})).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 10 && status.pages.current == 10 * 512)
+                .then_some(())
+                .ok_or(format!("{:?}", status.nodes))
+        })
+        .await;
+    let took = started.elapsed();
+    let beside = writes.load(std::sync::atomic::Ordering::Relaxed) - before;
+    for writer in &chatter {
+        writer.abort();
+    }
+    fleet
+        .wait_kernels(&names, 512, Duration::from_secs(30))
+        .await;
+    let metrics = hugepool_e2e::http_get(&replica.addr, "/metrics").expect("metrics");
+    let conflicts = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("hugepool_write_conflicts_total "))
+        .expect("the conflicts counter")
+        .trim()
+        .to_string();
+    eprintln!(
+        "fault: {beside} writes to the fleet's HugePageNodes beside a 10-node rollout: it \
+         finished in {took:?} with {conflicts} write conflicts"
+    );
+    assert!(beside > 0);
+    assert_eq!(conflicts, "0", "{metrics}");
+    fleet.shutdown().await;
+}

@@ -113,7 +113,9 @@ pub(super) async fn write_statuses(
                 }
                 Err(Error::NotLeader) => return Err(Error::NotLeader),
                 Err(err) => {
-                    if !err.is_conflict() {
+                    if err.is_conflict() {
+                        ctx.metrics.write_conflicts.inc();
+                    } else {
                         ctx.metrics.count_error(err.metric_label());
                         failed.insert(name.clone());
                     }
