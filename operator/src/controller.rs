@@ -40,11 +40,11 @@ use futures::{FutureExt, StreamExt};
 use hugepool_crds::{HugePageNode, HugePagePool, OPERATOR_MANAGER};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
-use kube::Client;
 use kube::api::Api;
 use kube::runtime::events::{Event, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
 use tokio::sync::Notify;
 use tracing::{info, instrument, warn};
 
@@ -380,20 +380,12 @@ async fn write_specs(
                 }
             }
             Err(Error::NotLeader) => return Err(Error::NotLeader),
+            // A conflict (the spec changed since the plan read it, or the
+            // object exists already) is retried soon for this node alone; a
+            // failure is reported and backs off.
             Err(err) => {
-                // A conflict (the spec changed since the plan read it, or
-                // the object exists already) is retried soon for this node
-                // alone; a failure is reported and backs off.
-                if err.is_conflict() {
-                    ctx.metrics.write_conflicts.inc();
-                } else {
-                    ctx.metrics.count_error(err.metric_label());
-                }
-                if worker.node_retries.fail(&node_name, &err)
-                    && let Some(&node) = nodes.get(node_name.as_str())
-                {
-                    ctx.publish(events::write_failed(&err), &node_reference(node))
-                        .await;
+                if let Some(&node) = nodes.get(node_name.as_str()) {
+                    node_write_failed(ctx, worker, node, &err).await;
                 }
             }
         }
@@ -432,20 +424,20 @@ async fn carry_out_drains(
             }
             Ok(None) => {}
             Err(Error::NotLeader) => return Err(Error::NotLeader),
-            Err(err) => {
-                if err.is_conflict() {
-                    ctx.metrics.write_conflicts.inc();
-                } else {
-                    ctx.metrics.count_error(err.metric_label());
-                }
-                if worker.node_retries.fail(node_name, &err) {
-                    ctx.publish(events::write_failed(&err), &node_reference(node))
-                        .await;
-                }
-            }
+            Err(err) => node_write_failed(ctx, worker, node, &err).await,
         }
     }
     Ok((to_evict, evicting))
+}
+
+/// A write to `node` did not land: counted, the node put on a retry, and
+/// the first failure of a streak told as a `WriteFailed` Event.
+async fn node_write_failed(ctx: &Context, worker: &mut Worker, node: &Node, err: &Error) {
+    writes::count_unlanded(ctx, err);
+    if worker.node_retries.fail(&node.name_any(), err) {
+        ctx.publish(events::write_failed(err), &node_reference(node))
+            .await;
+    }
 }
 
 /// Forgets the metrics, retries and refusals of pools and nodes that went.

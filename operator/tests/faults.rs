@@ -44,28 +44,39 @@ fn draining_message(state: &HugePageNode) -> String {
 }
 
 /// Two nodes under a 512-page pool that drains (IfNeeded, 10 minutes),
-/// the operator leading on the chart's Lease; on the first node a pod
-/// holds 300 pages (requesting 600Mi) and the pool's evictions go through
-/// an eviction webhook in `mode`. Returns the fleet, the pool, the blocked
-/// node, the consumer pod and the webhook.
+/// the operator running as `replicas` (the first leading before the others
+/// start); on the first node a pod holds 300 pages (requesting 600Mi) and
+/// the pool's evictions go through an eviction webhook in `mode`. Returns
+/// the fleet, the pool, the blocked node, the consumer pod and the webhook.
 async fn drain_behind_a_webhook(
     env: &hugepool_e2e::TestEnv,
     prefix: &str,
     mode: &str,
+    replicas: impl Fn(&str) -> Vec<LeaderConfig>,
 ) -> (Fleet, String, String, Pod, EvictionWebhook) {
     let mut fleet = Fleet::start(env, prefix, FleetSpec::new(2).label(ROLE_LABEL, "dpdk")).await;
     let scope = fleet.scope.clone();
     support::create_namespace(&fleet.client, &scope).await;
-    fleet.start_operator(Some(chart_lease(&scope))).await;
-    let pool = format!("{scope}-pool");
+    let mut replicas = replicas(&scope).into_iter();
+    let first = replicas.next().expect("one replica at least");
+    fleet.start_operator(Some(first.clone())).await;
+    support::wait_for(
+        "the first replica leads",
+        Duration::from_secs(60),
+        || async {
+            let holder = support::lease_holder(&fleet.client, &scope, &first.lease_name).await;
+            (holder.as_deref() == Some(first.identity.as_str()))
+                .then_some(())
+                .ok_or(format!("{holder:?}"))
+        },
+    )
+    .await;
+    for replica in replicas {
+        fleet.start_operator(Some(replica)).await;
+    }
     let mut spec = pool_spec(&scope, "dpdk", 512, json!(2));
     spec["drain"] = json!({"policy": "IfNeeded", "timeout": "600s"});
-    fleet.create_pool(&pool, spec).await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
-        .await;
+    let pool = fleet.create_available_pool(spec).await;
     let blocked = fleet.node_name(0);
     let held = fleet
         .node(&blocked)
@@ -81,6 +92,11 @@ async fn drain_behind_a_webhook(
     .await;
     let webhook = EvictionWebhook::start(env, &scope, mode).await;
     (fleet, pool, blocked, consumer, webhook)
+}
+
+/// The chart's Lease, one replica.
+fn one_replica(scope: &str) -> Vec<LeaderConfig> {
+    vec![chart_lease(scope)]
 }
 
 /// Waits until the pool has shrunk to 100 pages on both nodes, and returns
@@ -106,7 +122,7 @@ async fn wait_shrunk(fleet: &Fleet, pool: &str, timeout: Duration) -> HugePagePo
 async fn a_slow_eviction_webhook_holds_up_its_pod_alone_and_its_removal_lets_the_drain_finish() {
     let Some(env) = setup().await else { return };
     let (fleet, pool, blocked, consumer, webhook) =
-        drain_behind_a_webhook(&env, "slowhook", "delay=20s").await;
+        drain_behind_a_webhook(&env, "slowhook", "delay=20s", one_replica).await;
     let scope = fleet.scope.clone();
     let (kubelet, kubelet_task) = play_kubelet(
         &fleet,
@@ -182,7 +198,7 @@ async fn an_eviction_refused_after_its_dry_run_is_not_recorded_and_one_accepted_
  {
     let Some(env) = setup().await else { return };
     let (fleet, pool, blocked, consumer, webhook) =
-        drain_behind_a_webhook(&env, "denyreal", "deny-real").await;
+        drain_behind_a_webhook(&env, "denyreal", "deny-real", one_replica).await;
     let scope = fleet.scope.clone();
     let (kubelet, kubelet_task) = play_kubelet(
         &fleet,
@@ -256,15 +272,9 @@ async fn a_node_that_turns_not_ready_is_named_passed_over_and_converges_when_it_
     .await;
     fleet.start_operator(None).await;
     let scope = fleet.scope.clone();
-    let pool = format!("{scope}-pool");
     let mut spec = pool_spec(&scope, "dpdk", 64, json!(1));
     spec["rollout"]["unresponsiveAfter"] = json!("10s");
-    fleet.create_pool(&pool, spec).await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
-        .await;
+    let pool = fleet.create_available_pool(spec).await;
     // The first node by name is the first admitted.
     let mut names = fleet.node_names();
     names.sort();
@@ -365,14 +375,8 @@ async fn five_hundreds_on_a_pools_status_for_30_s_hold_up_only_its_status() {
     .await;
     let replica = fleet.start_leading_replica().await;
     let scope = fleet.scope.clone();
-    let pool = format!("{scope}-pool");
-    fleet
-        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(3)))
-        .await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
+    let pool = fleet
+        .create_available_pool(pool_spec(&scope, "dpdk", 64, json!(3)))
         .await;
     let failing = support::fail_writes(
         &fleet.client,
@@ -442,7 +446,7 @@ async fn five_hundreds_on_a_pools_status_for_30_s_hold_up_only_its_status() {
 async fn an_eviction_webhook_that_hangs_to_its_timeout_is_named_and_retried() {
     let Some(env) = setup().await else { return };
     let (fleet, pool, blocked, consumer, webhook) =
-        drain_behind_a_webhook(&env, "hanghook", "hang").await;
+        drain_behind_a_webhook(&env, "hanghook", "hang", one_replica).await;
     let scope = fleet.scope.clone();
     let (kubelet, kubelet_task) = play_kubelet(
         &fleet,
@@ -500,53 +504,21 @@ async fn an_eviction_webhook_that_hangs_to_its_timeout_is_named_and_retried() {
 async fn the_leader_killed_mid_drain_the_other_replica_finishes_it_with_one_eviction_and_one_record()
  {
     let Some(env) = setup().await else { return };
-    let mut fleet = Fleet::start(
-        &env,
-        "killdrain",
-        FleetSpec::new(2).label(ROLE_LABEL, "dpdk"),
-    )
-    .await;
-    let scope = fleet.scope.clone();
-    support::create_namespace(&fleet.client, &scope).await;
     let lease = "hugepool-operator";
-    let replica = |identity: &str| LeaderConfig {
-        namespace: scope.clone(),
-        lease_name: lease.to_string(),
-        identity: identity.to_string(),
-        duration: Duration::from_secs(3),
-        grace: Duration::from_secs(1),
+    let replicas = |scope: &str| {
+        ["replica-a", "replica-b"]
+            .map(|identity| LeaderConfig {
+                namespace: scope.to_string(),
+                lease_name: lease.to_string(),
+                identity: identity.to_string(),
+                duration: Duration::from_secs(3),
+                grace: Duration::from_secs(1),
+            })
+            .to_vec()
     };
-    let first = fleet.start_operator(Some(replica("replica-a"))).await;
-    support::wait_for("replica A leads", Duration::from_secs(60), || async {
-        match support::lease_holder(&fleet.client, &scope, lease).await {
-            Some(holder) if holder == "replica-a" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
-    fleet.start_operator(Some(replica("replica-b"))).await;
-    let pool = format!("{scope}-pool");
-    let mut spec = pool_spec(&scope, "dpdk", 512, json!(2));
-    spec["drain"] = json!({"policy": "IfNeeded", "timeout": "600s"});
-    fleet.create_pool(&pool, spec).await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
-        .await;
-    let blocked = fleet.node_name(0);
-    fleet
-        .node(&blocked)
-        .kernel
-        .hold_pages(MI2, 0, 300)
-        .expect("hold");
-    let consumer = support::run_pod(
-        &fleet.client,
-        &scope,
-        support::pod("consumer", &blocked, "dpdk", Some("600Mi")),
-    )
-    .await;
-    let webhook = EvictionWebhook::start(&env, &scope, "delay=8s").await;
+    let (mut fleet, pool, blocked, consumer, webhook) =
+        drain_behind_a_webhook(&env, "killdrain", "delay=8s", replicas).await;
+    let scope = fleet.scope.clone();
     let (kubelet, kubelet_task) = play_kubelet(
         &fleet,
         &scope,
@@ -568,7 +540,7 @@ async fn the_leader_killed_mid_drain_the_other_replica_finishes_it_with_one_evic
     )
     .await;
     let recorded = status_of(&fleet.pool(&pool).await).evicted_pods.len();
-    fleet.take_operator(first).kill().await;
+    fleet.take_operator(0).kill().await;
     let killed = Instant::now();
     let status = wait_shrunk(&fleet, &pool, Duration::from_secs(120)).await;
     eprintln!(
@@ -609,30 +581,13 @@ async fn the_apiserver_killed_mid_rollout_and_started_again_the_rollout_finishes
     if setup().await.is_none() {
         return;
     }
-    let dir = std::env::temp_dir().join(hugepool_e2e::unique_name("apiserver-restart"));
-    let mut own = hugepool_e2e::OwnedControlPlane::start(&dir).expect("a private control plane");
-    let client = own.control_plane.client().await.expect("client");
-    hugepool_e2e::install_crds(client.clone())
-        .await
-        .expect("CRDs");
-    let env = hugepool_e2e::TestEnv {
-        control_plane: Box::leak(Box::new(hugepool_e2e::ControlPlane {
-            kubeconfig: own.control_plane.kubeconfig.clone(),
-        })),
-        client,
-    };
+    let (mut own, env, dir) = support::own_control_plane("apiserver-restart").await;
     let mut fleet =
         Fleet::start(&env, "restart", FleetSpec::new(6).label(ROLE_LABEL, "dpdk")).await;
     fleet.start_operator(None).await;
     let scope = fleet.scope.clone();
-    let pool = format!("{scope}-pool");
-    fleet
-        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(1)))
-        .await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
+    let pool = fleet
+        .create_available_pool(pool_spec(&scope, "dpdk", 64, json!(1)))
         .await;
     let names = fleet.node_names();
     fleet.patch_pool(&pool, json!({"pages": 2048})).await;
@@ -688,15 +643,9 @@ async fn the_operator_restarted_mid_release_deletion_returns_every_node_to_zero(
     .await;
     fleet.start_operator(None).await;
     let scope = fleet.scope.clone();
-    let pool = format!("{scope}-pool");
     let mut spec = pool_spec(&scope, "dpdk", 2048, json!(1));
     spec["deletionPolicy"] = json!("Release");
-    fleet.create_pool(&pool, spec).await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |_| {
-            Ok(())
-        })
-        .await;
+    let pool = fleet.create_available_pool(spec).await;
     let names = fleet.node_names();
     fleet
         .pool_api()
@@ -757,14 +706,8 @@ async fn writes_beside_the_operators_never_make_its_spec_writes_conflict() {
     .await;
     let replica = fleet.start_leading_replica().await;
     let scope = fleet.scope.clone();
-    let pool = format!("{scope}-pool");
-    fleet
-        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(3)))
-        .await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
+    let pool = fleet
+        .create_available_pool(pool_spec(&scope, "dpdk", 64, json!(3)))
         .await;
     let names = fleet.node_names();
     let writes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));

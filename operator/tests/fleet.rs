@@ -1201,18 +1201,8 @@ async fn a_leader_paused_past_its_lease_writes_nothing_of_its_old_plan_when_it_r
     if setup().await.is_none() {
         return;
     }
-    let dir = std::env::temp_dir().join(hugepool_e2e::unique_name("paused-leader"));
-    let own = hugepool_e2e::OwnedControlPlane::start(&dir).expect("a private control plane");
-    let client = own.control_plane.client().await.expect("client");
-    hugepool_e2e::install_crds(client.clone())
-        .await
-        .expect("CRDs");
-    let env = hugepool_e2e::TestEnv {
-        control_plane: Box::leak(Box::new(hugepool_e2e::ControlPlane {
-            kubeconfig: own.control_plane.kubeconfig.clone(),
-        })),
-        client: client.clone(),
-    };
+    let (own, env, dir) = support::own_control_plane("paused-leader").await;
+    let client = env.client.clone();
     let mut fleet = Fleet::start(&env, "paused", FleetSpec::new(6).label(ROLE_LABEL, "dpdk")).await;
     let scope = fleet.scope.clone();
     support::create_namespace(&client, &scope).await;

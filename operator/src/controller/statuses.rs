@@ -12,7 +12,7 @@ use serde_json::json;
 use tracing::info;
 
 use super::evictions::{Evictions, Finished};
-use super::writes::fenced;
+use super::writes::{count_unlanded, fenced};
 use super::{Context, Worker};
 use crate::drain::Eviction;
 use crate::error::{Error, Result};
@@ -113,10 +113,7 @@ pub(super) async fn write_statuses(
                 }
                 Err(Error::NotLeader) => return Err(Error::NotLeader),
                 Err(err) => {
-                    if err.is_conflict() {
-                        ctx.metrics.write_conflicts.inc();
-                    } else {
-                        ctx.metrics.count_error(err.metric_label());
+                    if count_unlanded(ctx, &err) {
                         failed.insert(name.clone());
                     }
                     worker.pool_retries.fail(name, &err);

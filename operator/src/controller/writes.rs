@@ -126,6 +126,19 @@ impl Retries {
     }
 }
 
+/// Counts a write that did not land: a conflict as one (nothing failed:
+/// the cache was behind), anything else as an error of its kind. True for
+/// a failure.
+pub(super) fn count_unlanded(ctx: &Context, error: &Error) -> bool {
+    if error.is_conflict() {
+        ctx.metrics.write_conflicts.inc();
+        false
+    } else {
+        ctx.metrics.count_error(error.metric_label());
+        true
+    }
+}
+
 /// Runs `write` only while this replica may write, and abandons it (not
 /// done) if it has not finished when the Lease's safe window closes or
 /// after `WRITE_TIMEOUT`. `NotLeader` only when the Lease is no longer

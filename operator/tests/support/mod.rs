@@ -416,6 +416,18 @@ impl Fleet {
         self.operators.remove(index)
     }
 
+    /// Creates the fleet's pool, `<scope>-pool`, from the JSON `spec` and
+    /// waits until it is Available; returns its name.
+    pub async fn create_available_pool(&mut self, spec: serde_json::Value) -> String {
+        let pool = format!("{}-pool", self.scope);
+        self.create_pool(&pool, spec).await;
+        self.wait_pool(&pool, "Available", "True", Duration::from_secs(120), |_| {
+            Ok(())
+        })
+        .await;
+        pool
+    }
+
     /// Creates a HugePagePool named `name` (the scope label added) from the
     /// JSON `spec`; returns it as created.
     pub async fn create_pool(&mut self, name: &str, spec: serde_json::Value) -> HugePagePool {
@@ -1293,4 +1305,25 @@ pub async fn lease_holder(client: &Client, namespace: &str, name: &str) -> Optio
         .flatten()
         .and_then(|l| l.spec)
         .and_then(|s| s.holder_identity)
+}
+
+/// A control plane of the test's own (which it may stop, kill and start
+/// again) with the CRDs installed, in a new directory named after
+/// `prefix`; returns it, its test environment and the directory.
+pub async fn own_control_plane(
+    prefix: &str,
+) -> (hugepool_e2e::OwnedControlPlane, TestEnv, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(hugepool_e2e::unique_name(prefix));
+    let own = hugepool_e2e::OwnedControlPlane::start(&dir).expect("a private control plane");
+    let client = own.control_plane.client().await.expect("client");
+    hugepool_e2e::install_crds(client.clone())
+        .await
+        .expect("CRDs");
+    let env = TestEnv {
+        control_plane: Box::leak(Box::new(hugepool_e2e::ControlPlane {
+            kubeconfig: own.control_plane.kubeconfig.clone(),
+        })),
+        client,
+    };
+    (own, env, dir)
 }
