@@ -443,3 +443,85 @@ fn alerts_are_read_with_their_runbook_urls() {
         ]
     );
 }
+
+/// The `.rs` files below `dir` (relative to the root), test files left out.
+fn sources(dir: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut pending = vec![root().join(dir)];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir)
+            .expect("a source directory")
+            .flatten()
+        {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && path.file_name().is_some_and(|n| n != "tests.rs")
+            {
+                found.push(path);
+            }
+        }
+    }
+    found
+}
+
+/// Every Event reason the operator and the agent emit: the first string
+/// literal after each `EventType::Normal` or `EventType::Warning` in their
+/// code (inline test modules left out).
+fn emitted_event_reasons() -> BTreeSet<String> {
+    let mut reasons = BTreeSet::new();
+    for path in sources("operator/src")
+        .into_iter()
+        .chain(sources("node-agent/src"))
+    {
+        let text = std::fs::read_to_string(&path).expect("source");
+        let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+        for kind in ["EventType::Normal", "EventType::Warning"] {
+            for (at, _) in code.match_indices(kind) {
+                let after = &code[at + kind.len()..];
+                let Some(open) = after.find('"') else {
+                    continue;
+                };
+                let literal: String = after[open + 1..]
+                    .chars()
+                    .take_while(|c| *c != '"')
+                    .collect();
+                if literal.chars().next().is_some_and(char::is_uppercase)
+                    && literal.chars().all(char::is_alphanumeric)
+                {
+                    reasons.insert(literal);
+                }
+            }
+        }
+    }
+    reasons
+}
+
+#[test]
+fn the_reference_lists_every_event_the_code_emits() {
+    let emitted = emitted_event_reasons();
+    // The scan finds the Events both sides are known to emit.
+    for known in [
+        "RolloutStarted",
+        "DrainStarted",
+        "EvictionFailed",
+        "ShrinkBlocked",
+        "KernelStall",
+    ] {
+        assert!(emitted.contains(known), "{known} not found in {emitted:?}");
+    }
+    let reference = read("docs/reference.md");
+    let paragraph = reference
+        .split("\n\n")
+        .find(|p| p.starts_with("Events."))
+        .expect("docs/reference.md's Events paragraph");
+    let missing: Vec<&String> = emitted
+        .iter()
+        .filter(|reason| !paragraph.contains(&format!("`{reason}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/reference.md's Events paragraph misses {missing:?}"
+    );
+}
