@@ -72,7 +72,7 @@ api_enum! {
         // Pool: Available / Progressing / Degraded
         AllNodesConverged, NodesNotConverged, RollingOut, MaxUnavailableReached, Draining, Paused,
         RolloutComplete, NodesStalled, AllocationFailed, NodesFailed, Conflict, NoMatchingNodes,
-        RolloutHalted, NodeWritesFailed, NodesUnresponsive,
+        RolloutHalted, RolloutIncomplete, NodeWritesFailed, NodesUnresponsive,
         KubeletCapacityStale,
         InvalidSpec, AsExpected,
     }

@@ -1210,3 +1210,76 @@ async fn plan_predicts_which_nodes_a_grow_leaves_short_from_the_agents_estimates
     .await;
     fleet.shutdown().await;
 }
+
+/// Runs the plugin; its exit code and what it wrote to stdout and stderr.
+fn plugin_run(kubeconfig: &Path, args: &[&str]) -> (i32, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_kubectl-hugepool"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .output()
+        .expect("run kubectl-hugepool");
+    (
+        output.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    )
+}
+
+/// `kubectl hugepool wait` succeeds only when every selected node holds
+/// the pages, and fails at once with the reason for a pool that selects no
+/// node and for one whose rollout ended with a node that could not grow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_succeeds_only_when_every_selected_node_holds_the_pages() {
+    let Some(env) = setup().await else { return };
+    let kubeconfig = env.control_plane.kubeconfig.clone();
+    // The second node has 2 GiB (1 GiB of it the agent's guard): 128 MiB
+    // of pages fit there, 2 GiB cannot.
+    let spec = FleetSpec::new(2)
+        .label(ROLE_LABEL, "dpdk")
+        .node_memory(1, 2 << 30);
+    let mut fleet = Fleet::start(&env, "waitcmd", spec).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool_of = |role: &str, pages: i64| {
+        json!({
+            "nodeSelector": {"matchLabels": {SCOPE_LABEL: scope, ROLE_LABEL: role}},
+            "pageSize": "2Mi",
+            "pages": pages,
+            "rollout": {"maxUnavailable": 2},
+        })
+    };
+
+    let fits = format!("{scope}-fits");
+    fleet.create_pool(&fits, pool_of("dpdk", 64)).await;
+    let (code, said) = plugin_run(&kubeconfig, &["wait", &fits, "--timeout", "120s"]);
+    assert_eq!(code, 0, "{said}");
+    for name in fleet.node_names() {
+        assert_eq!(fleet.node(&name).pages_2mi().0, 64, "{name}: {said}");
+    }
+
+    // Nothing selected: not "complete", and said at once (long before the
+    // 10 minutes it would wait).
+    let lonely = format!("{scope}-lonely");
+    fleet.create_pool(&lonely, pool_of("nothing", 8)).await;
+    let started = std::time::Instant::now();
+    let (code, said) = plugin_run(&kubeconfig, &["wait", &lonely, "--timeout", "10m"]);
+    assert_eq!(code, 1, "{said}");
+    assert!(said.contains("NoMatchingNodes"), "{said}");
+    assert!(
+        started.elapsed() < Duration::from_secs(300),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // One node cannot grow: the rollout ends incomplete, said at once.
+    fleet.patch_pool(&fits, json!({"pages": 1024})).await;
+    let (code, said) = plugin_run(&kubeconfig, &["wait", &fits, "--timeout", "10m"]);
+    assert_eq!(code, 1, "{said}");
+    assert!(said.contains("RolloutIncomplete"), "{said}");
+    assert!(said.contains("1 failed"), "{said}");
+    fleet.shutdown().await;
+}

@@ -72,6 +72,16 @@ enum Command {
     /// pools, then nodes, by allocated less requested memory, with what is
     /// allocated, requested by pods bound to the node, and in use.
     Top,
+    /// Waits until every node POOL selects holds its pages (exit 0); exits 1
+    /// at once, with the reason, when the rollout ended otherwise (no node
+    /// selected, nodes failed or not answering, a conflict), and 2 when
+    /// TIMEOUT passes first.
+    Wait {
+        pool: String,
+        /// How long to wait at most (e.g. 90s, 10m).
+        #[arg(long, default_value = "10m", value_parser = parse_duration)]
+        timeout: std::time::Duration,
+    },
     /// Whether the install works: CRDs served, the operator leading, an
     /// agent reporting on every selected node, versions matching. Exits 1
     /// when a check fails.
@@ -196,6 +206,23 @@ async fn main() -> anyhow::Result<()> {
             let report = plugin::top(&client, selector).await?;
             print(cli.output, &report, || plugin::render_top(&report))
         }
+        Command::Wait { pool, timeout } => {
+            use plugin::wait::Settled;
+            match plugin::wait::wait(&client, pool, *timeout).await? {
+                Settled::Done(message) => {
+                    println!("{pool}: every selected node holds its pages ({message})");
+                    Ok(())
+                }
+                Settled::Failed { reason, message } => {
+                    eprintln!("{pool}: the rollout ended without every node: {reason}: {message}");
+                    std::process::exit(1);
+                }
+                Settled::Waiting(last) => {
+                    eprintln!("{pool}: not done after {timeout:?}: {last}");
+                    std::process::exit(2);
+                }
+            }
+        }
         Command::Check => {
             let report = plugin::check(&client, cli.namespace.as_deref(), selector).await?;
             print(cli.output, &report, || plugin::render_check(&report))?;
@@ -205,6 +232,11 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// A duration as the pools spell them (`90s`, `10m`, `1h`).
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    hugepool_crds::duration::parse(text).map_err(|err| err.to_string())
 }
 
 /// Resolves on Ctrl-C or SIGTERM. The handlers are in place when this

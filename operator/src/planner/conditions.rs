@@ -128,6 +128,39 @@ pub(super) fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [Conditi
                 counts.failed, plan.max_unavailable
             ),
         )
+    } else if counts.updating == 0 && waiting <= 0 && counts.selected == 0 && !pool.deleting {
+        // Nothing to roll out is not a rollout done: nothing holds pages.
+        update(
+            Progressing,
+            false,
+            Reason::NoMatchingNodes,
+            "no node matches the nodeSelector".to_string(),
+        )
+    } else if counts.updating == 0
+        && waiting <= 0
+        && (counts.failed > 0 || counts.unresponsive > 0 || !conflict_nodes.is_empty())
+    {
+        // Nothing left the rollout can do, but some selected nodes do not
+        // hold the pool's pages.
+        let mut short = Vec::new();
+        if counts.failed > 0 {
+            short.push(format!("{} failed", counts.failed));
+        }
+        if counts.unresponsive > 0 {
+            short.push(format!("{} do not answer", counts.unresponsive));
+        }
+        if !conflict_nodes.is_empty() {
+            short.push(format!("{} belong to an older pool", conflict_nodes.len()));
+        }
+        update(
+            Progressing,
+            false,
+            Reason::RolloutIncomplete,
+            format!(
+                "rollout ended without every node: {} (see Degraded); {summary}",
+                short.join(", ")
+            ),
+        )
     } else if counts.updating == 0 && waiting <= 0 {
         update(Progressing, false, Reason::RolloutComplete, summary.clone())
     } else if pool.pool.spec.rollout.paused {

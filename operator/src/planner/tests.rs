@@ -582,6 +582,44 @@ fn no_matching_nodes_is_reported() {
         condition(&plan, "lonely", PoolConditionType::Available),
         ("False", "NoMatchingNodes")
     );
+    // Nothing to roll out is not a rollout complete.
+    assert_eq!(
+        condition(&plan, "lonely", PoolConditionType::Progressing),
+        ("False", "NoMatchingNodes")
+    );
+}
+
+#[test]
+fn a_rollout_that_ends_with_a_failed_node_is_incomplete_not_complete() {
+    let pools = vec![with_max_unavailable(
+        pool("dpdk", 0, "dpdk", "2Mi", 64),
+        IntOrString::Int(3),
+    )];
+    let nodes = fleet(3, &["dpdk"]);
+    let mut hpns = Vec::new();
+    let first = run_plan(&pools, &nodes, &hpns, 0);
+    apply_specs(&first, &mut hpns);
+    // Two converge; one fails (below maxUnavailable: nothing halts).
+    converge(&mut hpns[0]);
+    converge(&mut hpns[1]);
+    fail_allocation(&mut hpns[2]);
+    let ended = run_plan(&pools, &nodes, &hpns, 10);
+    assert_eq!(
+        condition(&ended, "dpdk", PoolConditionType::Progressing),
+        ("False", "RolloutIncomplete")
+    );
+    let progressing = find_condition(
+        &ended.pools["dpdk"].status.conditions,
+        PoolConditionType::Progressing,
+    )
+    .unwrap()
+    .message
+    .clone();
+    assert!(progressing.contains("1 failed"), "{progressing}");
+    assert_eq!(
+        condition(&ended, "dpdk", PoolConditionType::Degraded),
+        ("True", "AllocationFailed")
+    );
 }
 
 #[test]

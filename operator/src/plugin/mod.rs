@@ -10,6 +10,7 @@ pub mod pod;
 mod samples;
 pub mod status;
 pub mod top;
+pub mod wait;
 pub mod why;
 
 use std::collections::BTreeMap;
