@@ -449,9 +449,9 @@ fn forget_what_went(ctx: &Context, worker: &mut Worker, plan: &Plan, snapshot: &
         }
         kept
     });
-    worker
-        .pool_retries
-        .retain(|name| plan.pools.contains_key(name));
+    // A pool not planned yet (its finalizer did not land) keeps its retry.
+    let pools: HashSet<String> = ctx.pools.state().iter().map(|p| p.name_any()).collect();
+    worker.pool_retries.retain(|name| pools.contains(name));
     worker
         .node_retries
         .retain(|name| snapshot.node(name).is_some());

@@ -45,6 +45,8 @@ enum Scenario {
     /// The API server fails one node's write: the other node and the
     /// pool's status are still written.
     OneNodeWriteFails { pool: HugePagePool },
+    /// The finalizer write fails: nothing else is written for the pool.
+    FinalizerFails { pool: HugePagePool },
 }
 
 fn ok_json(value: &impl serde::Serialize) -> Response<Body> {
@@ -71,6 +73,9 @@ impl ApiServerVerifier {
                         .await
                         .expect_event("RolloutStarted")
                         .await;
+                }
+                Scenario::FinalizerFails { pool } => {
+                    self.expect_finalizer_failure(&pool).await;
                 }
                 Scenario::RetainDeletion { pool } => {
                     self.expect_node_spec_cleared("w-1")
@@ -169,6 +174,29 @@ impl ApiServerVerifier {
         reply["metadata"]["generation"] = json!(1);
         reply["metadata"]["resourceVersion"] = json!("20");
         send.send_response(ok_json(&reply));
+        self
+    }
+
+    async fn expect_finalizer_failure(mut self, pool: &HugePagePool) -> Self {
+        let (request, send) = self.next().await;
+        assert_eq!(request.method(), Method::PATCH);
+        assert_eq!(
+            request.uri().path(),
+            format!(
+                "/apis/hugepool.dev/v1alpha1/hugepagepools/{}",
+                pool.name_any()
+            )
+        );
+        let failure = json!({
+            "apiVersion": "v1", "kind": "Status", "status": "Failure",
+            "message": "etcdserver: request timed out", "reason": "InternalError", "code": 500,
+        });
+        send.send_response(
+            Response::builder()
+                .status(StatusCode::INTERNAL_SERVER_ERROR)
+                .body(Body::from(serde_json::to_vec(&failure).unwrap()))
+                .unwrap(),
+        );
         self
     }
 
@@ -400,6 +428,25 @@ async fn new_pool_gets_its_finalizer_then_node_targets_then_status() {
     let harness = harness(std::slice::from_ref(&pool), &nodes, &[], true);
     let pass = pass_with(harness, Some(Scenario::NewPool { pool: pool.clone() })).await;
     assert_eq!(pass.next, Config::default().resync);
+}
+
+#[tokio::test]
+async fn a_pool_whose_finalizer_did_not_land_is_not_planned() {
+    let pool = pool("dpdk", 0, "dpdk", "2Mi", 64);
+    let nodes = vec![node("w-1", &["dpdk"])];
+    let harness = harness(std::slice::from_ref(&pool), &nodes, &[], true);
+    let mut worker = Worker::default();
+    // Only the finalizer is asked for: no HugePageNode, no status (an
+    // unexpected call would hang the pass).
+    let pass = pass_result(
+        harness,
+        &mut worker,
+        Some(Scenario::FinalizerFails { pool: pool.clone() }),
+    )
+    .await
+    .expect("the pass goes on");
+    // The pool is retried soon.
+    assert!(pass.next <= RETRY_BASE, "{pass:?}");
 }
 
 #[tokio::test]
