@@ -75,6 +75,8 @@ pub struct Config {
     pub instance: String,
     /// Re-plan at least this often even without events.
     pub resync: Duration,
+    /// The Nodes the agents run on (see `planner::PlanInput::agent_nodes`).
+    pub agent_nodes: Option<kube::core::Selector>,
 }
 
 impl Default for Config {
@@ -84,6 +86,7 @@ impl Default for Config {
             leader: None,
             instance: "hugepool-operator".into(),
             resync: Duration::from_secs(300),
+            agent_nodes: None,
         }
     }
 }
@@ -308,6 +311,7 @@ fn plan_fleet(
         node_states: &node_states,
         observed: &worker.observed,
         now,
+        agent_nodes: ctx.config.agent_nodes.as_ref(),
     });
     ctx.metrics
         .plan_duration

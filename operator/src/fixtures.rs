@@ -179,6 +179,7 @@ pub fn run_plan(
         nodes: &nodes,
         node_states: &hpns,
         now: at(second),
+        agent_nodes: None,
     })
 }
 

@@ -50,8 +50,27 @@ struct RunArgs {
     /// Re-plan at least this often without events (Go duration).
     #[arg(long, default_value = "5m", value_parser = hugepool_runtime::duration_arg)]
     resync: Duration,
+    /// The Nodes the agents run on, by the labels of the agents'
+    /// nodeSelector (`key=value,...`; "" for every Node): each gets a
+    /// HugePageNode before a pool selects it, so that its agent reports what
+    /// a grow can get. Unset: only the nodes pools select.
+    #[arg(long, value_parser = parse_node_labels)]
+    agent_node_labels: Option<kube::core::Selector>,
     #[arg(long, env = "HUGEPOOL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+}
+
+/// `key=value,...` (a DaemonSet's nodeSelector) as a selector.
+fn parse_node_labels(text: &str) -> Result<kube::core::Selector, String> {
+    text.split(',')
+        .filter(|pair| !pair.trim().is_empty())
+        .map(|pair| match pair.split_once('=') {
+            Some((key, value)) if !key.trim().is_empty() => {
+                Ok((key.trim().to_string(), value.trim().to_string()))
+            }
+            _ => Err(format!("{pair:?} is not key=value")),
+        })
+        .collect()
 }
 
 #[derive(Args, Debug)]
@@ -124,6 +143,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }),
         instance: identity,
         resync: args.resync,
+        agent_nodes: args.agent_node_labels,
     };
     hugepool_operator::run(kube_client().await?, config, shutdown_signal())
         .await

@@ -33,6 +33,7 @@ use hugepool_crds::{
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::ResourceExt;
 use kube::core::{Selector, SelectorExt};
 
 /// At most this many nodes are listed in a pool's `status.failedNodes`.
@@ -50,6 +51,11 @@ pub struct PlanInput<'a> {
     /// What the controller saw beyond the objects.
     pub observed: &'a Observed,
     pub now: Timestamp,
+    /// The Nodes an agent runs on: each gets a HugePageNode (empty) before
+    /// any pool selects it, so that its agent reports what a grow there can
+    /// get and the first pool's plan is predicted too. None: only the
+    /// nodes pools select have one.
+    pub agent_nodes: Option<&'a Selector>,
 }
 
 /// A pool read into what the planner needs; `invalid` holds what the schema
@@ -488,7 +494,15 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             page_sizes: entries,
         };
         let node = nodes.get(node_name).copied();
-        if state.is_none() && spec.page_sizes.is_empty() && !owned_sizes.contains_key(node_name) {
+        let agent_runs = input
+            .agent_nodes
+            .zip(node)
+            .is_some_and(|(selector, n)| selector.matches(n.labels()));
+        if state.is_none()
+            && spec.page_sizes.is_empty()
+            && !owned_sizes.contains_key(node_name)
+            && !agent_runs
+        {
             // No pool wants this node: a not-ready taint it was registered
             // with has nothing to wait for.
             if node.is_some_and(|n| has_taint(n, hugepool_crds::NOT_READY_TAINT)) {

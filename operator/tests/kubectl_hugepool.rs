@@ -1283,3 +1283,85 @@ async fn wait_succeeds_only_when_every_selected_node_holds_the_pages() {
     assert!(said.contains("1 failed"), "{said}");
     fleet.shutdown().await;
 }
+
+/// Before any pool: the operator gives every node an agent runs on a
+/// HugePageNode, its agent reports what a grow can get, and `plan` of the
+/// first pool predicts each node (the 4 GiB one short by its guard).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_pools_plan_is_predicted_from_every_agents_estimate() {
+    let Some(env) = setup().await else { return };
+    let kubeconfig = env.control_plane.kubeconfig.clone();
+    let spec = FleetSpec::new(2).node_memory(1, 4 * support::GIB);
+    let mut fleet = Fleet::start(&env, "firstplan", spec).await;
+    let scope = fleet.scope.clone();
+    let names = fleet.node_names();
+    fleet.agent_nodes = Some(
+        [(SCOPE_LABEL.to_string(), scope.clone())]
+            .into_iter()
+            .collect(),
+    );
+    fleet.start_operator(None).await;
+    let mut after = Vec::new();
+    for node in &names {
+        let found = wait_for(
+            &format!("{node} reports what a grow can get, with no pool"),
+            Duration::from_secs(60),
+            || async {
+                let api: kube::Api<hugepool_crds::HugePageNode> =
+                    kube::Api::all(fleet.client.clone());
+                let state = api
+                    .get_opt(node)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or("no HugePageNode yet")?;
+                assert!(state.spec.page_sizes.is_empty(), "{:?}", state.spec);
+                state
+                    .status
+                    .as_ref()
+                    .and_then(|s| {
+                        s.page_sizes
+                            .iter()
+                            .find(|p| p.size == hugepool_crds::PageSize::SIZE_2MI)
+                            .and_then(|p| p.obtainable)
+                    })
+                    .ok_or_else(|| "no estimate".to_string())
+            },
+        )
+        .await;
+        after.push(found.after_compaction);
+    }
+    let pool = format!("{scope}-first");
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(
+        file.path(),
+        format!(
+            "apiVersion: hugepool.dev/v1alpha1\nkind: HugePagePool\nmetadata:\n  name: {pool}\n  labels:\n    {SCOPE_LABEL}: {scope}\nspec: {}\n",
+            json!({
+                "nodeSelector": {"matchLabels": {SCOPE_LABEL: scope}},
+                "pageSize": "2Mi",
+                "pages": 3000,
+            })
+        ),
+    )
+    .expect("write the pool file");
+    let plan = plugin_json(
+        &kubeconfig,
+        &["plan", "-f", file.path().to_str().expect("path")],
+    );
+    let predicted: BTreeMap<String, Value> = plan["waves"]
+        .as_array()
+        .expect("waves")
+        .iter()
+        .flat_map(|w| w.as_array().expect("a wave").iter())
+        .map(|c| {
+            (
+                c["node"].as_str().unwrap_or_default().to_string(),
+                c["predicted"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(predicted[&names[0]], json!(3000), "{plan}");
+    assert_eq!(predicted[&names[1]], json!(after[1]), "{plan}");
+    assert!(after[1] < 3000, "{after:?}");
+    fleet.shutdown().await;
+}

@@ -103,3 +103,16 @@ anchor of the heading named after the alert in docs/runbooks.md.
 {{- $root := index . 0 -}}
 {{- printf "%s#%s" (trimSuffix "/" $root.Values.monitoring.prometheusRule.runbookBaseUrl) (lower (index . 1)) -}}
 {{- end }}
+
+{{/*
+The agents' nodeSelector as key=value,... (keys sorted): the operator gives
+each of those Nodes a HugePageNode before a pool selects it, so that its
+agent reports what a grow can get there.
+*/}}
+{{- define "hugepool.agentNodeLabels" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := .Values.agent.nodeSelector -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}

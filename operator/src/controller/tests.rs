@@ -489,6 +489,7 @@ fn plan_at(pools: &[HugePagePool], nodes: &[Node], states: &[HugePageNode]) -> p
         nodes: &nodes,
         node_states: &states,
         now: fixed_now(),
+        agent_nodes: None,
     })
 }
 

@@ -590,6 +590,43 @@ fn no_matching_nodes_is_reported() {
 }
 
 #[test]
+fn every_node_an_agent_runs_on_gets_a_node_state_before_any_pool() {
+    let nodes = vec![node("w-00", &["agent"]), node("w-01", &[])];
+    let agents: Selector = [("agent".to_string(), "true".to_string())]
+        .into_iter()
+        .collect();
+    let refs: Vec<&Node> = nodes.iter().collect();
+    let with = plan(&PlanInput {
+        pools: &[],
+        nodes: &refs,
+        node_states: &[],
+        observed: &Observed::default(),
+        now: at(0),
+        agent_nodes: Some(&agents),
+    });
+    // w-00 runs an agent: an empty HugePageNode is written for it.
+    let made = &with.nodes["w-00"];
+    assert!(made.spec_changed && made.spec.page_sizes.is_empty(), "{made:?}");
+    assert!(!with.nodes.contains_key("w-01"));
+    // Without the selector only the nodes pools select have one.
+    let without = run_plan(&[], &nodes, &[], 0);
+    assert!(without.nodes.is_empty(), "{:?}", without.nodes);
+    // Once it exists nothing more is written for it.
+    let mut states = Vec::new();
+    apply_specs(&with, &mut states);
+    let state_refs: Vec<&HugePageNode> = states.iter().collect();
+    let again = plan(&PlanInput {
+        pools: &[],
+        nodes: &refs,
+        node_states: &state_refs,
+        observed: &Observed::default(),
+        now: at(1),
+        agent_nodes: Some(&agents),
+    });
+    assert!(!again.nodes["w-00"].spec_changed);
+}
+
+#[test]
 fn a_rollout_that_ends_with_a_failed_node_is_incomplete_not_complete() {
     let pools = vec![with_max_unavailable(
         pool("dpdk", 0, "dpdk", "2Mi", 64),
@@ -1100,6 +1137,7 @@ fn a_node_the_operator_cannot_write_to_degrades_its_pool_and_names_the_error() {
         node_states: &[],
         observed: &observed,
         now: at(0),
+        agent_nodes: None,
     });
     assert_eq!(
         plan.pools["dpdk"].write_errors,
@@ -1144,6 +1182,7 @@ fn plan_observed(
         node_states: &hpns,
         observed,
         now: at(second),
+        agent_nodes: None,
     })
 }
 

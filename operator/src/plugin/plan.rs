@@ -139,6 +139,7 @@ impl ClusterView<'_> {
             nodes: &nodes,
             node_states: &states,
             now,
+            agent_nodes: None,
         })
     }
 }
@@ -199,6 +200,7 @@ pub fn simulate(
             nodes: &node_refs,
             node_states: &state_refs,
             now,
+            agent_nodes: None,
         });
         let Some(pool_plan) = plan.pools.get(&name).cloned() else {
             break;

@@ -168,6 +168,9 @@ pub struct Fleet {
     pub client: Client,
     pub scope: String,
     pub nodes: Vec<SimNode>,
+    /// The operators started from now on give every Node this selects a
+    /// HugePageNode before a pool selects it (`Config::agent_nodes`).
+    pub agent_nodes: Option<kube::core::Selector>,
     kubeconfig: std::path::PathBuf,
     operators: Vec<OperatorHandle>,
     pools: Vec<String>,
@@ -244,6 +247,7 @@ impl Fleet {
             nodes: Vec::new(),
             kubeconfig: env.control_plane.kubeconfig.clone(),
             operators: Vec::new(),
+            agent_nodes: None,
             pools: Vec::new(),
         };
         let names: Vec<String> = (0..spec.nodes)
@@ -372,6 +376,7 @@ impl Fleet {
             leader,
             instance: format!("{}-operator-{index}", self.scope),
             resync: Duration::from_secs(60),
+            agent_nodes: self.agent_nodes.clone(),
         };
         let mut kube_config = self.kube_config().await;
         if let Some(url) = url {
