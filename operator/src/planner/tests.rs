@@ -606,7 +606,10 @@ fn every_node_an_agent_runs_on_gets_a_node_state_before_any_pool() {
     });
     // w-00 runs an agent: an empty HugePageNode is written for it.
     let made = &with.nodes["w-00"];
-    assert!(made.spec_changed && made.spec.page_sizes.is_empty(), "{made:?}");
+    assert!(
+        made.spec_changed && made.spec.page_sizes.is_empty(),
+        "{made:?}"
+    );
     assert!(!with.nodes.contains_key("w-01"));
     // Without the selector only the nodes pools select have one.
     let without = run_plan(&[], &nodes, &[], 0);
