@@ -380,7 +380,7 @@ async fn five_hundreds_on_a_pools_status_for_30_s_hold_up_only_its_status() {
         .await;
     let failing = support::fail_writes(
         &fleet.client,
-        &scope,
+        (support::SCOPE_LABEL, &scope),
         "hugepool.dev",
         "hugepagepools/status",
     )
@@ -774,5 +774,156 @@ async fn writes_beside_the_operators_never_make_its_spec_writes_conflict() {
     );
     assert!(beside > 0);
     assert_eq!(conflicts, "0", "{metrics}");
+    fleet.shutdown().await;
+}
+
+/// One pod holds pages of two pools (2Mi and 1Gi) on a node both shrink,
+/// and every status write of the second pool fails: the record that landed
+/// in the first is taken back and the pod is not evicted (nothing would
+/// say why it went); once the writes succeed, it is evicted and both pools
+/// record it, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_whose_record_fails_in_one_of_its_pools_waits_and_is_withdrawn_from_the_other()
+{
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "twopools",
+        FleetSpec::new(1).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&fleet.client, &scope).await;
+    fleet.start_operator(None).await;
+    let node = fleet.node_name(0);
+    let drained = |size: &str, pages: i64| {
+        let mut spec = pool_spec(&scope, "dpdk", pages, json!(1));
+        spec["pageSize"] = json!(size);
+        spec["drain"] = json!({"policy": "IfNeeded", "timeout": "600s"});
+        spec
+    };
+    let small = fleet.create_available_pool(drained("2Mi", 512)).await;
+    let large = format!("{scope}-large");
+    fleet.create_pool(&large, drained("1Gi", 4)).await;
+    fleet
+        .wait_pool(
+            &large,
+            "Available",
+            "True",
+            Duration::from_secs(120),
+            |_| Ok(()),
+        )
+        .await;
+    // The large pool alone carries the label the failing writes select.
+    let failing_label = format!("{scope}-large");
+    fleet
+        .pool_api()
+        .patch(
+            &large,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"metadata": {"labels": {"faults.hugepool.dev/fail": failing_label}}}),
+            ),
+        )
+        .await
+        .expect("label the large pool");
+    let kernel = &fleet.node(&node).kernel;
+    assert_eq!(kernel.hold_pages(MI2, 0, 300).expect("hold 2Mi"), 300);
+    assert_eq!(
+        kernel
+            .hold_pages(hugepool_crds::PageSize::SIZE_1GI, 0, 3)
+            .expect("hold 1Gi"),
+        3
+    );
+    let mut pod = support::pod("consumer", &node, "dpdk", Some("600Mi"));
+    let resources = pod.spec.as_mut().expect("spec").containers[0]
+        .resources
+        .as_mut()
+        .expect("resources");
+    for amounts in [resources.requests.as_mut(), resources.limits.as_mut()]
+        .into_iter()
+        .flatten()
+    {
+        amounts.insert(
+            "hugepages-1Gi".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("3Gi".into()),
+        );
+    }
+    let consumer = support::run_pod(&fleet.client, &scope, pod).await;
+    let (kubelet, kubelet_task) =
+        play_kubelet(&fleet, &scope, vec![("consumer".into(), node.clone(), 300)]);
+    let failing = support::fail_writes(
+        &fleet.client,
+        ("faults.hugepool.dev/fail", &failing_label),
+        "hugepool.dev",
+        "hugepagepools/status",
+    )
+    .await;
+    fleet.patch_pool(&small, json!({"pages": 100})).await;
+    fleet.patch_pool(&large, json!({"pages": 1})).await;
+
+    let abandoned = format!("eviction of {scope}/consumer refused: its record did not land");
+    support::wait_for(
+        "the eviction abandoned",
+        Duration::from_secs(60),
+        || async {
+            let message = draining_message(&fleet.node_state(&node).await);
+            message.contains(&abandoned).then_some(()).ok_or(message)
+        },
+    )
+    .await;
+    // Taken back from the pool where it landed; the pod still runs.
+    support::wait_for("the record withdrawn", Duration::from_secs(30), || async {
+        let records = status_of(&fleet.pool(&small).await).evicted_pods;
+        records
+            .is_empty()
+            .then_some(())
+            .ok_or(format!("{records:?}"))
+    })
+    .await;
+    assert!(kubelet.lock().expect("kubelet").evicted.is_empty());
+
+    support::stop_failing_writes(&fleet.client, &failing).await;
+    let uid = consumer.metadata.uid.clone().expect("uid");
+    support::wait_for(
+        "evicted and recorded in both pools",
+        Duration::from_secs(120),
+        || async {
+            let small_uids: Vec<String> = status_of(&fleet.pool(&small).await)
+                .evicted_pods
+                .into_iter()
+                .map(|e| e.uid)
+                .collect();
+            let large_uids: Vec<String> = status_of(&fleet.pool(&large).await)
+                .evicted_pods
+                .into_iter()
+                .map(|e| e.uid)
+                .collect();
+            let evicted = !kubelet.lock().expect("kubelet").evicted.is_empty();
+            (evicted && small_uids == [uid.clone()] && large_uids == [uid.clone()])
+                .then_some(())
+                .ok_or(format!("evicted {evicted}; {small_uids:?} {large_uids:?}"))
+        },
+    )
+    .await;
+    // The pod's 1Gi pages come back as its process would end.
+    kernel
+        .release_pages(hugepool_crds::PageSize::SIZE_1GI, 0, 3)
+        .expect("release 1Gi");
+    fleet
+        .wait_pool(
+            &large,
+            "Available",
+            "True",
+            Duration::from_secs(120),
+            |_| Ok(()),
+        )
+        .await;
+    assert_eq!(
+        kubelet.lock().expect("kubelet").evicted,
+        [("consumer".to_string(), true)]
+    );
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
     fleet.shutdown().await;
 }

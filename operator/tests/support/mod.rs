@@ -1258,10 +1258,15 @@ impl Drop for EvictionWebhook {
 
 /// Makes the API server fail (500: "failed calling webhook", the webhook's
 /// address refuses connections) every write of `resource` (e.g.
-/// `hugepagepools/status`) in group `group` whose object carries the
-/// scope label, until the returned configuration is deleted.
-pub async fn fail_writes(client: &Client, scope: &str, group: &str, resource: &str) -> String {
-    let name = format!("{scope}-fail-writes");
+/// `hugepagepools/status`) in group `group` whose object carries `label`
+/// (key, value), until [`stop_failing_writes`] of the returned name.
+pub async fn fail_writes(
+    client: &Client,
+    label: (&str, &str),
+    group: &str,
+    resource: &str,
+) -> String {
+    let name = format!("{}-fail-writes", label.1);
     let closed = format!("127.0.0.1:{}", hugepool_e2e::free_port());
     let config: k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration =
         serde_json::from_value(json!({
@@ -1276,7 +1281,7 @@ pub async fn fail_writes(client: &Client, scope: &str, group: &str, resource: &s
                     "resources": [resource],
                     "scope": "*",
                 }],
-                "objectSelector": {"matchLabels": {SCOPE_LABEL: scope}},
+                "objectSelector": {"matchLabels": {label.0: label.1}},
                 "failurePolicy": "Fail",
                 "sideEffects": "None",
                 "timeoutSeconds": 5,
