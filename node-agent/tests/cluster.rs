@@ -464,6 +464,18 @@ async fn agent_grows_then_shrinks_the_real_pool_and_reports_it() {
     drop(real);
 }
 
+/// Converged at `pages`, with the resize that got there reported (the
+/// status that shows the pool at its target can come before the one with
+/// the resize's summary).
+fn resized_to(object: &HugePageNode, pages: i64) -> bool {
+    converged_at(object, pages)
+        && object.status.as_ref().is_some_and(|s| {
+            s.page_sizes
+                .iter()
+                .any(|p| p.last_resize.as_ref().is_some_and(|r| r.to == pages))
+        })
+}
+
 /// The steps of the last resize `name`'s agent reported.
 fn last_steps(object: &HugePageNode) -> i64 {
     object.status.as_ref().unwrap().page_sizes[0]
@@ -496,7 +508,7 @@ async fn a_restarted_agent_sizes_its_first_resize_from_the_saved_models() {
         &cold,
         Duration::from_secs(120),
         "a cold grow to 768",
-        |o| converged_at(o, 768),
+        |o| resized_to(o, 768),
     )
     .await;
     assert!(last_steps(&grown) >= 1);
@@ -507,7 +519,7 @@ async fn a_restarted_agent_sizes_its_first_resize_from_the_saved_models() {
         &cold,
         Duration::from_secs(120),
         "a shrink to 0",
-        |o| converged_at(o, 0),
+        |o| resized_to(o, 0),
     )
     .await;
     let cold_steps = last_steps(&shrunk);
@@ -552,7 +564,7 @@ async fn a_restarted_agent_sizes_its_first_resize_from_the_saved_models() {
         &warm,
         Duration::from_secs(120),
         "a warm shrink to 0",
-        |o| converged_at(o, 0),
+        |o| resized_to(o, 0),
     )
     .await;
     let warm_steps = last_steps(&shrunk);
