@@ -406,6 +406,20 @@ fn operator_deployment_is_ha_and_locked_down() {
     let args = operator["args"].as_array().expect("args");
     assert_eq!(args[0], "run");
     assert!(args.contains(&json!("--leader-elect")), "{args:?}");
+    // Every node an agent runs on gets a HugePageNode before any pool:
+    // the operator is told the agents' nodeSelector.
+    let agents = find(&docs, "DaemonSet", "hugepool-agent");
+    let selector = agents["spec"]["template"]["spec"]["nodeSelector"]
+        .as_object()
+        .expect("the agents' nodeSelector");
+    let labels: Vec<String> = selector
+        .iter()
+        .map(|(key, value)| format!("{key}={}", value.as_str().expect("a label value")))
+        .collect();
+    assert!(
+        args.contains(&json!(format!("--agent-node-labels={}", labels.join(",")))),
+        "{args:?}"
+    );
     let env = operator["env"].as_array().expect("env");
     for (name, field) in [
         ("POD_NAME", "metadata.name"),
