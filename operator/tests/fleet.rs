@@ -9,7 +9,6 @@
 #[allow(dead_code)]
 mod support;
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -1462,9 +1461,9 @@ async fn release_deletion_returns_every_node_to_zero_before_the_pool_goes() {
         .delete(&pool, &DeleteParams::default())
         .await
         .expect("delete the pool");
-    // Look at the pool first, then the kernels: pages never come back, so
-    // a kernel above 0 after the pool was seen gone is a real violation.
-    let samples_while_releasing = AtomicU32::new(0);
+    // Every kernel held 512 pages when the pool was deleted (above). Look
+    // at the pool first, then the kernels: pages never come back, so a
+    // kernel above 0 once the pool is seen gone is a real violation.
     wait_for("the pool gone", Duration::from_secs(60), || async {
         let gone = fleet
             .pool_api()
@@ -1485,16 +1484,9 @@ async fn release_deletion_returns_every_node_to_zero_before_the_pool_goes() {
             );
             return Ok(());
         }
-        if !above_zero.is_empty() {
-            samples_while_releasing.fetch_add(1, Ordering::Relaxed);
-        }
         Err(format!("{} nodes above 0", above_zero.len()))
     })
     .await;
-    assert!(
-        samples_while_releasing.load(Ordering::Relaxed) > 0,
-        "the pool was seen while nodes released"
-    );
     fleet
         .wait_kernels(&fleet.node_names(), 0, Duration::from_secs(1))
         .await;
