@@ -1113,8 +1113,10 @@ async fn a_leader_whose_renewals_fail_stops_writing_when_its_lease_runs_out() {
         Some(identity.clone())
     );
     let generation = fleet.patch_pool(&pool, json!({"pages": 128})).await;
-    // A negative check: a fenced replica that wrote would do so at once.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // The fence holds across a second boundary after the change: a write
+    // made while fenced carries an earlier second (in the object's
+    // managedFields) than any write once renewals are allowed again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     for name in &names {
         let spec = fleet.node_state(name).await.spec;
         assert!(
@@ -1133,6 +1135,7 @@ async fn a_leader_whose_renewals_fail_stops_writing_when_its_lease_runs_out() {
         "pool status written while fenced"
     );
 
+    let allowed = jiff::Timestamp::now();
     allow_renewals(&fleet.client, &policy).await;
     wait_for(
         "the replica leads again",
@@ -1143,6 +1146,18 @@ async fn a_leader_whose_renewals_fail_stops_writing_when_its_lease_runs_out() {
     fleet
         .wait_kernels(&names, 128, Duration::from_secs(60))
         .await;
+    // Every spec of 128 was written once renewals came back, not before.
+    let allowed_second = allowed.as_second();
+    for name in &names {
+        let api: Api<HugePageNode> = Api::all(fleet.client.clone());
+        let state = api.get(name).await.expect("HugePageNode");
+        let written =
+            hugepool_operator::planner::spec_written_at(&state).expect("the operator's write time");
+        assert!(
+            written.as_second() >= allowed_second,
+            "{name}'s spec written at {written}, before renewals were allowed at {allowed}"
+        );
+    }
     let client = fleet.client.clone();
     fleet.shutdown().await;
     support::delete_namespace(&client, &scope).await;
