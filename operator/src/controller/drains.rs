@@ -2,12 +2,13 @@
 //! the taints, and which of its pods to evict (the evictions themselves run
 //! beside the passes, see `evictions`).
 
+use hugepool_crds::ConditionUpdate;
 use hugepool_crds::conditions::{bounded_message, find_condition, set_condition};
 use hugepool_crds::pool::EvictedPod;
 use hugepool_crds::{HugePageNode, NodeConditionType, OPERATOR_MANAGER, PageSize};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
@@ -155,43 +156,8 @@ pub(super) async fn carry_out_drain(
         }
         update
     });
-    if let (Some(update), Some(state)) = (&condition_update, node_state) {
-        let mut conditions = state
-            .status
-            .as_ref()
-            .map(|s| s.conditions.clone())
-            .unwrap_or_default();
-        let before = find_condition(&conditions, NodeConditionType::Draining).cloned();
-        if set_condition(&mut conditions, update.clone(), &Time(now))
-            && let Some(condition) = find_condition(&conditions, NodeConditionType::Draining)
-        {
-            // Only on the version the plan read: a deposed leader's late
-            // write cannot overwrite what the new one wrote since.
-            let api: Api<HugePageNode> = Api::all(ctx.client.clone());
-            let updated = fenced(ctx, async {
-                api.patch_status(
-                    &name,
-                    &PatchParams::apply(OPERATOR_MANAGER).force(),
-                    &Patch::Apply(json!({
-                        "apiVersion": HugePageNode::api_version(&()),
-                        "kind": HugePageNode::kind(&()),
-                        "metadata": {"resourceVersion": state.resource_version()},
-                        "status": {"conditions": [condition]},
-                    })),
-                )
-                .await
-                .map_err(|source| Error::DrainCondition {
-                    node: name.clone(),
-                    source,
-                })
-            })
-            .await?;
-            ctx.deliveries.await_write("HugePageNode", &updated);
-            if let Some(event) = events::drain_event(before.as_ref(), update) {
-                ctx.publish(event, &node_reference(node)).await;
-            }
-        }
-    }
+    // The taints first: a node whose drain is over is untainted even when
+    // its condition's write must be tried again.
     let taints = [
         (hugepool_crds::DRAINING_TAINT, drain.taint),
         (hugepool_crds::NOT_READY_TAINT, plan.not_ready_taint),
@@ -203,7 +169,78 @@ pub(super) async fn carry_out_drain(
         let updated = set_taints(ctx, node, &taints).await?;
         ctx.deliveries.await_write("Node", &updated);
     }
+    if let (Some(update), Some(state)) = (&condition_update, node_state) {
+        let written = match write_draining(ctx, state, update, now).await {
+            // The agent wrote its status since the plan read it (it does
+            // at every change): once more on the version there now.
+            Err(err) if err.is_conflict() => {
+                let api: Api<HugePageNode> = Api::all(ctx.client.clone());
+                let fresh = fenced(ctx, async {
+                    api.get(&name)
+                        .await
+                        .map_err(|source| Error::DrainCondition {
+                            node: name.clone(),
+                            source,
+                        })
+                })
+                .await?;
+                write_draining(ctx, &fresh, update, now).await?
+            }
+            written => written?,
+        };
+        if let Some((updated, before)) = written {
+            ctx.deliveries.await_write("HugePageNode", &updated);
+            if let Some(event) = events::drain_event(before.as_ref(), update) {
+                ctx.publish(event, &node_reference(node)).await;
+            }
+        }
+    }
     Ok(evicts.then_some(on_node))
+}
+
+/// Sets the node's Draining condition as `update` says, on the condition
+/// that its HugePageNode is still `state` (a deposed leader's late write
+/// cannot overwrite what the new one wrote since). Returns the object as
+/// written and the condition before, or None when nothing changed.
+async fn write_draining(
+    ctx: &Context,
+    state: &HugePageNode,
+    update: &ConditionUpdate,
+    now: Timestamp,
+) -> Result<Option<(HugePageNode, Option<Condition>)>> {
+    let name = state.name_any();
+    let mut conditions = state
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let before = find_condition(&conditions, NodeConditionType::Draining).cloned();
+    if !set_condition(&mut conditions, update.clone(), &Time(now)) {
+        return Ok(None);
+    }
+    let Some(condition) = find_condition(&conditions, NodeConditionType::Draining) else {
+        return Ok(None);
+    };
+    let api: Api<HugePageNode> = Api::all(ctx.client.clone());
+    let updated = fenced(ctx, async {
+        api.patch_status(
+            &name,
+            &PatchParams::apply(OPERATOR_MANAGER).force(),
+            &Patch::Apply(json!({
+                "apiVersion": HugePageNode::api_version(&()),
+                "kind": HugePageNode::kind(&()),
+                "metadata": {"resourceVersion": state.resource_version()},
+                "status": {"conditions": [condition]},
+            })),
+        )
+        .await
+        .map_err(|source| Error::DrainCondition {
+            node: name.clone(),
+            source,
+        })
+    })
+    .await?;
+    Ok(Some((updated, before)))
 }
 
 /// The evictions a draining node's plan asks for now: the selected pods
