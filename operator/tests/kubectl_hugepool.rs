@@ -1132,18 +1132,7 @@ async fn plan_predicts_which_nodes_a_grow_leaves_short_from_the_agents_estimates
     .expect("write the pool file");
     let path = file.path().to_str().expect("path");
     let plan = plugin_json(&kubeconfig, &["plan", "-f", path]);
-    let predicted: BTreeMap<String, Value> = plan["waves"]
-        .as_array()
-        .expect("waves")
-        .iter()
-        .flat_map(|w| w.as_array().expect("a wave").iter())
-        .map(|c| {
-            (
-                c["node"].as_str().unwrap_or_default().to_string(),
-                c["predicted"].clone(),
-            )
-        })
-        .collect();
+    let predicted = predicted_by_node(&plan);
     assert_eq!(predicted[&names[0]], json!(3000), "{plan}");
     assert_eq!(predicted[&names[1]], json!(16 + after[1]), "{plan}");
     let text = plugin(&kubeconfig, &["plan", "-f", path]);
@@ -1284,6 +1273,22 @@ async fn wait_succeeds_only_when_every_selected_node_holds_the_pages() {
     fleet.shutdown().await;
 }
 
+/// What `plan -o json` predicts each node reaches, by node.
+fn predicted_by_node(plan: &Value) -> BTreeMap<String, Value> {
+    plan["waves"]
+        .as_array()
+        .expect("waves")
+        .iter()
+        .flat_map(|w| w.as_array().expect("a wave").iter())
+        .map(|c| {
+            (
+                c["node"].as_str().unwrap_or_default().to_string(),
+                c["predicted"].clone(),
+            )
+        })
+        .collect()
+}
+
 /// Before any pool: the operator gives every node an agent runs on a
 /// HugePageNode, its agent reports what a grow can get, and `plan` of the
 /// first pool predicts each node (the 4 GiB one short by its guard).
@@ -1348,18 +1353,7 @@ async fn the_first_pools_plan_is_predicted_from_every_agents_estimate() {
         &kubeconfig,
         &["plan", "-f", file.path().to_str().expect("path")],
     );
-    let predicted: BTreeMap<String, Value> = plan["waves"]
-        .as_array()
-        .expect("waves")
-        .iter()
-        .flat_map(|w| w.as_array().expect("a wave").iter())
-        .map(|c| {
-            (
-                c["node"].as_str().unwrap_or_default().to_string(),
-                c["predicted"].clone(),
-            )
-        })
-        .collect();
+    let predicted = predicted_by_node(&plan);
     assert_eq!(predicted[&names[0]], json!(3000), "{plan}");
     assert_eq!(predicted[&names[1]], json!(after[1]), "{plan}");
     assert!(after[1] < 3000, "{after:?}");

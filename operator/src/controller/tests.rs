@@ -49,6 +49,18 @@ enum Scenario {
     FinalizerFails { pool: HugePagePool },
 }
 
+/// The 500 an API server answers when etcd does not.
+fn internal_error() -> Response<Body> {
+    let failure = json!({
+        "apiVersion": "v1", "kind": "Status", "status": "Failure",
+        "message": "etcdserver: request timed out", "reason": "InternalError", "code": 500,
+    });
+    Response::builder()
+        .status(StatusCode::INTERNAL_SERVER_ERROR)
+        .body(Body::from(serde_json::to_vec(&failure).unwrap()))
+        .unwrap()
+}
+
 fn ok_json(value: &impl serde::Serialize) -> Response<Body> {
     Response::builder()
         .status(StatusCode::OK)
@@ -187,16 +199,7 @@ impl ApiServerVerifier {
                 pool.name_any()
             )
         );
-        let failure = json!({
-            "apiVersion": "v1", "kind": "Status", "status": "Failure",
-            "message": "etcdserver: request timed out", "reason": "InternalError", "code": 500,
-        });
-        send.send_response(
-            Response::builder()
-                .status(StatusCode::INTERNAL_SERVER_ERROR)
-                .body(Body::from(serde_json::to_vec(&failure).unwrap()))
-                .unwrap(),
-        );
+        send.send_response(internal_error());
         self
     }
 
@@ -207,16 +210,7 @@ impl ApiServerVerifier {
             "/apis/hugepool.dev/v1alpha1/hugepagenodes"
         );
         assert_eq!(Self::body(request).await["metadata"]["name"], node);
-        let failure = json!({
-            "apiVersion": "v1", "kind": "Status", "status": "Failure",
-            "message": "etcdserver: request timed out", "reason": "InternalError", "code": 500,
-        });
-        send.send_response(
-            Response::builder()
-                .status(StatusCode::INTERNAL_SERVER_ERROR)
-                .body(Body::from(serde_json::to_vec(&failure).unwrap()))
-                .unwrap(),
-        );
+        send.send_response(internal_error());
         self
     }
 
