@@ -709,14 +709,19 @@ async fn kubectl_shows_every_size_the_blocking_reason_and_why_a_pod_is_pending()
     support::delete_namespace(&client, &scope).await;
 }
 
-/// Runs `kubectl-hugepool ARGS`; its exit code and standard output.
-fn plugin_exit(kubeconfig: &Path, args: &[&str]) -> (i32, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_kubectl-hugepool"))
+/// Runs `kubectl-hugepool ARGS`, whatever its exit code.
+fn plugin_output(kubeconfig: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kubectl-hugepool"))
         .arg("--kubeconfig")
         .arg(kubeconfig)
         .args(args)
         .output()
-        .expect("run kubectl-hugepool");
+        .expect("run kubectl-hugepool")
+}
+
+/// Runs `kubectl-hugepool ARGS`; its exit code and standard output.
+fn plugin_exit(kubeconfig: &Path, args: &[&str]) -> (i32, String) {
+    let output = plugin_output(kubeconfig, args);
     (
         output.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&output.stdout).into_owned(),
@@ -1202,12 +1207,7 @@ async fn plan_predicts_which_nodes_a_grow_leaves_short_from_the_agents_estimates
 
 /// Runs the plugin; its exit code and what it wrote to stdout and stderr.
 fn plugin_run(kubeconfig: &Path, args: &[&str]) -> (i32, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_kubectl-hugepool"))
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(args)
-        .output()
-        .expect("run kubectl-hugepool");
+    let output = plugin_output(kubeconfig, args);
     (
         output.status.code().unwrap_or(-1),
         format!(
