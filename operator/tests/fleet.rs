@@ -19,7 +19,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::{Fleet, FleetSpec, MI2, ROLE_LABEL, lease_holder, play_kubelet, pool_spec, wait_for};
 
@@ -1299,10 +1299,12 @@ async fn a_leader_paused_past_its_lease_writes_nothing_of_its_old_plan_when_it_r
         .wait_kernels(&names, 512, Duration::from_secs(10))
         .await;
 
-    // Every HugePageNode spec written from now on.
+    // Every HugePageNode spec written from now on, and the marker below.
+    const MARKER: &str = "hugepool.dev/test-marker";
     let seen = Arc::new(Mutex::new(Vec::<(String, i64)>::new()));
+    let marked = Arc::new(Mutex::new(false));
     let recorder = {
-        let seen = seen.clone();
+        let (seen, marked) = (seen.clone(), marked.clone());
         let events = watcher(
             Api::<HugePageNode>::all(client.clone()),
             watcher::Config::default(),
@@ -1316,6 +1318,9 @@ async fn a_leader_paused_past_its_lease_writes_nothing_of_its_old_plan_when_it_r
                     seen.lock()
                         .expect("seen")
                         .push((state.name_any(), entry.pages));
+                }
+                if state.annotations().contains_key(MARKER) {
+                    *marked.lock().expect("marked") = true;
                 }
             }
         })
@@ -1332,8 +1337,29 @@ async fn a_leader_paused_past_its_lease_writes_nothing_of_its_old_plan_when_it_r
         },
     )
     .await;
-    // A negative check: a stale write comes within moments of the wake-up.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The metric turns only in the worker's loop, between passes: the pass
+    // the process was paused in has ended, every write it tried has been
+    // answered, and no write starts while the fence is closed (its clock
+    // ran through the pause). A marker written now comes after all of them
+    // in the watch's order: once the recorder sees it, it has seen them.
+    Api::<HugePageNode>::all(client.clone())
+        .patch(
+            &names[0],
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {MARKER: "1"}}})),
+        )
+        .await
+        .expect("mark a HugePageNode");
+    wait_for(
+        "the recorder sees the marker",
+        Duration::from_secs(60),
+        || async {
+            (*marked.lock().expect("marked"))
+                .then_some(())
+                .ok_or("not yet".to_string())
+        },
+    )
+    .await;
     recorder.abort();
     let stale: Vec<(String, i64)> = seen
         .lock()
@@ -1413,7 +1439,8 @@ async fn a_leader_paused_past_its_lease_writes_nothing_of_its_old_plan_when_it_r
         leader_metric(0),
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // As above: the metric turns between passes, so whatever the woken
+    // process tried has been answered; a read now sees it.
     for name in &names {
         let spec = fleet.node_state(name).await.spec;
         assert!(
