@@ -927,3 +927,85 @@ async fn an_eviction_whose_record_fails_in_one_of_its_pools_waits_and_is_withdra
     support::delete_namespace(&fleet.client, &scope).await;
     fleet.shutdown().await;
 }
+
+/// Every connection of the operator's cut (its watches and any write in
+/// flight) right before the pool changes, and again each time a node
+/// converges: each watch opens again, resumes or re-lists, and no change
+/// made while it was down is missed; the rollout finishes with every node at
+/// its target and the pool's counts exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_streams_cut_again_and_again_miss_no_change() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "watchcut",
+        FleetSpec::new(6).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    let proxy = support::HoldingProxy::start(fleet.apiserver_addr().await).await;
+    fleet.start_operator_through(None, proxy.url()).await;
+    let scope = fleet.scope.clone();
+    let pool = fleet
+        .create_available_pool(pool_spec(&scope, "dpdk", 64, json!(1)))
+        .await;
+    let names = fleet.node_names();
+    let connections = proxy.connections();
+    // The change is made through the test's own client while the
+    // operator's watches are down: it learns of it only from a watch
+    // opened again.
+    proxy.cut();
+    let changed = Instant::now();
+    fleet.patch_pool(&pool, json!({"pages": 512})).await;
+    let (mut cuts, mut converged) = (1, 0);
+    let rollout = tokio::time::timeout(Duration::from_secs(120), async {
+        loop {
+            let now = names
+                .iter()
+                .filter(|n| fleet.node(n).pages_2mi().0 == 512)
+                .count();
+            if now == names.len() {
+                return;
+            }
+            if now > converged {
+                converged = now;
+                proxy.cut();
+                cuts += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(
+        rollout.is_ok(),
+        "{converged}/6 nodes at 512 after 120 s and {cuts} cuts"
+    );
+    let status = fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(120), |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 6 && status.pages.current == 6 * 512)
+                .then_some(())
+                .ok_or(format!("{:?} {:?}", status.nodes, status.pages))
+        })
+        .await;
+    eprintln!(
+        "fault: every connection of the operator cut {cuts} times during a 6-node rollout at \
+         maxUnavailable 1: Available {:?} after the change ({} connections opened again)",
+        changed.elapsed(),
+        proxy.connections() - connections
+    );
+    assert_eq!(status_of(&status).pages.target, 6 * 512);
+    for name in &names {
+        let spec = fleet.node_state(name).await.spec;
+        assert!(
+            spec.page_sizes.iter().all(|e| e.pages == 512),
+            "{name}: {spec:?}"
+        );
+    }
+    // Each cut closed the watches, which the operator opened again.
+    assert!(
+        proxy.connections() - connections >= cuts,
+        "{} connections after {cuts} cuts",
+        proxy.connections() - connections
+    );
+    fleet.shutdown().await;
+}

@@ -987,10 +987,15 @@ pub async fn run_pod(client: &Client, namespace: &str, pod: Pod) -> Pod {
 
 /// A TCP proxy in front of the apiserver that can hold what clients send:
 /// while held, it reads their bytes and keeps them; released, it forwards
-/// them (and a client's close after them). Answers always pass.
+/// them (and a client's close after them). Answers always pass. It can
+/// also cut every connection open through it (watches included).
 pub struct HoldingProxy {
     pub addr: std::net::SocketAddr,
     hold: watch::Sender<bool>,
+    /// Bumped to close every connection open at that moment.
+    cuts: watch::Sender<u64>,
+    /// Connections accepted so far.
+    connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Bytes read from clients while held and not forwarded yet.
     held: Arc<std::sync::atomic::AtomicUsize>,
     task: JoinHandle<()>,
@@ -1005,21 +1010,26 @@ impl HoldingProxy {
             .expect("bind the proxy");
         let addr = listener.local_addr().expect("proxy address");
         let (hold, holding) = watch::channel(false);
+        let (cuts, _) = watch::channel(0u64);
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counter = Arc::clone(&held);
+        let (cut_sender, accepted) = (cuts.clone(), Arc::clone(&connections));
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
                     continue;
                 };
+                accepted.fetch_add(1, Ordering::SeqCst);
+                let mut cut = cut_sender.subscribe();
                 let (mut client_read, mut client_write) = client.into_split();
                 let (mut server_read, mut server_write) = server.into_split();
-                tokio::spawn(async move {
+                let answers = async move {
                     let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
-                });
+                };
                 let mut holding = holding.clone();
                 let counter = Arc::clone(&counter);
-                tokio::spawn(async move {
+                let requests = async move {
                     let mut buffer = vec![0u8; 16 * 1024];
                     loop {
                         let read = match client_read.read(&mut buffer).await {
@@ -1041,15 +1051,35 @@ impl HoldingProxy {
                         }
                     }
                     let _ = server_write.shutdown().await;
+                };
+                // A cut drops both directions: both sockets close.
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = async { tokio::join!(answers, requests) } => {}
+                        _ = cut.changed() => {}
+                    }
                 });
             }
         });
         HoldingProxy {
             addr,
             hold,
+            cuts,
+            connections,
             held,
             task,
         }
+    }
+
+    /// Closes every connection open through the proxy now; clients that
+    /// connect again pass as before.
+    pub fn cut(&self) {
+        self.cuts.send_modify(|cuts| *cuts += 1);
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// `https://` and the proxy's address (the apiserver's certificate is
