@@ -68,6 +68,12 @@ struct Row {
     change: Duration,
     rollout: Duration,
     writes_per_node: f64,
+    /// Writes of the operator's that met a newer object (409, or a failed
+    /// JSON-patch test) and were retried, in apply, change and rollout.
+    conflicts: [u64; 3],
+    /// The agents' status writes per second while the operator ran:
+    /// reports of new targets and refreshes.
+    agent_writes_per_second: f64,
     peak_rss_mib: f64,
     cpu: Duration,
     passes: u64,
@@ -82,9 +88,20 @@ struct Targets {
     reported: usize,
     /// The target each node's agent last reported converged at.
     reported_by_node: HashMap<String, i64>,
+    /// The status each node's agent last wrote, which its refreshes write
+    /// again with the estimates moved.
+    status_by_node: HashMap<String, serde_json::Value>,
+    /// Status writes the refreshes have made.
+    refreshed: usize,
+    /// One writer at a time per node, as one agent writes.
+    writers: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
 }
 
 impl Targets {
+    fn writer(&mut self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.writers.entry(name.to_string()).or_default().clone()
+    }
+
     fn count(&self, pages: i64) -> usize {
         self.by_node.values().filter(|p| **p == pages).count()
     }
@@ -242,6 +259,8 @@ fn start_agents(
                 tokio::spawn(async move {
                     tokio::time::sleep(delay).await;
                     let _slot = slots.acquire().await.expect("semaphore");
+                    let writer = targets.lock().expect("targets").writer(&name);
+                    let _writer = writer.lock().await;
                     let params = PatchParams::apply(AGENT_MANAGER).force();
                     let status = converged_status(&state, pages);
                     for _ in 0..5 {
@@ -253,9 +272,91 @@ fn start_agents(
                             let mut targets = targets.lock().expect("targets");
                             targets.reported += 1;
                             targets.reported_by_node.insert(name.clone(), pages);
+                            targets.status_by_node.insert(name.clone(), status);
                             break;
                         }
                         tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                });
+            }
+        }
+    })
+}
+
+/// The agents' refreshes: every node whose agent has reported writes its
+/// status again once per `refresh`, the fleet's writes spread evenly over
+/// the period, each with its estimates moved. A real agent re-reads its
+/// kernel at every refresh (15 s by default) and writes only when a figure
+/// moved by more than a tenth; these agents write every time, its worst
+/// case. Each write is the node's last status with `obtainable` changed, so
+/// it never reports a target the node has not reached.
+fn start_refreshes(
+    client: Client,
+    refresh: Duration,
+    targets: Arc<Mutex<Targets>>,
+) -> tokio::task::JoinHandle<()> {
+    const TICK: Duration = Duration::from_millis(100);
+    tokio::spawn(async move {
+        let api: Api<HugePageNode> = Api::all(client);
+        let slots = Arc::new(Semaphore::new(AGENT_WRITES_IN_FLIGHT));
+        let params = PatchParams::apply(AGENT_MANAGER).force();
+        let mut ticks = tokio::time::interval(TICK);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Where the round-robin is, and the share of a write carried over.
+        let (mut next, mut owed, mut round) = (0usize, 0.0f64, 0u64);
+        loop {
+            ticks.tick().await;
+            let due: Vec<String> = {
+                let targets = targets.lock().expect("targets");
+                let mut names: Vec<&String> = targets.status_by_node.keys().collect();
+                if names.is_empty() {
+                    continue;
+                }
+                names.sort_unstable();
+                owed += names.len() as f64 * TICK.as_secs_f64() / refresh.as_secs_f64();
+                let count = owed as usize;
+                owed -= count as f64;
+                (0..count)
+                    .map(|k| names[(next + k) % names.len()].clone())
+                    .collect()
+            };
+            if !due.is_empty() {
+                next += due.len();
+                if next >= targets.lock().expect("targets").status_by_node.len() {
+                    next = 0;
+                    round += 1;
+                }
+            }
+            // By more than a tenth each round, as a figure that moves enough
+            // to be written.
+            let moved = 1000 + 200 * (round % 2);
+            for name in due {
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    return;
+                };
+                let (api, params, targets) = (api.clone(), params.clone(), targets.clone());
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    let writer = targets.lock().expect("targets").writer(&name);
+                    let _writer = writer.lock().await;
+                    // The node's last status, read under its writer's lock.
+                    let Some(mut status) = targets
+                        .lock()
+                        .expect("targets")
+                        .status_by_node
+                        .get(&name)
+                        .cloned()
+                    else {
+                        return;
+                    };
+                    status["status"]["pageSizes"][0]["obtainable"] =
+                        json!({"now": moved, "afterCompaction": moved + 500});
+                    if api
+                        .patch_status(&name, &params, &Patch::Apply(&status))
+                        .await
+                        .is_ok()
+                    {
+                        targets.lock().expect("targets").refreshed += 1;
                     }
                 });
             }
@@ -317,6 +418,10 @@ impl Operator {
             .find_map(|l| l.strip_prefix(prefix.as_str()))
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0.0)
+    }
+
+    fn conflicts(&self) -> u64 {
+        self.metric("hugepool_write_conflicts_total") as u64
     }
 
     fn reconciles(&self) -> u64 {
@@ -625,7 +730,13 @@ async fn apply_specs(api: &Api<HugePageNode>, names: &[String], pages: i64, in_f
 /// operator's writes (and, for the rollout, the agents') at the same
 /// concurrency; its objects are deleted after. `up` is the control plane's
 /// process, for the profiles.
-async fn apiserver_floors(client: &Client, nodes: usize, delay: Duration, up: u32) -> Floors {
+async fn apiserver_floors(
+    client: &Client,
+    nodes: usize,
+    delay: Duration,
+    refresh: Duration,
+    up: u32,
+) -> Floors {
     let api: Api<HugePageNode> = Api::all(client.clone());
     let names: Vec<String> = (0..nodes).map(|i| format!("floor-{i:05}")).collect();
     let mut profiles = Vec::new();
@@ -639,31 +750,36 @@ async fn apiserver_floors(client: &Client, nodes: usize, delay: Duration, up: u3
     apply_specs(&api, &names, 128, 32).await;
     let change = started.elapsed();
     profiles.push(("floor: change".into(), reading.finish(client, change).await));
-    // Ten waves: the wave's specs, the agents' delay, their status writes.
+    // The rollout's lower bound: the writes no rollout can do without (every
+    // node's spec, then its agent's status, from the apply's answer), and
+    // ten waves of at least the agents' delay each (at 10% no more than a
+    // tenth of the nodes wait at once). No rollout is faster than either.
     let started = Instant::now();
-    let per_wave = nodes.div_ceil(10);
-    for wave in names.chunks(per_wave) {
-        apply_specs(&api, wave, 256, 32).await;
-        tokio::time::sleep(delay).await;
-        let params = PatchParams::apply(AGENT_MANAGER).force();
-        futures::stream::iter(wave)
-            .map(|name| {
-                let (api, params) = (api.clone(), params.clone());
-                async move {
-                    let state = api.get(name).await?;
-                    api.patch_status(name, &params, &Patch::Apply(&converged_status(&state, 256)))
-                        .await
-                        .map(|_| ())
-                }
-            })
-            .buffer_unordered(AGENT_WRITES_IN_FLIGHT)
-            .try_collect::<Vec<()>>()
-            .await
-            .expect("floor status writes");
-    }
-    let rollout = started.elapsed();
+    let params = PatchParams::apply("bench-floor").force();
+    let status_params = PatchParams::apply(AGENT_MANAGER).force();
+    futures::stream::iter(&names)
+        .map(|name| {
+            let (api, params, status_params) = (api.clone(), params.clone(), status_params.clone());
+            async move {
+                let body = json!({
+                    "apiVersion": "hugepool.dev/v1alpha1",
+                    "kind": "HugePageNode",
+                    "metadata": {"name": name, "labels": {"bench-floor": "true"}},
+                    "spec": {"pageSizes": [{"size": "2Mi", "pages": 256, "pool": POOL, "poolGeneration": 1}]},
+                });
+                let state = api.patch(name, &params, &Patch::Apply(&body)).await?;
+                api.patch_status(name, &status_params, &Patch::Apply(&converged_status(&state, 256)))
+                    .await
+                    .map(|_| ())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await
+        .expect("floor rollout writes");
+    let rollout = started.elapsed().max(10 * delay);
     delete_floor_objects(&api).await;
-    let mut loaded = floors_with_agents(client, nodes, delay, up)
+    let mut loaded = floors_with_agents(client, nodes, delay, refresh, up)
         .await
         .into_iter();
     let (apply_with_agents, profile) = loaded.next().expect("the loaded apply");
@@ -699,11 +815,13 @@ async fn floors_with_agents(
     client: &Client,
     nodes: usize,
     delay: Duration,
+    refresh: Duration,
     up: u32,
 ) -> Vec<(Duration, Profile)> {
     let api: Api<HugePageNode> = Api::all(client.clone());
     let targets = Arc::new(Mutex::new(Targets::default()));
     let agents = start_agents(client.clone(), delay, targets.clone(), "bench-floor=true");
+    let refreshes = start_refreshes(client.clone(), refresh, targets.clone());
     let seen = |pages: i64, count: usize| {
         let targets = targets.clone();
         move || {
@@ -751,11 +869,18 @@ async fn floors_with_agents(
         .await;
     }
     agents.abort();
+    refreshes.abort();
     delete_floor_objects(&api).await;
     phases
 }
 
-async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) -> Row {
+async fn measure(
+    nodes: usize,
+    pool_count: usize,
+    delay: Duration,
+    refresh: Duration,
+    root: &Path,
+) -> Row {
     let dir = root.join(format!("{nodes}-{pool_count}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("bench dir");
@@ -767,7 +892,7 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     eprintln!("{nodes} Nodes created in {:.1?}", started.elapsed());
 
     let up = control_plane.pid().expect("the control plane runs");
-    let mut floor = apiserver_floors(&client, nodes, delay, up).await;
+    let mut floor = apiserver_floors(&client, nodes, delay, refresh, up).await;
     eprintln!(
         "{nodes} nodes: floors apply {:?}, change {:?}, rollout {:?}; with the agents: apply {:?}, change {:?}",
         floor.apply, floor.change, floor.rollout, floor.apply_with_agents, floor.change_with_agents
@@ -775,6 +900,7 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     let mut profiles = std::mem::take(&mut floor.profiles);
     let targets = Arc::new(Mutex::new(Targets::default()));
     let _agents = start_agents(client.clone(), delay, targets.clone(), "");
+    let _refreshes = start_refreshes(client.clone(), refresh, targets.clone());
     let operator = Operator::start(
         &control_plane.control_plane.kubeconfig,
         &dir.join("operator.log"),
@@ -821,9 +947,17 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
         }
     };
 
+    let agent_writes = || {
+        let targets = targets.lock().expect("targets");
+        targets.reported + targets.refreshed
+    };
+    let (agent_writes_before, run_started) = (agent_writes(), Instant::now());
+    let mut conflicts = [0u64; 3];
+
     // 1. Apply at maxUnavailable 100%.
     let operator_pid = Some(operator.child.id());
     let reading = Reading::take(&client, up, operator_pid).await;
+    let conflicts_before = operator.conflicts();
     let t = Instant::now();
     let created = futures::future::join_all(names.iter().enumerate().map(|(k, name)| {
         let pool: HugePagePool = serde_json::from_value(json!({
@@ -847,6 +981,7 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     .collect::<Vec<i64>>();
     wait_until("every node to carry 64", budget, all_carry(64)).await;
     let apply = t.elapsed();
+    conflicts[0] = operator.conflicts() - conflicts_before;
     profiles.push((
         "operator: apply".into(),
         reading.finish(&client, apply).await,
@@ -856,10 +991,12 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
     // 2. Change pages.
     let before = apiserver_writes(&client).await;
     let reading = Reading::take(&client, up, operator_pid).await;
+    let conflicts_before = operator.conflicts();
     let t = Instant::now();
     let changed = patch_all(json!({"spec": {"pages": 128}})).await;
     wait_until("every node to carry 128", budget, all_carry(128)).await;
     let change = t.elapsed();
+    conflicts[1] = operator.conflicts() - conflicts_before;
     profiles.push((
         "operator: change".into(),
         reading.finish(&client, change).await,
@@ -869,6 +1006,7 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
 
     // 3. A rollout at 10%.
     let passes_before = operator.reconciles();
+    let conflicts_before = operator.conflicts();
     let t = Instant::now();
     let (stop_sampling, sampler) =
         sample_rollout(targets.clone(), 256, t, Duration::from_millis(100));
@@ -876,6 +1014,9 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
         patch_all(json!({"spec": {"pages": 256, "rollout": {"maxUnavailable": "10%"}}})).await;
     all_available(rolled).await;
     let rollout = t.elapsed();
+    conflicts[2] = operator.conflicts() - conflicts_before;
+    let agent_writes_per_second =
+        (agent_writes() - agent_writes_before) as f64 / run_started.elapsed().as_secs_f64();
     let passes = operator.reconciles().saturating_sub(passes_before);
     let _ = stop_sampling.send(());
     let samples = sampler.await.expect("the rollout's samples");
@@ -896,6 +1037,8 @@ async fn measure(nodes: usize, pool_count: usize, delay: Duration, root: &Path) 
         change,
         rollout,
         writes_per_node: writes / nodes as f64,
+        conflicts,
+        agent_writes_per_second,
         peak_rss_mib: operator.peak_rss_mib(),
         cpu: operator.cpu(),
         passes: operator.reconciles(),
@@ -979,10 +1122,20 @@ fn main() -> ExitCode {
             .filter_map(|n| n.trim().parse().ok())
             .collect()
     };
+    // The agent's default refresh; shorter in the smoke run, so that its 50
+    // nodes' refreshes are under way while the operator writes.
+    let refresh = std::env::var("HUGEPOOL_FLEET_REFRESH")
+        .ok()
+        .and_then(|d| hugepool_crds::duration::parse(&d).ok())
+        .unwrap_or(if smoke {
+            Duration::from_secs(2)
+        } else {
+            Duration::from_secs(15)
+        });
     let mut rows = Vec::new();
     for nodes in sizes {
         for &pools in &pool_counts {
-            rows.push(runtime.block_on(measure(nodes, pools, delay, &root)));
+            rows.push(runtime.block_on(measure(nodes, pools, delay, refresh, &root)));
         }
     }
     let too_many: Vec<String> = rows
@@ -996,9 +1149,13 @@ fn main() -> ExitCode {
         })
         .collect();
     println!(
-        "| nodes | pools | apply -> all targets (floor, x) | change -> all targets (floor, x) | rollout at 10% (floor, x) | apply, change against the floors with agents (x) | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
+        "Agents report each target {delay:?} after they see it and write their status again every {refresh:?} (estimates moved)."
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!();
+    println!(
+        "| nodes | pools | apply -> all targets (floor, x) | change -> all targets (floor, x) | rollout at 10% (lower bound, x) | apply, change against the floors with agents (x) | conflicts retried (apply, change, rollout) | agent writes/s | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let versus = |ours: Duration, floor: Duration| {
         format!(
             "{:.1} s ({:.1} s, {:.2}x)",
@@ -1009,7 +1166,7 @@ fn main() -> ExitCode {
     };
     for row in &rows {
         println!(
-            "| {} | {} | {} | {} | {} | {}; {} | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
+            "| {} | {} | {} | {} | {} | {}; {} | {}, {}, {} | {:.0} | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
             row.nodes,
             row.pools,
             versus(row.apply, row.floor.apply),
@@ -1017,6 +1174,10 @@ fn main() -> ExitCode {
             versus(row.rollout, row.floor.rollout),
             versus(row.apply, row.floor.apply_with_agents),
             versus(row.change, row.floor.change_with_agents),
+            row.conflicts[0],
+            row.conflicts[1],
+            row.conflicts[2],
+            row.agent_writes_per_second,
             row.writes_per_node,
             row.peak_rss_mib,
             row.cpu.as_secs_f64(),

@@ -1,16 +1,18 @@
 //! Which Events a pass emits, derived from what changed (pure): rollout
 //! start, finish and halt on pools; drain start, timeout and end on nodes.
 
-use hugepool_crds::conditions::{ConditionUpdate, find_condition};
+use hugepool_crds::conditions::{ConditionUpdate, bounded_message, find_condition};
 use hugepool_crds::{HugePagePoolStatus, NodeConditionType, PoolConditionType, Reason};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::runtime::events::{Event, EventType};
 
+/// An Event whose note fits the API's limit (1024 characters): an API
+/// error quoted whole (a webhook's answer) would have the Event refused.
 fn event(type_: EventType, reason: &str, action: &str, note: String) -> Event {
     Event {
         type_,
         reason: reason.into(),
-        note: Some(note),
+        note: Some(bounded_message(note)),
         action: action.into(),
         secondary: None,
     }
@@ -180,6 +182,17 @@ mod tests {
 
     fn reasons(events: &[Event]) -> Vec<&str> {
         events.iter().map(|e| e.reason.as_str()).collect()
+    }
+
+    #[test]
+    fn a_write_failure_quoting_a_long_api_error_fits_the_events_limit() {
+        let error = crate::error::Error::Timeout(std::time::Duration::from_secs(1));
+        let short = write_failed(&error).note.expect("a note");
+        assert!(short.ends_with("; retrying with backoff"), "{short}");
+        let long = event(EventType::Warning, "WriteFailed", "Write", "x".repeat(3000));
+        let note = long.note.expect("a note");
+        assert_eq!(note.len(), hugepool_crds::conditions::MAX_MESSAGE);
+        assert!(note.ends_with("..."));
     }
 
     #[test]

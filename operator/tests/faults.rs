@@ -438,6 +438,89 @@ async fn five_hundreds_on_a_pools_status_for_30_s_hold_up_only_its_status() {
     fleet.shutdown().await;
 }
 
+/// 500 on every spec write of one node's HugePageNode for 30 s (an admission
+/// webhook that cannot be reached): the other nodes of the rollout go on,
+/// the pool names the failing node with its error, and once writes succeed
+/// again its backoff brings it to the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundreds_on_one_nodes_spec_for_30_s_hold_up_only_that_node() {
+    let Some(env) = setup().await else { return };
+    let mut fleet =
+        Fleet::start(&env, "spec5xx", FleetSpec::new(3).label(ROLE_LABEL, "dpdk")).await;
+    fleet.start_operator(None).await;
+    let scope = fleet.scope.clone();
+    let pool = fleet
+        .create_available_pool(pool_spec(&scope, "dpdk", 64, json!(3)))
+        .await;
+    let names = fleet.node_names();
+    let (failing_node, others) = names.split_first().expect("three nodes");
+    let label = ("hugepool-fault", "spec-writes");
+    Api::<HugePageNode>::all(fleet.client.clone())
+        .patch(
+            failing_node,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"metadata": {"labels": {label.0: label.1}}})),
+        )
+        .await
+        .expect("label the failing node's HugePageNode");
+    let failing = support::fail_writes(&fleet.client, label, "hugepool.dev", "hugepagenodes").await;
+    let started = Instant::now();
+    fleet.patch_pool(&pool, json!({"pages": 128})).await;
+    fleet
+        .wait_kernels(others, 128, Duration::from_secs(60))
+        .await;
+    let others_done = started.elapsed();
+    fleet
+        .wait_pool(&pool, "Degraded", "True", Duration::from_secs(60), |p| {
+            let status = status_of(p);
+            let degraded = support::condition(&status.conditions, "Degraded")
+                .map(|c| (c.reason.clone(), c.message.clone()))
+                .unwrap_or_default();
+            (degraded.0 == "NodeWritesFailed"
+                && degraded.1.contains(failing_node.as_str())
+                && degraded.1.contains("500"))
+            .then_some(())
+            .ok_or(format!("{degraded:?}"))
+        })
+        .await;
+    assert_eq!(fleet.node(failing_node).pages_2mi().0, 64);
+    assert!(
+        fleet
+            .node_state(failing_node)
+            .await
+            .spec
+            .page_sizes
+            .iter()
+            .all(|e| e.pages == 64),
+        "a write got through the failing webhook"
+    );
+    let left = Duration::from_secs(30).saturating_sub(started.elapsed());
+    tokio::time::sleep(left).await;
+    support::stop_failing_writes(&fleet.client, &failing).await;
+    let healed = Instant::now();
+    let status = fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(360), |p| {
+            let status = status_of(p);
+            let degraded = support::condition(&status.conditions, "Degraded")
+                .is_some_and(|c| c.status == "True");
+            (status.nodes.converged == 3 && !degraded)
+                .then_some(())
+                .ok_or(format!("{:?} {:?}", status.nodes, status.conditions))
+        })
+        .await;
+    fleet
+        .wait_kernels(&names, 128, Duration::from_secs(30))
+        .await;
+    eprintln!(
+        "fault: 500 on every spec write of one node for 30 s: the other nodes reached the new \
+         target after {others_done:?}; the failing node was named, and converged {:?} after \
+         writes succeeded again",
+        healed.elapsed()
+    );
+    assert_eq!(status_of(&status).pages.current, 3 * 128);
+    fleet.shutdown().await;
+}
+
 /// An eviction webhook that never answers: the API server gives up at the
 /// webhook's timeout (30 s) and refuses the eviction; the pod is named on
 /// its node meanwhile and the refusal after; once the webhook answers, the
