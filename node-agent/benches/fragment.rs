@@ -32,6 +32,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use hugepool_agent::agent::status::moved_materially;
+use hugepool_agent::kernel::freelists::GrowEstimate;
 use hugepool_agent::kernel::{Kernel, PoolScope, SysfsKernel};
 use hugepool_agent::resize::planner::guard_headroom;
 use hugepool_crds::PageSize;
@@ -64,82 +66,163 @@ struct State {
     anon: f64,
     /// The page-cache file is read in, with holes.
     cache: bool,
+    /// Share of the fragmenter's anonymous size written to a tmpfs file
+    /// (shmem: movable, not reclaimable without swap), every other 1 MiB
+    /// punched out.
+    shmem: f64,
+    /// `SLAB_DENTRIES` negative dentries (reclaimable slab) made first.
+    slab: bool,
     /// 2Mi pages asked for, as a multiple of HUGEPOOL_FRAGMENT_PAGES.
     request: f64,
 }
 
-const STATES: [State; 12] = [
+const STATES: [State; 18] = [
     State {
         name: "clean",
         anon: 0.0,
         cache: false,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "page cache",
         anon: 0.0,
         cache: true,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "anon 1/4",
         anon: 0.25,
         cache: false,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "anon 1/4, cache",
         anon: 0.25,
         cache: true,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "anon 1/2",
         anon: 0.5,
         cache: false,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "anon 1/2, cache",
         anon: 0.5,
         cache: true,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "anon 3/4, cache",
         anon: 0.75,
         cache: true,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "anon all",
         anon: 1.0,
         cache: false,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "anon all, cache",
         anon: 1.0,
         cache: true,
+        shmem: 0.0,
+        slab: false,
         request: 1.0,
     },
     State {
         name: "clean, past the guard",
         anon: 0.0,
         cache: false,
+        shmem: 0.0,
+        slab: false,
         request: 2.0,
     },
     State {
         name: "anon 1/2, cache, past the guard",
         anon: 0.5,
         cache: true,
+        shmem: 0.0,
+        slab: false,
         request: 2.0,
     },
     State {
         name: "anon all, cache, past the guard",
         anon: 1.0,
         cache: true,
+        shmem: 0.0,
+        slab: false,
         request: 2.0,
+    },
+    // A little shmem taken after an agent wrote its estimate: the fresh
+    // figure falls by less than a tenth (what a status kept under the
+    // tenth rule).
+    State {
+        name: "shmem 1/8, past the guard",
+        anon: 0.0,
+        cache: false,
+        shmem: 0.125,
+        slab: false,
+        request: 2.0,
+    },
+    State {
+        name: "shmem 1/4, past the guard",
+        anon: 0.0,
+        cache: false,
+        shmem: 0.25,
+        slab: false,
+        request: 2.0,
+    },
+    State {
+        name: "shmem, past the guard",
+        anon: 0.0,
+        cache: false,
+        shmem: 1.0,
+        slab: false,
+        request: 1.5,
+    },
+    State {
+        name: "shmem, cache, past the guard",
+        anon: 0.0,
+        cache: true,
+        shmem: 1.0,
+        slab: false,
+        request: 1.5,
+    },
+    State {
+        name: "slab, past the guard",
+        anon: 0.0,
+        cache: false,
+        shmem: 0.0,
+        slab: true,
+        request: 1.75,
+    },
+    State {
+        name: "slab, shmem 1/2, anon 1/4, cache",
+        anon: 0.25,
+        cache: true,
+        shmem: 0.5,
+        slab: true,
+        request: 1.5,
     },
 ];
 
@@ -248,6 +331,9 @@ struct Grow {
     predicted: u64,
     /// The estimate itself: (now, after compaction).
     estimate: (u64, u64),
+    /// What a status made on the clean machine showed by now: the
+    /// prediction by the agent's rule and by a tenth either way.
+    shown: Option<(u64, u64)>,
     reached: u64,
     total: Duration,
     writes: Vec<Duration>,
@@ -273,6 +359,11 @@ impl Grow {
         self.predicted.abs_diff(self.reached) as f64 / self.request.max(1) as f64
     }
 
+    /// (predicted - reached) / request: above 0 a promise the grow broke.
+    fn signed_error(&self, predicted: u64) -> f64 {
+        (predicted as f64 - self.reached as f64) / self.request.max(1) as f64
+    }
+
     fn json(&self, state: &State, way: Way) -> serde_json::Value {
         serde_json::json!({
             "state": state.name,
@@ -282,6 +373,8 @@ impl Grow {
             "predicted": self.predicted,
             "obtainableNow": self.estimate.0,
             "afterCompaction": self.estimate.1,
+            "statusPredicted": self.shown.map(|s| s.0),
+            "statusPredictedTenthRule": self.shown.map(|s| s.1),
             "reached": self.reached,
             "totalMs": ms(self.total),
             "writesMs": self.writes.iter().map(|w| ms(*w)).collect::<Vec<_>>(),
@@ -516,6 +609,70 @@ impl Drop for AnonHoles {
     }
 }
 
+/// The shmem half of the fragmenter: a file on tmpfs (`/dev/shm`), every
+/// page written, then every other 1 MiB punched out. Deleted when dropped.
+struct ShmemHoles {
+    path: PathBuf,
+}
+
+impl ShmemHoles {
+    fn new(bytes: u64) -> Result<ShmemHoles, String> {
+        let path = PathBuf::from(format!("/dev/shm/hugepool-fragment-{}", std::process::id()));
+        let error = |e: std::io::Error| format!("{}: {e}", path.display());
+        let mut file = File::options()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(error)?;
+        let shmem = ShmemHoles { path: path.clone() };
+        let chunk = vec![0x5a_u8; HOLE];
+        for _ in 0..bytes / HOLE as u64 {
+            file.write_all(&chunk).map_err(error)?;
+        }
+        for offset in (HOLE as u64..bytes).step_by(2 * HOLE) {
+            // SAFETY: fallocate on a descriptor we own; no memory is passed.
+            let rc = unsafe {
+                libc::fallocate(
+                    file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset as libc::off_t,
+                    HOLE as libc::off_t,
+                )
+            };
+            if rc != 0 {
+                return Err(error(std::io::Error::last_os_error()));
+            }
+        }
+        Ok(shmem)
+    }
+}
+
+impl Drop for ShmemHoles {
+    fn drop(&mut self) {
+        if let Err(err) = std::fs::remove_file(&self.path) {
+            eprintln!("could not delete {}: {err}", self.path.display());
+        }
+    }
+}
+
+/// Negative dentries the slab state makes (about 190 bytes each in the
+/// reclaimable dentry cache): names looked up in an empty directory.
+const SLAB_DENTRIES: u64 = 12_000_000;
+
+/// Fills the dentry cache with `SLAB_DENTRIES` negative entries; the
+/// reset's drop_caches frees them.
+fn fill_slab(dir: &Path) -> Result<(), String> {
+    let dir = dir.join(format!("hugepool-fragment-slab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for i in 0..SLAB_DENTRIES {
+        match std::fs::symlink_metadata(dir.join(format!("{i:x}"))) {
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            other => return Err(format!("{}: {other:?}", dir.display())),
+        }
+    }
+    std::fs::remove_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))
+}
+
 /// MemAvailable every 10 ms on a thread until finished: the lowest value.
 struct Sampler {
     stop: Arc<AtomicBool>,
@@ -640,8 +797,16 @@ fn make_state(
     cache: &mut CacheFile,
     state: &State,
     anon_max: u64,
-) -> Result<(Option<AnonHoles>, u64), String> {
+) -> Result<(Held, u64), String> {
     reset(kernel, cache)?;
+    if state.slab {
+        fill_slab(Path::new("/var/tmp"))?;
+    }
+    let shmem_len =
+        ((anon_max as f64 * state.shmem) as u64) / (2 * HOLE as u64) * (2 * HOLE as u64);
+    let shmem = (shmem_len > 0)
+        .then(|| ShmemHoles::new(shmem_len))
+        .transpose()?;
     let cache_kept = if state.cache {
         cache.fill_with_holes()?
     } else {
@@ -652,7 +817,26 @@ fn make_state(
         .then(|| AnonHoles::new(anon_len as usize))
         .transpose()?;
     std::thread::sleep(Duration::from_millis(200));
-    Ok((anon, cache_kept))
+    Ok(((anon, shmem), cache_kept))
+}
+
+/// The fragmenter's memory a state holds until dropped.
+type Held = (Option<AnonHoles>, Option<ShmemHoles>);
+
+/// What a status showed for a grow of `request` from 0, as (the agent's
+/// rule, a tenth either way), when it showed `clean` and the lists now give
+/// `fresh` (now, after compaction).
+fn shown(clean: (u64, u64), fresh: (u64, u64), request: u64) -> (u64, u64) {
+    let estimate = |(now, after): (u64, u64)| GrowEstimate {
+        obtainable_now: now,
+        after_compaction: after,
+    };
+    let (clean, fresh) = (estimate(clean), estimate(fresh));
+    let tenth = |a: u64, b: u64| a.abs_diff(b).saturating_mul(10) > a.max(b);
+    let old_moved = tenth(clean.obtainable_now, fresh.obtainable_now)
+        || tenth(clean.after_compaction, fresh.after_compaction);
+    let pick = |moved: bool| request.min(if moved { fresh } else { clean }.after_compaction);
+    (pick(moved_materially(clean, fresh)), pick(old_moved))
 }
 
 /// The estimate for a grow of `size` from 0 on the whole machine, as the
@@ -723,9 +907,26 @@ fn bench() -> Result<(), String> {
         gib(base * MI2.bytes()),
     );
 
+    // HUGEPOOL_FRAGMENT_STATES: state names separated by semicolons, to
+    // run (all when unset).
+    let only: Option<Vec<String>> = std::env::var("HUGEPOOL_FRAGMENT_STATES")
+        .ok()
+        .map(|names| names.split(';').map(|n| n.trim().to_string()).collect());
     let mut rows: Vec<Row> = Vec::new();
     for (index, state) in STATES.iter().enumerate() {
+        if only
+            .as_ref()
+            .is_some_and(|only| !only.iter().any(|n| n == state.name))
+        {
+            continue;
+        }
         let request = (base as f64 * state.request) as u64;
+        // What an agent's status showed before the state was made: the
+        // clean machine's estimate, kept or replaced as the agent's status
+        // writer settles it (status::moved_materially) and as it did before
+        // (a tenth either way).
+        reset(&kernel, &cache)?;
+        let clean = predict(&kernel, MI2, request)?.1;
         let ways = if index % 2 == 0 {
             [Way::FreeLists, Way::Before]
         } else {
@@ -733,9 +934,10 @@ fn bench() -> Result<(), String> {
         };
         let mut grows = Vec::new();
         for way in ways {
-            let (anon, cache_kept) = make_state(&kernel, &mut cache, state, anon_max)?;
-            let grow = engine(&kernel, MI2, request, way, cache_kept)?;
-            drop(anon);
+            let (held, cache_kept) = make_state(&kernel, &mut cache, state, anon_max)?;
+            let mut grow = engine(&kernel, MI2, request, way, cache_kept)?;
+            drop(held);
+            grow.shown = Some(shown(clean, grow.estimate, request));
             eprintln!(
                 "{:<32} {:<10} predicted {:>5} reached {:>5} of {request} in {:>7.1} ms, {:>3} writes, \
                  max {:>6.1} ms, {} compactions; estimate now {} after {}; MemAvailable {:.1} GiB, cache kept {:.1} GiB",
@@ -755,9 +957,9 @@ fn bench() -> Result<(), String> {
             grows.push((way, grow));
         }
         grows.sort_by_key(|(way, _)| *way != Way::FreeLists);
-        let (anon, cache_kept) = make_state(&kernel, &mut cache, state, anon_max)?;
+        let (held, cache_kept) = make_state(&kernel, &mut cache, state, anon_max)?;
         let gigantic = engine(&kernel, GI1, GIGANTIC_REQUEST, Way::FreeLists, cache_kept)?;
-        drop(anon);
+        drop(held);
         eprintln!(
             "{:<32} 1Gi        predicted {:>5} reached {:>5} of {GIGANTIC_REQUEST} in {:>7.1} ms",
             state.name,
@@ -830,6 +1032,7 @@ fn engine(
         request: pages,
         predicted,
         estimate,
+        shown: None,
         reached: report["achieved"]
             .as_u64()
             .ok_or("summary has no achieved")?,
@@ -882,9 +1085,12 @@ fn print_table(rows: &[Row], base: u64) -> String {
     );
     let _ = writeln!(
         out,
-        "| state | asked | predicted | reached (free lists) | error | reached (before) | time free lists / before (ms) | writes | compactions | max write (ms) | 1Gi predicted / reached | read buddyinfo / pagetypeinfo (ms) |"
+        "| state | asked | predicted | reached (free lists) | error | status showed (error): agent / a tenth either way | reached (before) | time free lists / before (ms) | writes | compactions | max write (ms) | 1Gi predicted / reached | read buddyinfo / pagetypeinfo (ms) |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    // Signed errors, (predicted - reached) / asked: fresh, the agent's
+    // status, the tenth rule's.
+    let mut signed: [Vec<f64>; 3] = Default::default();
     let mut errors = Vec::new();
     let mut ratios = Vec::new();
     let mut zeros = (0, 0);
@@ -893,6 +1099,10 @@ fn print_table(rows: &[Row], base: u64) -> String {
             continue;
         };
         errors.push(with.error());
+        let (status, tenth) = with.shown.unwrap_or((with.predicted, with.predicted));
+        signed[0].push(with.signed_error(with.predicted));
+        signed[1].push(with.signed_error(status));
+        signed[2].push(with.signed_error(tenth));
         ratios.push(with.total.as_secs_f64() / before.total.as_secs_f64().max(1e-9));
         for grow in [with, gigantic] {
             if grow.reached == 0 {
@@ -904,12 +1114,16 @@ fn print_table(rows: &[Row], base: u64) -> String {
         }
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.1}% | {} | {:.0} / {:.0} | {} / {} | {} / {} | {:.0} / {:.0} | {} / {} | {:.2} / {:.1} |",
+            "| {} | {} | {} | {} | {:.1}% | {} ({:+.1}%) / {} ({:+.1}%) | {} | {:.0} / {:.0} | {} / {} | {} / {} | {:.0} / {:.0} | {} / {} | {:.2} / {:.1} |",
             state.name,
             with.request,
             with.predicted,
             with.reached,
             100.0 * with.error(),
+            status,
+            100.0 * with.signed_error(status),
+            tenth,
+            100.0 * with.signed_error(tenth),
             before.reached,
             ms(with.total),
             ms(before.total),
@@ -942,6 +1156,22 @@ fn print_table(rows: &[Row], base: u64) -> String {
         ratios.iter().copied().fold(f64::INFINITY, f64::min),
         ratios.iter().copied().fold(0.0, f64::max),
     );
+    for (name, errors) in [
+        ("fresh estimate", &signed[0]),
+        ("the agent's status", &signed[1]),
+        ("a status settled a tenth either way", &signed[2]),
+    ] {
+        let over: Vec<f64> = errors.iter().copied().filter(|e| *e > 0.0).collect();
+        let _ = writeln!(
+            out,
+            "2Mi, {name}: (predicted - reached) / asked median {:+.1}%, mean {:+.1}%, most over {:+.1}%; over-predicted in {} of {} states.",
+            100.0 * median(errors.clone()),
+            100.0 * errors.iter().sum::<f64>() / errors.len().max(1) as f64,
+            100.0 * over.iter().copied().fold(0.0, f64::max),
+            over.len(),
+            errors.len(),
+        );
+    }
     let reads = |pick: fn(&Grow) -> Duration| -> Vec<f64> {
         rows.iter()
             .flat_map(|(_, grows, _)| grows.iter().map(move |(_, g)| ms(pick(g))))

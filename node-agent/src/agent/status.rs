@@ -681,14 +681,28 @@ pub fn obtainable(
     estimates
 }
 
-/// Whether a figure moved by more than a tenth of the larger of the two: a
-/// status write for what a grow can get is worth that much, not every page
-/// the page cache takes or gives back.
+/// Whether a shown figure must be rewritten: it fell by more than
+/// [`ESTIMATE_FALL_SHOWN`] of itself, or rose by more than a tenth of the
+/// new value. A status write for what a grow can get is worth that much,
+/// not every page the page cache takes or gives back; but a figure a user
+/// plans a grow on must not promise pages the kernel no longer has, so a
+/// fall is shown long before a rise (`kubectl hugepool plan` over-predicted
+/// by up to a tenth while a figure that fell 9% was still shown).
 pub fn moved_materially(shown: GrowEstimate, fresh: GrowEstimate) -> bool {
-    let moved = |a: u64, b: u64| a.abs_diff(b).saturating_mul(10) > a.max(b);
+    let moved = |shown: u64, fresh: u64| {
+        if fresh < shown {
+            (shown - fresh) as f64 > ESTIMATE_FALL_SHOWN * shown as f64
+        } else {
+            (fresh - shown).saturating_mul(10) > fresh
+        }
+    };
     moved(shown.obtainable_now, fresh.obtainable_now)
         || moved(shown.after_compaction, fresh.after_compaction)
 }
+
+/// The share of a shown estimate it may fall by before it is rewritten:
+/// what a status can over-promise between two refreshes.
+pub const ESTIMATE_FALL_SHOWN: f64 = 0.02;
 
 /// Brings `memory.obtainable` up to `fresh` where a figure moved
 /// materially, adds what is new and drops what went.
@@ -1477,7 +1491,7 @@ mod tests {
     }
 
     #[test]
-    fn what_a_grow_can_get_is_rewritten_only_when_it_moves_by_a_tenth() {
+    fn what_a_grow_can_get_is_shown_at_once_when_it_falls_and_after_a_tenth_when_it_rises() {
         let key = (PageSize::SIZE_2MI, None);
         let at = |now, after_compaction| {
             BTreeMap::from([(
@@ -1490,17 +1504,24 @@ mod tests {
         };
         let mut memory = AgentMemory::default();
         settle_obtainable(&mut memory, &at(1000, 2000));
-        // 9% and 5% moves keep what the status shows.
-        settle_obtainable(&mut memory, &at(1090, 1900));
+        // Rises of 9% and falls of 2% keep what the status shows.
+        settle_obtainable(&mut memory, &at(1090, 1960));
         assert_eq!(memory.obtainable, at(1000, 2000));
-        // 11% on one figure replaces both.
-        settle_obtainable(&mut memory, &at(1000, 2250));
-        assert_eq!(memory.obtainable, at(1000, 2250));
+        // A fall of 3% on one figure replaces both: the status never
+        // promises more than 2% above what the kernel's lists give.
+        settle_obtainable(&mut memory, &at(1090, 1940));
+        assert_eq!(memory.obtainable, at(1090, 1940));
+        // A fall of 9% (kept by the old rule, a tenth either way) shows.
+        settle_obtainable(&mut memory, &at(1090, 1766));
+        assert_eq!(memory.obtainable, at(1090, 1766));
+        // A rise of 11% on one figure replaces both.
+        settle_obtainable(&mut memory, &at(1090, 1985));
+        assert_eq!(memory.obtainable, at(1090, 1985));
         // From nothing to something, and back, always shows.
-        settle_obtainable(&mut memory, &at(0, 2250));
-        assert_eq!(memory.obtainable, at(0, 2250));
-        settle_obtainable(&mut memory, &at(1, 2250));
-        assert_eq!(memory.obtainable, at(1, 2250));
+        settle_obtainable(&mut memory, &at(0, 1985));
+        assert_eq!(memory.obtainable, at(0, 1985));
+        settle_obtainable(&mut memory, &at(1, 1985));
+        assert_eq!(memory.obtainable, at(1, 1985));
         // A size that went is dropped.
         settle_obtainable(&mut memory, &BTreeMap::new());
         assert!(memory.obtainable.is_empty());
