@@ -6,16 +6,22 @@
 //! they cannot cover; a foreseen shortfall ends at the first short write)
 //! and as before them (`--no-free-lists`: write, then compact and retry).
 //! For each state it also predicts and tries a grow of 1Gi pages. A state is
-//! page cache of a file with every other 1 MiB dropped and/or anonymous
-//! memory (no THP, every page touched) with every other 1 MiB freed, in
-//! varied amounts, and some requests past the memory guard. Nothing
+//! page cache of a file with every other 1 MiB dropped, anonymous memory
+//! (no THP, every page touched) with every other 1 MiB freed, shmem (a
+//! tmpfs file with every other 1 MiB punched out) and/or reclaimable slab
+//! (negative dentries), in varied amounts, and some requests past the
+//! memory guard. For each it also shows what a status written on the clean
+//! machine would show once the state is there (the agent's rule for
+//! rewriting an estimate, and a tenth either way). Nothing
 //! compacts between fragmenting and the grow (`compaction_proactiveness` 0).
 //! Prints a row per state and the model's error (median of |predicted -
 //! achieved| / request), saves raw results to node-agent/bench-results/ as
 //! JSON. Holds the real-kernel test lock, and restores both pools, the 2Mi
 //! overcommit and the sysctls it changes.
 //!
-//! Environment: HUGEPOOL_FRAGMENT_PAGES (the base request, default 6144).
+//! Environment: HUGEPOOL_FRAGMENT_PAGES (the base request, default 6144),
+//! HUGEPOOL_FRAGMENT_STATES (state names separated by semicolons: only
+//! those).
 
 #[path = "common/raw.rs"]
 mod raw;

@@ -5,7 +5,10 @@
 //! pools selects every P-th node): a control plane of its own, N minimal
 //! Node objects (no status), the operator's release binary as a process of
 //! its own, and simulated agents in this process that report each new
-//! target converged `HUGEPOOL_FLEET_AGENT_DELAY` (1 s) after they see it.
+//! target converged `HUGEPOOL_FLEET_AGENT_DELAY` (1 s) after they see it
+//! and, as the real agent does at each refresh when an estimate moved,
+//! write their status again every `HUGEPOOL_FLEET_REFRESH` (15 s, spread
+//! over the period; here every time: the real agent's worst case).
 //! Then:
 //!
 //! 1. the pools at maxUnavailable 100% are applied: time until every
@@ -17,18 +20,24 @@
 //! 3. a rollout at maxUnavailable 10%: time until every pool is Available.
 //!
 //! Before the operator starts, a bare client does the same writes at the
-//! same concurrency on the same apiserver (the floors): N HugePageNode
-//! applies (apply), the same N changed (change), and ten waves of N/10 spec
-//! applies each followed by the agent delay and the agents' N/10 status
-//! writes (rollout).
+//! same concurrency on the same apiserver (the bare floors, the headline):
+//! N HugePageNode applies (apply), the same N changed (change), and for
+//! the rollout a true lower bound: the larger of ten agent delays (at 10%
+//! ten waves wait at least that long) and the time of the writes no rollout
+//! avoids (each node's spec, then its status). Apply and change are also
+//! measured with the simulated agents and their refreshes beside the bare
+//! client (the floors with agents). The operator's writes that met a newer
+//! object and were retried (`hugepool_write_conflicts_total`) are counted
+//! per phase.
 //! Prints one table with the operator's peak RSS (VmHWM), CPU seconds, its
 //! passes and the mean time a pass spends planning
 //! (`hugepool_plan_duration_seconds`). Environment: HUGEPOOL_FLEET_NODES
-//! (default
-//! "2000,10000"), HUGEPOOL_FLEET_AGENT_DELAY (Go duration, default 1s),
-//! HUGEPOOL_FLEET_OPERATOR (another operator binary, such as the image's
-//! musl build). Under `cargo test` (no `--bench`) it runs 50 nodes with
-//! 200 ms agents and fails above 3 operator writes per node per change.
+//! (default "2000,10000"), HUGEPOOL_FLEET_POOLS (default "1,5"),
+//! HUGEPOOL_FLEET_AGENT_DELAY and HUGEPOOL_FLEET_REFRESH (Go durations,
+//! default 1s and 15s), HUGEPOOL_FLEET_OPERATOR (another operator binary,
+//! such as the image's musl build). Under `cargo test` (no `--bench`) it
+//! runs 50 nodes with 200 ms agents refreshing every 2 s and fails above 3
+//! operator writes per node per change.
 //! Each row also draws its rollout (nodes changing and converged every
 //! 100 ms against maxUnavailable) as target/bench-fleet/rollout-N-P.svg.
 
