@@ -539,6 +539,16 @@ pub fn plan(input: &PlanInput<'_>) -> Plan {
             .filter(|(_, n)| n.drain.taint && n.drain.pools.contains(&pool.name))
             .map(|(name, _)| name.clone())
             .collect();
+        pool_plan.tainted = pool_plan
+            .members
+            .iter()
+            .filter(|m| {
+                nodes
+                    .get(m.node.as_str())
+                    .is_some_and(|n| has_taint(n, hugepool_crds::DRAINING_TAINT))
+            })
+            .map(|m| m.node.clone())
+            .collect();
         pool_plan.write_errors = pool_plan
             .members
             .iter()
@@ -857,6 +867,7 @@ fn settle_pool(
         stalled,
         capacity_stale,
         draining: Vec::new(),
+        tainted: Vec::new(),
         drain_timeouts,
         write_errors: Vec::new(),
         unresponsive,

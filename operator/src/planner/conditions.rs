@@ -83,6 +83,16 @@ pub(super) fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [Conditi
                 ways_to_refresh_the_kubelet(pool.pool.spec.kubelet.restart),
             ),
         )
+    } else if counts.converged == counts.selected && !plan.tainted.is_empty() {
+        update(
+            Available,
+            false,
+            Reason::NodesNotConverged,
+            format!(
+                "{summary}; the draining taint is still on {}",
+                name_nodes(&plan.tainted)
+            ),
+        )
     } else if counts.converged == counts.selected {
         update(Available, true, Reason::AllNodesConverged, summary.clone())
     } else {

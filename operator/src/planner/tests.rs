@@ -2071,3 +2071,41 @@ fn pool_status_sums_allocated_requested_in_use_and_unrequested_per_node() {
     );
     assert_eq!(plan.pools["dpdk"].page_size, Some(PageSize::SIZE_2MI));
 }
+
+#[test]
+fn a_pool_is_not_available_while_its_draining_taint_is_still_on_a_node() {
+    let mut pools = vec![pool("dpdk", 0, "dpdk", "2Mi", 64)];
+    let mut nodes = fleet(3, &["dpdk"]);
+    let mut hpns = Vec::new();
+    run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    // Every node converged, but the taint's removal from w-01 has not
+    // landed (its write failed): pods would still be kept off a node the
+    // pool calls done.
+    nodes[1] = with_taint(nodes[1].clone(), hugepool_crds::DRAINING_TAINT);
+    let plan = run_plan(&pools, &nodes, &hpns, 1);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Available),
+        ("False", "NodesNotConverged")
+    );
+    let available = plan.pools["dpdk"]
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Available")
+        .expect("Available");
+    assert!(
+        available
+            .message
+            .contains("the draining taint is still on w-01"),
+        "{}",
+        available.message
+    );
+    // The plan takes it off, and once it is gone the pool is Available.
+    assert!(!plan.nodes["w-01"].drain.taint);
+    nodes = fleet(3, &["dpdk"]);
+    let plan = run_plan(&pools, &nodes, &hpns, 2);
+    assert_eq!(
+        condition(&plan, "dpdk", PoolConditionType::Available),
+        ("True", "AllNodesConverged")
+    );
+}

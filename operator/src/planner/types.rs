@@ -76,6 +76,10 @@ pub struct PoolPlan {
     pub capacity_stale: Vec<String>,
     /// Nodes being drained for the pool.
     pub draining: Vec<String>,
+    /// Nodes of the pool whose Node still carries the draining taint
+    /// (a taint write still to land): the pool is not Available before it
+    /// goes, or pods would wait on a node the pool calls done.
+    pub tainted: Vec<String>,
     /// Failed nodes whose drain timed out.
     pub drain_timeouts: Vec<String>,
     /// Nodes of the pool the operator could not write to, with the error.
