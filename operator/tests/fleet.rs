@@ -1890,7 +1890,7 @@ async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() 
 
     // A's held bytes go through now; whatever A left in flight must not
     // land on B's spec.
-    proxy.release();
+    proxy.release_held_only();
     wait_for(
         "the proxy forwarded what it held",
         Duration::from_secs(30),
@@ -1919,4 +1919,159 @@ async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() 
     );
     drop(proxy);
     fleet.shutdown().await;
+}
+
+/// A pool-status write still in flight when its replica's Lease window
+/// closes lands nothing over the next leader's: replica A reaches the
+/// apiserver through a proxy the test holds right after A renewed, then
+/// the pool changes in a way that needs only a status write (its
+/// maxUnavailable, the nodes being converged); B takes over and writes the
+/// status of a later generation; A's held write, released after, must not
+/// set the status back (it is conditioned on the resourceVersion A read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_status_write_held_past_the_lease_lands_nothing_over_the_next_leaders() {
+    let Some(env) = setup().await else { return };
+    let mut fleet = Fleet::start(
+        &env,
+        "heldstatus",
+        FleetSpec::new(1).label(ROLE_LABEL, "dpdk"),
+    )
+    .await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&env.client, &scope).await;
+    let lease = "hugepool-operator";
+    let replica = |identity: &str| LeaderConfig {
+        namespace: scope.clone(),
+        lease_name: lease.to_string(),
+        identity: identity.to_string(),
+        duration: Duration::from_secs(3),
+        grace: Duration::from_secs(1),
+    };
+    let proxy = support::HoldingProxy::start(fleet.apiserver_addr().await).await;
+    fleet
+        .start_operator_through(Some(replica("replica-a")), proxy.url())
+        .await;
+    wait_for("replica A leads", Duration::from_secs(60), || async {
+        match lease_holder(&env.client, &scope, lease).await {
+            Some(holder) if holder == "replica-a" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(1)))
+        .await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+
+    // Every observedGeneration the pool's status carries from here on.
+    let generations = Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
+    let recorder = {
+        let generations = Arc::clone(&generations);
+        let api: Api<HugePagePool> = Api::all(env.client.clone());
+        let config =
+            kube::runtime::watcher::Config::default().fields(&format!("metadata.name={pool}"));
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            use kube::runtime::WatchStreamExt;
+            let mut stream = std::pin::pin!(kube::runtime::watcher(api, config).applied_objects());
+            while let Some(Ok(pool)) = stream.next().await {
+                if let Some(generation) = pool.status.and_then(|s| s.observed_generation) {
+                    let mut seen = generations.lock().expect("generations");
+                    if seen.last() != Some(&generation) {
+                        seen.push(generation);
+                    }
+                }
+            }
+        })
+    };
+    let leases: Api<Lease> = Api::namespaced(env.client.clone(), &scope);
+    let renewed = |lease: &Lease| lease.spec.as_ref().and_then(|s| s.renew_time.clone());
+    let before = renewed(&leases.get(lease).await.expect("Lease"));
+    wait_for("a renewal by A", Duration::from_secs(30), || async {
+        let now = renewed(&leases.get(lease).await.map_err(|e| e.to_string())?);
+        if now != before {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+    proxy.hold();
+    let stale = fleet
+        .patch_pool(&pool, json!({"rollout": {"maxUnavailable": 2}}))
+        .await;
+    wait_for(
+        "A's status write held in the proxy",
+        Duration::from_secs(30),
+        || async {
+            if proxy.held() > 0 {
+                Ok(())
+            } else {
+                Err("nothing held".into())
+            }
+        },
+    )
+    .await;
+
+    fleet.start_operator(Some(replica("replica-b"))).await;
+    wait_for("replica B leads", Duration::from_secs(60), || async {
+        match lease_holder(&env.client, &scope, lease).await {
+            Some(holder) if holder == "replica-b" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let newer = fleet
+        .patch_pool(&pool, json!({"rollout": {"maxUnavailable": 3}}))
+        .await;
+    wait_observed(&fleet, &pool, newer).await;
+
+    proxy.release_held_only();
+    wait_for(
+        "the proxy forwarded what it held",
+        Duration::from_secs(30),
+        || async {
+            if proxy.held() == 0 {
+                Ok(())
+            } else {
+                Err(format!("{} bytes", proxy.held()))
+            }
+        },
+    )
+    .await;
+    // B's next status write follows whatever of A's the apiserver took.
+    let last = fleet
+        .patch_pool(&pool, json!({"rollout": {"maxUnavailable": 4}}))
+        .await;
+    wait_observed(&fleet, &pool, last).await;
+    recorder.abort();
+    let seen = generations.lock().expect("generations").clone();
+    let b_wrote = seen
+        .iter()
+        .position(|&g| g == newer)
+        .unwrap_or_else(|| panic!("B's status was written: {seen:?}"));
+    assert!(
+        !seen[b_wrote..].contains(&stale),
+        "A's stale status (generation {stale}) landed after B's: {seen:?}"
+    );
+    assert_eq!(seen.last(), Some(&last), "{seen:?}");
+    eprintln!("pool status generations seen: {seen:?} (A's held write was for {stale})");
+    drop(proxy);
+    fleet.shutdown().await;
+}
+
+async fn wait_observed(fleet: &Fleet, pool: &str, generation: i64) {
+    fleet
+        .wait_pool(pool, "Available", "True", Duration::from_secs(60), |p| {
+            let seen = status_of(p).observed_generation;
+            (seen == Some(generation))
+                .then_some(())
+                .ok_or(format!("observedGeneration {seen:?}"))
+        })
+        .await;
 }

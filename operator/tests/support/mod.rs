@@ -994,6 +994,9 @@ pub struct HoldingProxy {
     hold: watch::Sender<bool>,
     /// Bumped to close every connection open at that moment.
     cuts: watch::Sender<u64>,
+    /// Set: bytes clients send are dropped, not forwarded (see
+    /// [`HoldingProxy::release_held_only`]).
+    discard: Arc<std::sync::atomic::AtomicBool>,
     /// Connections accepted so far.
     connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Bytes read from clients while held and not forwarded yet.
@@ -1015,6 +1018,8 @@ impl HoldingProxy {
         let held = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counter = Arc::clone(&held);
         let (cut_sender, accepted) = (cuts.clone(), Arc::clone(&connections));
+        let discard = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let dropping = Arc::clone(&discard);
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
@@ -1029,6 +1034,7 @@ impl HoldingProxy {
                 };
                 let mut holding = holding.clone();
                 let counter = Arc::clone(&counter);
+                let dropping = Arc::clone(&dropping);
                 let requests = async move {
                     let mut buffer = vec![0u8; 16 * 1024];
                     loop {
@@ -1045,10 +1051,17 @@ impl HoldingProxy {
                         }
                         if was_held {
                             counter.fetch_sub(read, Ordering::SeqCst);
+                        } else if dropping.load(Ordering::SeqCst) {
+                            continue;
                         }
                         if server_write.write_all(&buffer[..read]).await.is_err() {
                             break;
                         }
+                    }
+                    if dropping.load(Ordering::SeqCst) {
+                        // A client's close is dropped too: the server keeps
+                        // the connection (and the request on it) until a cut.
+                        std::future::pending::<()>().await;
                     }
                     let _ = server_write.shutdown().await;
                 };
@@ -1065,10 +1078,23 @@ impl HoldingProxy {
             addr,
             hold,
             cuts,
+            discard,
             connections,
             held,
             task,
         }
+    }
+
+    /// Forwards what is held (the first bytes each held connection sent
+    /// after the hold; what followed them is still in the socket) and drops
+    /// everything clients send after: a request that was held arrives, and
+    /// whatever its client sent later (an HTTP/2 stream reset when it gave
+    /// up waiting) never does. As a write delayed in the network past its
+    /// sender's timeout would land.
+    pub fn release_held_only(&self) {
+        self.discard
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.release();
     }
 
     /// Closes every connection open through the proxy now; clients that
