@@ -29,6 +29,8 @@ WDIR/addr (host:port) once listening. Every request reads WDIR/mode:
 
   allow           (or no file) allow
   delay=DURATION  wait DURATION (e.g. 20s), then allow
+  delay-real=DURATION
+                  allow dry runs at once; real evictions after DURATION
   hang            never answer (the apiserver gives up at the webhook's timeout)
   deny-real       allow dry runs, deny real evictions
 
@@ -98,8 +100,9 @@ func (h *evictionHook) serve(w http.ResponseWriter, r *http.Request) {
 	h.log(fmt.Sprintf("dryRun=%t %s/%s %s", dryRun, request.Namespace, request.Name, mode))
 	allowed, message := true, ""
 	switch {
-	case strings.HasPrefix(mode, "delay="):
-		wait, err := time.ParseDuration(strings.TrimPrefix(mode, "delay="))
+	case strings.HasPrefix(mode, "delay="),
+		strings.HasPrefix(mode, "delay-real=") && !dryRun:
+		wait, err := time.ParseDuration(mode[strings.Index(mode, "=")+1:])
 		if err == nil {
 			select {
 			case <-time.After(wait):

@@ -255,6 +255,88 @@ async fn an_eviction_refused_after_its_dry_run_is_not_recorded_and_one_accepted_
     fleet.shutdown().await;
 }
 
+/// The pod goes away on its own between the accepted dry run and the real
+/// eviction (the webhook holds the real one 8 s; the test deletes the pod
+/// meanwhile, as a job that finished would): the record written before the
+/// real eviction is taken back, since no eviction of that pod was
+/// accepted, and the shrink finishes on the pages the pod gave back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_gone_between_its_dry_run_and_its_eviction_is_not_recorded() {
+    let Some(env) = setup().await else { return };
+    let (fleet, pool, blocked, consumer, webhook) =
+        drain_behind_a_webhook(&env, "podgone", "delay-real=8s", one_replica).await;
+    let scope = fleet.scope.clone();
+    let uid = consumer.metadata.uid.clone().expect("uid");
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+    support::wait_for(
+        "the real eviction asked, its record written",
+        Duration::from_secs(60),
+        || async {
+            let status = status_of(&fleet.pool(&pool).await);
+            let real_asked = webhook
+                .requests()
+                .iter()
+                .any(|r| r.starts_with("dryRun=false"));
+            (real_asked && status.evicted_pods.iter().any(|e| e.uid == uid))
+                .then_some(())
+                .ok_or(format!(
+                    "{:?}; {:?}",
+                    status.evicted_pods,
+                    webhook.requests()
+                ))
+        },
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(fleet.client.clone(), &scope);
+    pods.delete(
+        "consumer",
+        &kube::api::DeleteParams {
+            grace_period_seconds: Some(0),
+            ..kube::api::DeleteParams::default()
+        },
+    )
+    .await
+    .expect("delete the pod");
+    let gone = Instant::now();
+    fleet
+        .node(&blocked)
+        .kernel
+        .release_pages(MI2, 0, 300)
+        .expect("the pod's pages given back");
+    let status = wait_shrunk(&fleet, &pool, Duration::from_secs(120)).await;
+    let shrunk = gone.elapsed();
+    // The record goes once the real eviction is answered (404: no pod).
+    support::wait_for(
+        "the record taken back",
+        Duration::from_secs(120),
+        || async {
+            let status = status_of(&fleet.pool(&pool).await);
+            status
+                .evicted_pods
+                .is_empty()
+                .then_some(())
+                .ok_or(format!("{:?}", status.evicted_pods))
+        },
+    )
+    .await;
+    eprintln!(
+        "fault: the pod deleted while its real eviction waited on a webhook (8 s): shrunk {:?} \
+         and the record taken back {:?} after the deletion",
+        shrunk,
+        gone.elapsed()
+    );
+    assert_eq!(status.pages.current, 200);
+    let real_asked = webhook
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("dryRun=false"))
+        .count();
+    assert_eq!(real_asked, 1, "{:?}", webhook.requests());
+    webhook.remove(&env.client).await;
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}
+
 /// A selected Node turns NotReady (its agent down) as the pool grows, with
 /// `maxUnavailable: 1`: while it holds the one slot without answering, the
 /// pool's Progressing message names it and when it will be passed over;

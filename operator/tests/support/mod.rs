@@ -1210,7 +1210,8 @@ pub fn play_kubelet(
 
 /// A validating admission webhook for `pods/eviction` in one namespace
 /// (`controlplane webhook`, registered on the real apiserver), steered
-/// through its mode file: `allow`, `delay=20s`, `hang`, `deny-real`.
+/// through its mode file: `allow`, `delay=20s`, `hang`, `deny-real`,
+/// `delay-real=8s`.
 pub struct EvictionWebhook {
     name: String,
     dir: tempfile::TempDir,
