@@ -975,6 +975,68 @@ async fn kubectl_explain_describes_fields_and_the_category_lists_both_kinds() {
     delete_pool(&env.client, &name).await;
 }
 
+/// The DPDK-style pod of examples/workloads/ is one the real API server
+/// accepts as written (strict field validation, server-side dry run), with
+/// its huge pages requested equal to their limits and mounted from the
+/// size's hugetlbfs medium; the KubeVirt example asks for the 1Gi pages of
+/// the 1Gi example pool (its CRD is KubeVirt's, not installed here).
+#[tokio::test]
+async fn the_workload_examples_ask_for_the_example_pools_pages() {
+    let Some(env) = setup().await else { return };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let read = |file: &str| -> Value {
+        serde_saphyr::from_str(&std::fs::read_to_string(dir.join(file)).expect(file))
+            .unwrap_or_else(|err| panic!("{file}: {err}"))
+    };
+    let pod = read("workloads/dpdk-pod.yaml");
+    let pool = read("pool-2mi.yaml");
+    let params = PatchParams::apply("hugepool-e2e")
+        .validation_strict()
+        .dry_run();
+    let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(env.client.clone(), "default");
+    let stored = pods
+        .patch("dpdk-forwarder", &params, &Patch::Apply(&pod))
+        .await
+        .unwrap_or_else(|err| panic!("dpdk-pod.yaml refused: {err}"));
+    let resources = stored.spec.as_ref().expect("spec").containers[0]
+        .resources
+        .clone()
+        .expect("resources");
+    let requested = resources.requests.expect("requests")["hugepages-2Mi"]
+        .0
+        .clone();
+    assert_eq!(
+        resources.limits.expect("limits")["hugepages-2Mi"].0,
+        requested
+    );
+    let bytes = hugepool_crds::quantity::parse_bytes(&requested).expect("a quantity");
+    let pool_pages = pool["spec"]["pages"].as_u64().expect("pages");
+    assert!(
+        bytes <= pool_pages * (2 << 20),
+        "the pod asks for {requested}, the pool holds {pool_pages} x 2Mi"
+    );
+    assert_eq!(
+        pod["spec"]["nodeSelector"], pool["spec"]["nodeSelector"]["matchLabels"],
+        "the pod goes where the pool is"
+    );
+    assert!(pods.get_opt("dpdk-forwarder").await.unwrap().is_none());
+
+    let vm = read("workloads/kubevirt-vm.yaml");
+    let pool = read("pool-1gi.yaml");
+    let domain = &vm["spec"]["template"]["spec"]["domain"];
+    assert_eq!(
+        domain["memory"]["hugepages"]["pageSize"],
+        pool["spec"]["pageSize"]
+    );
+    let guest = domain["memory"]["guest"].as_str().expect("guest memory");
+    let guest = hugepool_crds::quantity::parse_bytes(guest).expect("a quantity");
+    assert!(guest <= pool["spec"]["pages"].as_u64().expect("pages") << 30);
+    assert_eq!(
+        vm["spec"]["template"]["spec"]["nodeSelector"],
+        pool["spec"]["nodeSelector"]["matchLabels"]
+    );
+}
+
 /// Every pool in examples/ is one the real API server accepts as written
 /// (strict validation, server-side dry run), and between them they show each
 /// kind of pool a user asks about.

@@ -535,6 +535,75 @@ fn the_operator_and_the_agent_have_priority_classes() {
     );
 }
 
+/// On platforms that admit critical pods outside kube-system only under a
+/// quota scoped to their classes, `criticalPodsQuota.create` renders one
+/// for exactly the classes the chart's pods use (docs/platforms.md); by
+/// default there is none, and with no class to admit the chart refuses.
+#[test]
+fn the_critical_pods_quota_admits_the_charts_classes_only_when_asked() {
+    let docs = committed_manifests();
+    assert!(
+        !docs.iter().any(|d| d["kind"] == "ResourceQuota"),
+        "no quota by default"
+    );
+    let Some(helm) = helm() else { return };
+    let classes = |extra: &[&str]| {
+        let mut args = vec!["--set", "criticalPodsQuota.create=true"];
+        args.extend_from_slice(extra);
+        let docs = documents(&helm_template(&helm, &args));
+        let quota = find(&docs, "ResourceQuota", "hugepool-critical-pods");
+        assert_eq!(quota["metadata"]["namespace"], "hugepool-system");
+        assert_eq!(quota["spec"]["hard"]["pods"], "1000");
+        let expression = &quota["spec"]["scopeSelector"]["matchExpressions"][0];
+        assert_eq!(
+            (&expression["scopeName"], &expression["operator"]),
+            (&json!("PriorityClass"), &json!("In"))
+        );
+        expression["values"].clone()
+    };
+    assert_eq!(
+        classes(&[]),
+        json!(["system-node-critical", "system-cluster-critical"])
+    );
+    assert_eq!(
+        classes(&["--set", "operator.priorityClassName=system-node-critical"]),
+        json!(["system-node-critical"])
+    );
+    assert_eq!(
+        classes(&[
+            "--set",
+            "agent.priorityClassName=",
+            "--set",
+            "operator.priorityClassName=ours"
+        ]),
+        json!(["ours"])
+    );
+    let refused = Command::new(&helm)
+        .current_dir(repo())
+        .args([
+            "template",
+            "hugepool",
+            "charts/hugepool",
+            "--namespace",
+            "hugepool-system",
+        ])
+        .args(["--set", "criticalPodsQuota.create=true"])
+        .args([
+            "--set",
+            "agent.priorityClassName=",
+            "--set",
+            "operator.priorityClassName=",
+        ])
+        .output()
+        .expect("run helm");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("there is no class to admit"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}
+
 /// Grafana would let a user edit a provisioned dashboard, and lose the
 /// edit at the next sidecar sync.
 #[test]
