@@ -1792,37 +1792,7 @@ async fn wait_available_at(fleet: &Fleet, pool: &str, pages: i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() {
     let Some(env) = setup().await else { return };
-    let mut fleet = Fleet::start(&env, "held", FleetSpec::new(1).label(ROLE_LABEL, "dpdk")).await;
-    let scope = fleet.scope.clone();
-    support::create_namespace(&env.client, &scope).await;
-    let lease = "hugepool-operator";
-    let replica = |identity: &str| LeaderConfig {
-        namespace: scope.clone(),
-        lease_name: lease.to_string(),
-        identity: identity.to_string(),
-        duration: Duration::from_secs(3),
-        grace: Duration::from_secs(1),
-    };
-    let proxy = support::HoldingProxy::start(fleet.apiserver_addr().await).await;
-    fleet
-        .start_operator_through(Some(replica("replica-a")), proxy.url())
-        .await;
-    wait_for("replica A leads", Duration::from_secs(60), || async {
-        match lease_holder(&env.client, &scope, lease).await {
-            Some(holder) if holder == "replica-a" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
-    let pool = format!("{scope}-pool");
-    fleet
-        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(1)))
-        .await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
-        .await;
+    let (mut fleet, proxy, pool) = replica_a_through_a_proxy(&env, "held").await;
     let node = fleet.node_names()[0].clone();
 
     // Every spec the HugePageNode carries from here on.
@@ -1847,21 +1817,7 @@ async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() 
         })
     };
 
-    // Hold A's traffic right after a renewal of its: A has most of its
-    // window left to send the write for the change, which stays held.
-    let leases: Api<Lease> = Api::namespaced(env.client.clone(), &scope);
-    let renewed = |lease: &Lease| lease.spec.as_ref().and_then(|s| s.renew_time.clone());
-    let before = renewed(&leases.get(lease).await.expect("Lease"));
-    wait_for("a renewal by A", Duration::from_secs(30), || async {
-        let now = renewed(&leases.get(lease).await.map_err(|e| e.to_string())?);
-        if now != before {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    })
-    .await;
-    proxy.hold();
+    hold_right_after_a_renewal(&fleet, &proxy).await;
     fleet.patch_pool(&pool, json!({"pages": 128})).await;
     wait_for(
         "A's write held in the proxy",
@@ -1877,32 +1833,13 @@ async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() 
     .await;
 
     // B takes over once A's Lease runs out, and writes the next change.
-    fleet.start_operator(Some(replica("replica-b"))).await;
-    wait_for("replica B leads", Duration::from_secs(60), || async {
-        match lease_holder(&env.client, &scope, lease).await {
-            Some(holder) if holder == "replica-b" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    replica_b_takes_over(&mut fleet).await;
     fleet.patch_pool(&pool, json!({"pages": 256})).await;
     wait_available_at(&fleet, &pool, 256).await;
 
     // A's held bytes go through now; whatever A left in flight must not
     // land on B's spec.
-    proxy.release_held_only();
-    wait_for(
-        "the proxy forwarded what it held",
-        Duration::from_secs(30),
-        || async {
-            if proxy.held() == 0 {
-                Ok(())
-            } else {
-                Err(format!("{} bytes", proxy.held()))
-            }
-        },
-    )
-    .await;
+    release_what_is_held(&proxy).await;
     // A write that lands is seen by the watch; let the apiserver answer
     // every forwarded request (B's next write would follow any of A's).
     fleet.patch_pool(&pool, json!({"pages": 320})).await;
@@ -1931,42 +1868,7 @@ async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_status_write_held_past_the_lease_lands_nothing_over_the_next_leaders() {
     let Some(env) = setup().await else { return };
-    let mut fleet = Fleet::start(
-        &env,
-        "heldstatus",
-        FleetSpec::new(1).label(ROLE_LABEL, "dpdk"),
-    )
-    .await;
-    let scope = fleet.scope.clone();
-    support::create_namespace(&env.client, &scope).await;
-    let lease = "hugepool-operator";
-    let replica = |identity: &str| LeaderConfig {
-        namespace: scope.clone(),
-        lease_name: lease.to_string(),
-        identity: identity.to_string(),
-        duration: Duration::from_secs(3),
-        grace: Duration::from_secs(1),
-    };
-    let proxy = support::HoldingProxy::start(fleet.apiserver_addr().await).await;
-    fleet
-        .start_operator_through(Some(replica("replica-a")), proxy.url())
-        .await;
-    wait_for("replica A leads", Duration::from_secs(60), || async {
-        match lease_holder(&env.client, &scope, lease).await {
-            Some(holder) if holder == "replica-a" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
-    let pool = format!("{scope}-pool");
-    fleet
-        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(1)))
-        .await;
-    fleet
-        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
-            Ok(())
-        })
-        .await;
+    let (mut fleet, proxy, pool) = replica_a_through_a_proxy(&env, "heldstatus").await;
 
     // Every observedGeneration the pool's status carries from here on.
     let generations = Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
@@ -1989,19 +1891,7 @@ async fn a_pool_status_write_held_past_the_lease_lands_nothing_over_the_next_lea
             }
         })
     };
-    let leases: Api<Lease> = Api::namespaced(env.client.clone(), &scope);
-    let renewed = |lease: &Lease| lease.spec.as_ref().and_then(|s| s.renew_time.clone());
-    let before = renewed(&leases.get(lease).await.expect("Lease"));
-    wait_for("a renewal by A", Duration::from_secs(30), || async {
-        let now = renewed(&leases.get(lease).await.map_err(|e| e.to_string())?);
-        if now != before {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    })
-    .await;
-    proxy.hold();
+    hold_right_after_a_renewal(&fleet, &proxy).await;
     let stale = fleet
         .patch_pool(&pool, json!({"rollout": {"maxUnavailable": 2}}))
         .await;
@@ -2018,32 +1908,13 @@ async fn a_pool_status_write_held_past_the_lease_lands_nothing_over_the_next_lea
     )
     .await;
 
-    fleet.start_operator(Some(replica("replica-b"))).await;
-    wait_for("replica B leads", Duration::from_secs(60), || async {
-        match lease_holder(&env.client, &scope, lease).await {
-            Some(holder) if holder == "replica-b" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    replica_b_takes_over(&mut fleet).await;
     let newer = fleet
         .patch_pool(&pool, json!({"rollout": {"maxUnavailable": 3}}))
         .await;
     wait_observed(&fleet, &pool, newer).await;
 
-    proxy.release_held_only();
-    wait_for(
-        "the proxy forwarded what it held",
-        Duration::from_secs(30),
-        || async {
-            if proxy.held() == 0 {
-                Ok(())
-            } else {
-                Err(format!("{} bytes", proxy.held()))
-            }
-        },
-    )
-    .await;
+    release_what_is_held(&proxy).await;
     // B's next status write follows whatever of A's the apiserver took.
     let last = fleet
         .patch_pool(&pool, json!({"rollout": {"maxUnavailable": 4}}))
@@ -2074,4 +1945,102 @@ async fn wait_observed(fleet: &Fleet, pool: &str, generation: i64) {
                 .ok_or(format!("observedGeneration {seen:?}"))
         })
         .await;
+}
+
+/// The held-write tests' Lease: 3 s, renewed 1 s before it runs out.
+const HELD_LEASE: &str = "hugepool-operator";
+
+fn held_replica(scope: &str, identity: &str) -> LeaderConfig {
+    LeaderConfig {
+        namespace: scope.to_string(),
+        lease_name: HELD_LEASE.to_string(),
+        identity: identity.to_string(),
+        duration: Duration::from_secs(3),
+        grace: Duration::from_secs(1),
+    }
+}
+
+/// One node, replica A leading through a holding proxy, and a 64-page pool
+/// Available: the fleet, the proxy and the pool's name.
+async fn replica_a_through_a_proxy(
+    env: &hugepool_e2e::TestEnv,
+    prefix: &str,
+) -> (Fleet, support::HoldingProxy, String) {
+    let mut fleet = Fleet::start(env, prefix, FleetSpec::new(1).label(ROLE_LABEL, "dpdk")).await;
+    let scope = fleet.scope.clone();
+    support::create_namespace(&env.client, &scope).await;
+    let proxy = support::HoldingProxy::start(fleet.apiserver_addr().await).await;
+    fleet
+        .start_operator_through(Some(held_replica(&scope, "replica-a")), proxy.url())
+        .await;
+    wait_for_holder(&fleet, "replica-a").await;
+    let pool = format!("{scope}-pool");
+    fleet
+        .create_pool(&pool, pool_spec(&scope, "dpdk", 64, json!(1)))
+        .await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(60), |_| {
+            Ok(())
+        })
+        .await;
+    (fleet, proxy, pool)
+}
+
+async fn wait_for_holder(fleet: &Fleet, identity: &str) {
+    wait_for(
+        &format!("{identity} leads"),
+        Duration::from_secs(60),
+        || async {
+            match lease_holder(&fleet.client, &fleet.scope, HELD_LEASE).await {
+                Some(holder) if holder == identity => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+}
+
+/// Holds A's traffic right after a renewal of its: A has most of its window
+/// left to send the write the test provokes next, which stays held.
+async fn hold_right_after_a_renewal(fleet: &Fleet, proxy: &support::HoldingProxy) {
+    let leases: Api<Lease> = Api::namespaced(fleet.client.clone(), &fleet.scope);
+    let renewed = |lease: &Lease| lease.spec.as_ref().and_then(|s| s.renew_time.clone());
+    let before = renewed(&leases.get(HELD_LEASE).await.expect("Lease"));
+    wait_for("a renewal by A", Duration::from_secs(30), || async {
+        let now = renewed(&leases.get(HELD_LEASE).await.map_err(|e| e.to_string())?);
+        if now != before {
+            Ok(())
+        } else {
+            Err("not yet".into())
+        }
+    })
+    .await;
+    proxy.hold();
+}
+
+/// Replica B starts and takes the Lease once A's runs out.
+async fn replica_b_takes_over(fleet: &mut Fleet) {
+    let scope = fleet.scope.clone();
+    fleet
+        .start_operator(Some(held_replica(&scope, "replica-b")))
+        .await;
+    wait_for_holder(fleet, "replica-b").await;
+}
+
+/// Lets the held request of each connection reach the apiserver, and
+/// nothing its client sent after (see `HoldingProxy::release_held_only`).
+async fn release_what_is_held(proxy: &support::HoldingProxy) {
+    proxy.release_held_only();
+    wait_for(
+        "the proxy forwarded what it held",
+        Duration::from_secs(30),
+        || async {
+            if proxy.held() == 0 {
+                Ok(())
+            } else {
+                Err(format!("{} bytes", proxy.held()))
+            }
+        },
+    )
+    .await;
 }
