@@ -1817,20 +1817,7 @@ async fn a_write_held_past_the_lease_is_not_applied_after_another_replica_led() 
         })
     };
 
-    hold_right_after_a_renewal(&fleet, &proxy).await;
-    fleet.patch_pool(&pool, json!({"pages": 128})).await;
-    wait_for(
-        "A's write held in the proxy",
-        Duration::from_secs(30),
-        || async {
-            if proxy.held() > 0 {
-                Ok(())
-            } else {
-                Err("nothing held".into())
-            }
-        },
-    )
-    .await;
+    changed_while_a_is_held(&fleet, &proxy, &pool, json!({"pages": 128})).await;
 
     // B takes over once A's Lease runs out, and writes the next change.
     replica_b_takes_over(&mut fleet).await;
@@ -1891,20 +1878,11 @@ async fn a_pool_status_write_held_past_the_lease_lands_nothing_over_the_next_lea
             }
         })
     };
-    hold_right_after_a_renewal(&fleet, &proxy).await;
-    let stale = fleet
-        .patch_pool(&pool, json!({"rollout": {"maxUnavailable": 2}}))
-        .await;
-    wait_for(
-        "A's status write held in the proxy",
-        Duration::from_secs(30),
-        || async {
-            if proxy.held() > 0 {
-                Ok(())
-            } else {
-                Err("nothing held".into())
-            }
-        },
+    let stale = changed_while_a_is_held(
+        &fleet,
+        &proxy,
+        &pool,
+        json!({"rollout": {"maxUnavailable": 2}}),
     )
     .await;
 
@@ -2000,8 +1978,32 @@ async fn wait_for_holder(fleet: &Fleet, identity: &str) {
     .await;
 }
 
-/// Holds A's traffic right after a renewal of its: A has most of its window
-/// left to send the write the test provokes next, which stays held.
+/// Holds A's traffic right after a renewal of its, so that A has most of
+/// its window left, then patches the pool's spec with `spec` and waits until
+/// A's write for it is held. Returns the pool's new generation.
+async fn changed_while_a_is_held(
+    fleet: &Fleet,
+    proxy: &support::HoldingProxy,
+    pool: &str,
+    spec: serde_json::Value,
+) -> i64 {
+    hold_right_after_a_renewal(fleet, proxy).await;
+    let generation = fleet.patch_pool(pool, spec).await;
+    wait_for(
+        "A's write held in the proxy",
+        Duration::from_secs(30),
+        || async {
+            if proxy.held() > 0 {
+                Ok(())
+            } else {
+                Err("nothing held".into())
+            }
+        },
+    )
+    .await;
+    generation
+}
+
 async fn hold_right_after_a_renewal(fleet: &Fleet, proxy: &support::HoldingProxy) {
     let leases: Api<Lease> = Api::namespaced(fleet.client.clone(), &fleet.scope);
     let renewed = |lease: &Lease| lease.spec.as_ref().and_then(|s| s.renew_time.clone());
