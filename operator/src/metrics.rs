@@ -499,6 +499,27 @@ mod tests {
         );
     }
 
+    /// docs/operations.md's operator table names every metric the operator
+    /// exports, each with the labels its samples carry: every family is
+    /// given a sample here, so a metric or a label added without the docs
+    /// (or documented and gone) fails.
+    #[test]
+    fn the_operations_table_lists_every_metric_with_its_labels() {
+        use hugepool_runtime::metrics_doc;
+        let metrics = Metrics::default();
+        metrics.set_leading(true);
+        let mut plan = plan_with_failed(1);
+        plan.page_size = Some(hugepool_crds::PageSize::SIZE_2MI);
+        metrics.observe_pool("p", &plan);
+        metrics.count_eviction("p", "evicted");
+        metrics.observe_reconcile(Duration::from_millis(5));
+        let text = metrics.encode();
+        let docs = include_str!("../../docs/operations.md");
+        let table = metrics_doc::documented(docs, "Operator (published by the leader only):");
+        let problems = metrics_doc::differences(&table, &metrics_doc::exported(&text));
+        assert!(problems.is_empty(), "{problems:#?}\n{text}");
+    }
+
     #[test]
     fn pool_pages_are_published_by_kind_in_pages_and_bytes_and_dropped_with_the_pool() {
         let metrics = Metrics::default();

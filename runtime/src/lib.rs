@@ -3,6 +3,7 @@
 //! HTTP port with `/metrics`, `/healthz` and `/readyz`.
 
 pub mod http;
+pub mod metrics_doc;
 
 use std::time::Duration;
 

@@ -667,6 +667,60 @@ mod tests {
         assert!(!text.contains("state=\"total\""), "{text}");
     }
 
+    /// docs/operations.md's agent table names every metric the agent
+    /// exports, each with the labels its samples carry: every family is
+    /// given a sample here, so a metric or a label added without the docs
+    /// (or documented and gone) fails.
+    #[test]
+    fn the_operations_table_lists_every_metric_with_its_labels() {
+        use hugepool_runtime::metrics_doc;
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let pool = PoolCounts {
+            total: 10,
+            free: 4,
+            reserved: 1,
+            surplus: 1,
+        };
+        let numa = [NumaCounts {
+            node: 0,
+            total: 10,
+            free: 4,
+            surplus: 1,
+        }];
+        metrics.set_kernel_pages(mi2(), &pool, &numa);
+        let split = Some(vec![NumaTarget { id: 0, pages: 10 }]);
+        metrics.set_targets(&[target(mi2(), 10, split)]);
+        metrics.set_requested_pages(mi2(), 2);
+        metrics.set_obtainable(
+            true,
+            &std::collections::BTreeMap::from([
+                ((mi2(), None), GrowEstimate::default()),
+                ((mi2(), Some(0)), GrowEstimate::default()),
+            ]),
+        );
+        metrics.set_node_taints(&[]);
+        let step = StepLabels {
+            size: "2Mi".into(),
+            direction: "grow".into(),
+        };
+        metrics.step_seconds.get_or_create(&step).observe(0.01);
+        metrics.pages_moved.get_or_create(&step).inc();
+        metrics
+            .shortfall_pages
+            .get_or_create(&SizeLabels { size: "2Mi".into() })
+            .set(1);
+        metrics
+            .foreign_writes
+            .get_or_create(&SizeLabels { size: "2Mi".into() })
+            .inc();
+        let text = encode(&registry);
+        let docs = include_str!("../../../docs/operations.md");
+        let table = metrics_doc::documented(docs, "Agent (per node):");
+        let problems = metrics_doc::differences(&table, &metrics_doc::exported(&text));
+        assert!(problems.is_empty(), "{problems:#?}\n{text}");
+    }
+
     fn target(size: PageSize, pages: i64, numa: Option<Vec<NumaTarget>>) -> PageSizeTarget {
         PageSizeTarget {
             numa,
