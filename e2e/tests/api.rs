@@ -993,6 +993,20 @@ async fn the_workload_examples_ask_for_the_example_pools_pages() {
     let params = PatchParams::apply("hugepool-e2e")
         .validation_strict()
         .dry_run();
+    // Admission looks up the pod's ServiceAccount, which the controller
+    // manager creates shortly after a control plane starts.
+    let accounts = Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(
+        env.client.clone(),
+        "default",
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while accounts.get_opt("default").await.unwrap().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no default ServiceAccount after 60 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
     let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(env.client.clone(), "default");
     let stored = pods
         .patch("dpdk-forwarder", &params, &Patch::Apply(&pod))
