@@ -5,18 +5,18 @@
 use hugepool_crds::ConditionUpdate;
 use hugepool_crds::conditions::{bounded_message, find_condition, set_condition};
 use hugepool_crds::pool::EvictedPod;
-use hugepool_crds::{HugePageNode, NodeConditionType, OPERATOR_MANAGER, PageSize};
+use hugepool_crds::{HugePageNode, NodeConditionType, PageSize};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::info;
 
 use super::evictions::PlannedEviction;
 use super::watches::slim_node;
-use super::writes::{WRITE_TIMEOUT, fenced};
+use super::writes::{WRITE_TIMEOUT, apply_status_where_read, fenced};
 use super::{Context, Worker, node_reference};
 use crate::drain;
 use crate::error::{Error, Result};
@@ -223,21 +223,12 @@ async fn write_draining(
     };
     let api: Api<HugePageNode> = Api::all(ctx.client.clone());
     let updated = fenced(ctx, async {
-        api.patch_status(
-            &name,
-            &PatchParams::apply(OPERATOR_MANAGER).force(),
-            &Patch::Apply(json!({
-                "apiVersion": HugePageNode::api_version(&()),
-                "kind": HugePageNode::kind(&()),
-                "metadata": {"resourceVersion": state.resource_version()},
-                "status": {"conditions": [condition]},
-            })),
-        )
-        .await
-        .map_err(|source| Error::DrainCondition {
-            node: name.clone(),
-            source,
-        })
+        apply_status_where_read(&api, state, json!({"conditions": [condition]}))
+            .await
+            .map_err(|source| Error::DrainCondition {
+                node: name.clone(),
+                source,
+            })
     })
     .await?;
     Ok(Some((updated, before)))

@@ -5,14 +5,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use hugepool_crds::{HugePagePool, HugePagePoolStatus, OPERATOR_MANAGER, POOL_FINALIZER};
+use hugepool_crds::{HugePagePool, HugePagePoolStatus, POOL_FINALIZER};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::info;
 
 use super::evictions::{Evictions, Finished};
-use super::writes::{count_unlanded, fenced};
+use super::writes::{apply_status_where_read, count_unlanded, fenced};
 use super::{Context, Worker};
 use crate::drain::Eviction;
 use crate::error::{Error, Result};
@@ -196,21 +196,12 @@ async fn write_pool_status(
     let name = pool.name_any();
     let api: Api<HugePagePool> = Api::all(ctx.client.clone());
     let mut updated = fenced(ctx, async {
-        api.patch_status(
-            &name,
-            &PatchParams::apply(OPERATOR_MANAGER).force(),
-            &Patch::Apply(json!({
-                "apiVersion": HugePagePool::api_version(&()),
-                "kind": HugePagePool::kind(&()),
-                "metadata": {"resourceVersion": pool.resource_version()},
-                "status": status,
-            })),
-        )
-        .await
-        .map_err(|source| Error::PoolStatus {
-            pool: name.clone(),
-            source,
-        })
+        apply_status_where_read(&api, pool, status)
+            .await
+            .map_err(|source| Error::PoolStatus {
+                pool: name.clone(),
+                source,
+            })
     })
     .await?;
     updated.metadata.managed_fields = None;

@@ -156,6 +156,32 @@ pub(super) async fn fenced<T>(ctx: &Context, write: impl Future<Output = Result<
     }
 }
 
+/// A server-side apply of `status` to `object`'s status, on the condition
+/// that the object is still at the resourceVersion it was read at: a
+/// deposed leader's late write lands nothing over what the new one wrote
+/// since (a 409 instead).
+pub(super) async fn apply_status_where_read<K>(
+    api: &kube::Api<K>,
+    object: &K,
+    status: impl serde::Serialize,
+) -> kube::Result<K>
+where
+    K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    use kube::ResourceExt;
+    api.patch_status(
+        &object.name_any(),
+        &kube::api::PatchParams::apply(hugepool_crds::OPERATOR_MANAGER).force(),
+        &kube::api::Patch::Apply(serde_json::json!({
+            "apiVersion": K::api_version(&()),
+            "kind": K::kind(&()),
+            "metadata": {"resourceVersion": object.resource_version()},
+            "status": status,
+        })),
+    )
+    .await
+}
+
 /// What the watches delivered, per object, so that a pass can tell that the
 /// caches show the writes of the pass before it. resourceVersions are
 /// opaque: they are compared for equality only.
