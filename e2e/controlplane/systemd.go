@@ -20,7 +20,13 @@ import (
 //
 // The mount namespace is private: /proc is the namespace's, /run a fresh
 // tmpfs holding the units and a volatile journal; everything else (the
-// node's directory, /sys, the cgroup hierarchies) is the machine's. Killing
+// node's directory, /sys, the cgroup hierarchies) is the machine's, plus
+// the hugetlb cgroup controller at /sys/fs/cgroup/hugetlb, as every real
+// node has it: this machine's cgroup v1 hierarchies leave it unmounted, and
+// without it the kubelet and runc would set no hugetlb limit at all. The
+// mount is the namespace's own (the machine sees an empty directory); the
+// hierarchy is the kernel's one hugetlb hierarchy, so a node started again
+// finds the kubepods cgroups an earlier one left. Killing
 // systemd ends every process of the namespace, pods included, as a power
 // cut would.
 
@@ -93,6 +99,8 @@ func (n *node) startInit(ctx context.Context) error {
 mount --make-rprivate /
 mount -t proc proc /proc
 mount -t tmpfs -o mode=755 tmpfs /run
+mkdir -p /sys/fs/cgroup/hugetlb
+mountpoint -q /sys/fs/cgroup/hugetlb || mount -t cgroup -o hugetlb hugetlb /sys/fs/cgroup/hugetlb
 mkdir -p /run/systemd/system /run/systemd/journald.conf.d
 cp %[1]s/*.target %[1]s/*.service /run/systemd/system/
 cp %[1]s/journald.conf /run/systemd/journald.conf.d/hugepool.conf

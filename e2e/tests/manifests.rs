@@ -189,6 +189,7 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         {"name": "proc-meminfo", "mountPath": "/host/proc/meminfo", "readOnly": true},
         {"name": "proc-buddyinfo", "mountPath": "/host/proc/buddyinfo", "readOnly": true},
         {"name": "proc-pagetypeinfo", "mountPath": "/host/proc/pagetypeinfo", "readOnly": true},
+        {"name": "sys-fs-cgroup", "mountPath": "/host/sys/fs/cgroup", "readOnly": true},
         {"name": "run-hugepool", "mountPath": "/host/run/hugepool"},
     ]);
     let mut volumes = json!([
@@ -198,6 +199,7 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         {"name": "proc-meminfo", "hostPath": {"path": "/proc/meminfo", "type": "File"}},
         {"name": "proc-buddyinfo", "hostPath": {"path": "/proc/buddyinfo", "type": "File"}},
         {"name": "proc-pagetypeinfo", "hostPath": {"path": "/proc/pagetypeinfo", "type": "File"}},
+        {"name": "sys-fs-cgroup", "hostPath": {"path": "/sys/fs/cgroup", "type": "Directory"}},
         {"name": "run-hugepool", "hostPath": {"path": "/run/hugepool", "type": "DirectoryOrCreate"}},
     ]);
     if restart {
@@ -370,7 +372,6 @@ fn rbac_is_the_designs_list() {
             rule("hugepool.dev", "hugepagenodes", &["get", "list", "watch"]),
             rule("hugepool.dev", "hugepagenodes/status", &["patch"]),
             rule("", "nodes", &["get", "list", "watch"]),
-            rule("", "pods", &["get", "list", "watch"]),
             rule("events.k8s.io", "events", &["create", "patch"]),
         ])
     );

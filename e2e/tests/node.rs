@@ -51,6 +51,8 @@ struct Node {
     root: PathBuf,
     /// The kubelet's --root-dir (its Memory Manager checkpoint is there).
     kubelet_root: PathBuf,
+    /// The kubelet's podLogsDir: NAMESPACE_POD_UID/CONTAINER/0.log.
+    pod_logs: PathBuf,
     saved_2mi: u64,
     _kernel: std::fs::File,
 }
@@ -119,6 +121,7 @@ impl Node {
             // A hostPath must not contain "..", as repo() does.
             kubelet_root: std::fs::canonicalize(dir.join("node").join("kubelet"))
                 .expect("the kubelet's root dir"),
+            pod_logs: dir.join("node").join("pod-logs"),
             saved_2mi,
             _kernel: kernel,
         })
@@ -126,6 +129,22 @@ impl Node {
 
     async fn client(&self) -> Client {
         self.cp.control_plane.client().await.expect("client")
+    }
+
+    /// A client with a token of the chart's ServiceAccount `account` (and
+    /// no client certificate): what that component may do.
+    async fn client_as(&self, account: &str) -> Client {
+        let token = self.kubectl(&["create", "token", account, "-n", NAMESPACE]);
+        let kubeconfig = kube::config::Kubeconfig::read_from(&self.cp.control_plane.kubeconfig)
+            .expect("kubeconfig");
+        let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+            .await
+            .expect("config");
+        config.auth_info = kube::config::AuthInfo {
+            token: Some(token.trim().to_string().into()),
+            ..Default::default()
+        };
+        Client::try_from(config).expect("client")
     }
 
     /// Runs a command with KUBECONFIG set to this cluster; panics with its
@@ -594,6 +613,16 @@ spec:
     }
 
     fn start_holder(&self, name: &str, pages: u32) {
+        self.start_holder_with(name, pages, pages, &[]);
+    }
+
+    /// A holder pod that requests `requested` pages and maps `pages`, with
+    /// the holder's `flags`.
+    fn start_holder_with(&self, name: &str, requested: u32, pages: u32, flags: &[&str]) {
+        let command: Vec<String> = ["/hugepage-holder".to_string(), pages.to_string()]
+            .into_iter()
+            .chain(flags.iter().map(|f| f.to_string()))
+            .collect();
         self.apply(&format!(
             r#"
 apiVersion: v1
@@ -604,14 +633,85 @@ spec:
   containers:
   - name: holder
     image: localhost/hugepool-e2e:{version}
-    command: [/hugepage-holder, "{pages}"]
+    command: {command:?}
     resources:
       limits: {{hugepages-2Mi: {bytes}Mi, memory: 64Mi, cpu: 100m}}
 "#,
             version = env!("CARGO_PKG_VERSION"),
-            bytes = pages * 2,
+            bytes = requested * 2,
         ));
     }
+
+    /// A 2Mi hugetlb file of the cgroup `cgroup` (relative to the node's
+    /// hugetlb hierarchy, e.g. `kubepods`), e.g. `limit_in_bytes`; `None`
+    /// when the file is not there (`rsvd.*` on older kernels).
+    fn hugetlb_2mi(&self, cgroup: &str, file: &str) -> Option<u64> {
+        let path = self
+            .root
+            .join("sys/fs/cgroup/hugetlb")
+            .join(cgroup)
+            .join(format!("hugetlb.2MB.{file}"));
+        let text = std::fs::read_to_string(&path).ok()?;
+        Some(text.trim().parse().expect("a number"))
+    }
+
+    /// The pod's cgroup (the kubelet's cgroupfs driver: Guaranteed pods sit
+    /// right below `kubepods`) and its first container's, below it.
+    async fn pod_cgroups(&self, pods: &Api<Pod>, name: &str) -> (String, String) {
+        let pod = pods.get(name).await.expect("pod");
+        let uid = pod.metadata.uid.clone().expect("uid");
+        let status = pod.status.expect("status");
+        assert_eq!(status.qos_class.as_deref(), Some("Guaranteed"));
+        let container = status
+            .container_statuses
+            .and_then(|c| c.into_iter().next())
+            .and_then(|c| c.container_id)
+            .expect("a started container");
+        let id = container
+            .rsplit_once("://")
+            .map(|(_, id)| id.to_string())
+            .expect("runtime://ID");
+        let pod_cgroup = format!("kubepods/pod{uid}");
+        (pod_cgroup.clone(), format!("{pod_cgroup}/{id}"))
+    }
+
+    /// Waits until the log of pod `name`'s first container in namespace
+    /// default has a line containing `text`; returns that line.
+    async fn wait_log_line(&self, name: &str, text: &str) -> String {
+        let prefix = format!("default_{name}_");
+        wait_for(
+            &format!("{name}'s log says {text:?}"),
+            Duration::from_secs(120),
+            || async {
+                let dirs = std::fs::read_dir(&self.pod_logs).map_err(|e| e.to_string())?;
+                let mut seen = String::new();
+                for dir in dirs.flatten() {
+                    if !dir.file_name().to_string_lossy().starts_with(&prefix) {
+                        continue;
+                    }
+                    for container in std::fs::read_dir(dir.path())
+                        .into_iter()
+                        .flatten()
+                        .flatten()
+                    {
+                        let log = std::fs::read_to_string(container.path().join("0.log"))
+                            .unwrap_or_default();
+                        if let Some(line) = log.lines().find(|l| l.contains(text)) {
+                            return Ok(line.to_string());
+                        }
+                        seen.push_str(&log);
+                    }
+                }
+                Err(format!("log so far: {seen:?}"))
+            },
+        )
+        .await
+    }
+}
+
+/// Bytes in `pages` 2Mi pages.
+fn bytes_2mi(pages: u64) -> u64 {
+    pages * 2 * 1024 * 1024
 }
 
 /// The HugePagePool condition `type_`, as (status, reason, message).
@@ -695,6 +795,41 @@ async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it(
         ("True", "KubeletRestartRequired"),
         "{message}"
     );
+    // What a pod meets meanwhile: the kubelet still limits every pod on the
+    // node (kubepods) to the pages it started with, and a pod that asks for
+    // more is not scheduled.
+    assert_eq!(
+        node.hugetlb_2mi("kubepods", "limit_in_bytes"),
+        Some(bytes_2mi(node.saved_2mi)),
+        "kubepods' hugetlb limit is the pool the kubelet started with"
+    );
+    node.start_holder("holder", 16);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    if node.saved_2mi < 16 {
+        let message = wait_for(
+            "the holder unschedulable",
+            Duration::from_secs(120),
+            || async {
+                let pod = pods.get("holder").await.map_err(|e| e.to_string())?;
+                let scheduled = pod
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .find(|c| c.type_ == "PodScheduled");
+                match scheduled {
+                    Some(c)
+                        if c.status == "False" && c.reason.as_deref() == Some("Unschedulable") =>
+                    {
+                        Ok(c.message.unwrap_or_default())
+                    }
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
+        assert!(message.contains("Insufficient hugepages-2Mi"), "{message}");
+    }
 
     // With AfterResize the agent restarts the kubelet itself, through the
     // node's restart command, and the pool becomes Available.
@@ -722,15 +857,20 @@ async fn a_pod_holding_hugepages_blocks_the_shrink_until_the_operator_evicts_it(
         ("False", "CapacityMatches")
     );
 
-    // A consumer holds 16 pages; shrinking to 8 is blocked by them.
-    node.start_holder("holder", 16);
+    assert_eq!(
+        node.hugetlb_2mi("kubepods", "limit_in_bytes"),
+        Some(bytes_2mi(64)),
+        "the restarted kubelet's limit is the pool"
+    );
+
+    // The holder, scheduled now, holds its 16 pages; shrinking to 8 is
+    // blocked by them.
     node.wait_in_use(64, 16).await;
     node.set_pool_pages(8);
 
     // The operator drains under its taint through the Eviction API; the
     // holder's pages come back and the shrink completes.
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
-    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let saw_blocked = AtomicBool::new(false);
     let saw_taint = AtomicBool::new(false);
     wait_for("the shrink to 8 pages", Duration::from_secs(300), || {
@@ -1246,6 +1386,129 @@ async fn helm_uninstall_mid_drain_leaves_no_taint_and_no_stuck_finalizer() {
 }
 
 /// The kubelet's Memory Manager checkpoint and the CPU Manager's, as files.
+/// hugetlb limits as a real node enforces them (the test node mounts the
+/// hugetlb controller): the kubelet writes its allocatable hugepages into
+/// `kubepods` when it starts, and each pod's and container's limit from the
+/// pod's request. After a grow and the agent's kubelet restart, a pod that
+/// requests more than the old pool faults every page it requested, and the
+/// kernel refuses it one more, while the pool has pages free.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_grow_and_the_kubelet_restart_a_pod_faults_exactly_the_pages_it_requested() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    node.with_pool(32, "2m").await;
+    assert_eq!(
+        node.hugetlb_2mi("kubepods", "limit_in_bytes"),
+        Some(bytes_2mi(32)),
+        "the kubelet limits its pods to the 32 pages it reports"
+    );
+
+    node.set_pool_pages(96);
+    wait_for(
+        "the kubelet reports 96 pages",
+        Duration::from_secs(300),
+        || async {
+            match node.kubelet_capacity_2mi(&client).await {
+                c if c == "192Mi" => Ok(()),
+                c => Err(c),
+            }
+        },
+    )
+    .await;
+    node.wait_available("consumers-2mi");
+    assert_eq!(
+        node.hugetlb_2mi("kubepods", "limit_in_bytes"),
+        Some(bytes_2mi(96)),
+        "the restarted kubelet raised kubepods' limit to the grown pool"
+    );
+
+    // 80 pages: more than the pool had before the grow.
+    node.start_holder_with("exact", 80, 80, &["--and-one-more"]);
+    node.wait_in_use(96, 80).await;
+    let one_more = node.wait_log_line("exact", "one more page:").await;
+    assert!(
+        one_more.contains("refused"),
+        "the 81st page is refused by the pod's hugetlb limit: {one_more}"
+    );
+    assert_eq!(read_sys("nr_hugepages") - read_sys("free_hugepages"), 80);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let (pod, container) = node.pod_cgroups(&pods, "exact").await;
+    for cgroup in [&pod, &container] {
+        assert_eq!(
+            node.hugetlb_2mi(cgroup, "limit_in_bytes"),
+            Some(bytes_2mi(80)),
+            "{cgroup}: the limit is the request"
+        );
+        assert_eq!(
+            node.hugetlb_2mi(cgroup, "usage_in_bytes"),
+            Some(bytes_2mi(80)),
+            "{cgroup}: charged for the pages it holds"
+        );
+    }
+    assert_eq!(
+        node.hugetlb_2mi("kubepods", "usage_in_bytes"),
+        Some(bytes_2mi(80))
+    );
+
+    // The agent counts what the node's pods request from those limits (its
+    // own pod's is 0), and the pool sums it; the agent's own token reads
+    // its HugePageNode but no pod of the cluster.
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    wait_for(
+        "the agent reports 80 pages requested",
+        Duration::from_secs(120),
+        || async {
+            let hpn = hpns.get(&node.name).await.map_err(|e| e.to_string())?;
+            let requested = hpn.status.as_ref().and_then(|s| {
+                s.page_sizes
+                    .iter()
+                    .find(|p| p.size == PageSize::SIZE_2MI)
+                    .and_then(|p| p.requested)
+            });
+            match requested {
+                Some(80) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let pools: Api<HugePagePool> = Api::all(client.clone());
+    wait_for(
+        "the pool sums 80 pages requested",
+        Duration::from_secs(120),
+        || async {
+            let pool = pools
+                .get("consumers-2mi")
+                .await
+                .map_err(|e| e.to_string())?;
+            let pages = pool.status.map(|s| s.pages).unwrap_or_default();
+            match (pages.requested, pages.unrequested) {
+                (80, 16) => Ok(()),
+                other => Err(format!("(requested, unrequested) {other:?}")),
+            }
+        },
+    )
+    .await;
+    let agent = node.client_as("hugepool-agent").await;
+    Api::<HugePageNode>::all(agent.clone())
+        .get(&node.name)
+        .await
+        .expect("the agent's token reads its HugePageNode");
+    match Api::<Pod>::all(agent).list(&ListParams::default()).await {
+        Err(kube::Error::Api(status)) if status.code == 403 => {}
+        other => panic!("the agent's token listed pods: {other:?}"),
+    }
+    assert!(
+        node.hugetlb_2mi(&pod, "failcnt").unwrap_or(0)
+            + node.hugetlb_2mi(&pod, "rsvd.failcnt").unwrap_or(0)
+            > 0
+            || node.hugetlb_2mi(&container, "failcnt").unwrap_or(0)
+                + node.hugetlb_2mi(&container, "rsvd.failcnt").unwrap_or(0)
+                > 0,
+        "a hugetlb limit counted the refused page"
+    );
+}
+
 fn kubelet_state(node: &Node, file: &str) -> Option<String> {
     std::fs::read_to_string(node.kubelet_root.join(file)).ok()
 }

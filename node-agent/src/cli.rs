@@ -229,6 +229,7 @@ impl RunArgs {
         config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
         config.model_file = self.model_file.clone();
         config.boot_file = self.boot_file.clone();
+        config.pod_cgroups = Some(kernel.sys_root.join("fs/cgroup"));
         config
     }
 }

@@ -16,6 +16,7 @@ pub mod cli;
 pub mod error;
 pub mod kernel;
 pub mod kubelet_state;
+pub mod pod_cgroups;
 pub mod resize;
 
 pub use error::{Error, Result};

@@ -918,12 +918,12 @@ async fn check_passes_a_working_install_and_names_each_failure() {
     support::delete_namespace(&client, &scope).await;
 }
 
-/// Stranded pages on the real apiserver: pods bound to the fleet's nodes
-/// with `hugepages-2Mi` requests show in each node's HugePageNode status
-/// (counted by its agent, init containers as the scheduler counts them, a
-/// finished pod left out), summed into the pool's status, and `top` ranks
-/// the pool's nodes by the memory no pod requests; a pod that goes is taken
-/// off again.
+/// Stranded pages on the real apiserver: what each node's pods request, as
+/// its agent reads it from the pods' cgroups (the hugetlb limits a kubelet
+/// sets; here a cgroup v2 tree of the systemd driver per node), shows in
+/// each node's HugePageNode status, summed into the pool's status, and
+/// `top` ranks the pool's nodes by the memory no pod requests; a pod that
+/// goes is taken off again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_requests_show_in_node_and_pool_status_and_top_ranks_unrequested_memory() {
     let Some(env) = setup().await else { return };
@@ -945,44 +945,10 @@ async fn pods_requests_show_in_node_and_pool_status_and_top_ranks_unrequested_me
         })
         .await;
 
-    support::create_namespace(&fleet.client, &scope).await;
-    // 20 pages on the first node.
-    support::run_pod(
-        &fleet.client,
-        &scope,
-        support::pod("dpdk", &names[0], "dpdk", Some("40Mi")),
-    )
-    .await;
-    // On the second: an init container of 16Mi before an app of 8Mi is 8
-    // pages; a finished pod's 64Mi count for nothing.
-    let mut init: k8s_openapi::api::core::v1::Pod =
-        support::pod("staged", &names[1], "staged", Some("8Mi"));
-    let mut first = init.spec.as_ref().expect("spec").containers[0].clone();
-    first.name = "prepare".into();
-    let resources = first.resources.as_mut().expect("resources");
-    for amounts in [&mut resources.requests, &mut resources.limits] {
-        amounts.as_mut().expect("amounts").insert(
-            "hugepages-2Mi".into(),
-            k8s_openapi::apimachinery::pkg::api::resource::Quantity("16Mi".into()),
-        );
-    }
-    init.spec.as_mut().expect("spec").init_containers = Some(vec![first]);
-    support::run_pod(&fleet.client, &scope, init).await;
-    support::run_pod(
-        &fleet.client,
-        &scope,
-        support::pod("done", &names[1], "done", Some("64Mi")),
-    )
-    .await;
-    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
-        kube::Api::namespaced(fleet.client.clone(), &scope);
-    pods.patch_status(
-        "done",
-        &kube::api::PatchParams::default(),
-        &kube::api::Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
-    )
-    .await
-    .expect("pod Succeeded");
+    // 20 pages on the first node; on the second, two pods of 8 and 0.
+    fleet.node(&names[0]).set_pod_pages_2mi("dpdk", 20);
+    fleet.node(&names[1]).set_pod_pages_2mi("staged", 8);
+    fleet.node(&names[1]).set_pod_pages_2mi("web", 0);
 
     let requested = |state: &hugepool_crds::HugePageNode| {
         state.status.as_ref().and_then(|s| {
@@ -1050,9 +1016,7 @@ async fn pods_requests_show_in_node_and_pool_status_and_top_ranks_unrequested_me
     assert!(text.contains("200Mi"), "{text}");
 
     // The consumer goes: its pages are no longer requested.
-    pods.delete("dpdk", &kube::api::DeleteParams::default().grace_period(0))
-        .await
-        .expect("delete the consumer");
+    fleet.node(&names[0]).remove_pod("dpdk");
     wait_for(
         "the pool drops the gone pod's request",
         Duration::from_secs(60),
@@ -1067,9 +1031,7 @@ async fn pods_requests_show_in_node_and_pool_status_and_top_ranks_unrequested_me
     )
     .await;
 
-    let client = fleet.client.clone();
     fleet.shutdown().await;
-    support::delete_namespace(&client, &scope).await;
 }
 
 /// `plan` of a grow predicts, per node, from the estimates the agents put

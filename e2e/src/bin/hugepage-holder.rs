@@ -1,21 +1,30 @@
-//! `hugepage-holder PAGES [SIZE_KB]`: the test image's hugepage consumer.
+//! `hugepage-holder PAGES [SIZE_KB] [--and-one-more]`: the test image's
+//! hugepage consumer.
 //!
 //! Maps PAGES hugepages of SIZE_KB (default 2048) with MAP_HUGETLB, faults
 //! every one in so the kernel counts them in use, prints one line and holds
 //! them until SIGTERM or SIGINT, then exits 0. Exits 1 when the kernel (or
 //! the pod's hugetlb limit) refuses the mapping, so a pod shows why.
+//!
+//! With `--and-one-more`, once it holds PAGES a child process (in the same
+//! cgroups) maps and faults one page more and the holder prints what became
+//! of it: `granted`, `refused by mmap: ...` (a hugetlb reservation limit or
+//! an empty pool) or `refused by SIGBUS` (a hugetlb fault limit: the kernel
+//! kills the faulting process). The holder itself goes on holding.
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let one_more = args.iter().any(|a| a == "--and-one-more");
+    args.retain(|a| a != "--and-one-more");
     let parsed = match args.as_slice() {
         [pages] => pages.parse::<usize>().map(|p| (p, 2048)),
         [pages, size_kb] => pages
             .parse::<usize>()
             .and_then(|p| size_kb.parse::<usize>().map(|s| (p, s))),
         _ => {
-            eprintln!("usage: hugepage-holder PAGES [SIZE_KB]");
+            eprintln!("usage: hugepage-holder PAGES [SIZE_KB] [--and-one-more]");
             return ExitCode::from(2);
         }
     };
@@ -27,15 +36,30 @@ fn main() -> ExitCode {
         eprintln!("hugepage-holder: need PAGES >= 1 and SIZE_KB a power of two");
         return ExitCode::from(2);
     }
+    if let Err(err) = map_and_fault(pages, size_kb) {
+        eprintln!("hugepage-holder: mmap of {pages} x {size_kb}kB hugepages failed: {err}");
+        return ExitCode::from(1);
+    }
+    println!("hugepage-holder: holding {pages} x {size_kb}kB hugepages");
+    if one_more {
+        println!("hugepage-holder: one more page: {}", try_one_more(size_kb));
+    }
+    wait_for_termination();
+    println!("hugepage-holder: released");
+    ExitCode::SUCCESS
+}
+
+/// Maps `pages` hugepages of `size_kb` and faults every one in; the mapping
+/// is kept for the life of the process.
+fn map_and_fault(pages: usize, size_kb: usize) -> std::io::Result<()> {
     let page_bytes = size_kb * 1024;
     // MAP_HUGE_SHIFT encodes log2 of the page size in the flags.
     let size_flag = (page_bytes.trailing_zeros() as libc::c_int) << libc::MAP_HUGE_SHIFT;
-    let len = pages * page_bytes;
     // SAFETY: a fresh anonymous mapping; only this process touches it.
     let addr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            len,
+            pages * page_bytes,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | size_flag,
             -1,
@@ -43,20 +67,47 @@ fn main() -> ExitCode {
         )
     };
     if addr == libc::MAP_FAILED {
-        eprintln!(
-            "hugepage-holder: mmap of {pages} x {size_kb}kB hugepages failed: {}",
-            std::io::Error::last_os_error()
-        );
-        return ExitCode::from(1);
+        return Err(std::io::Error::last_os_error());
     }
     for page in 0..pages {
         // SAFETY: inside the mapping; one byte per page faults it in.
         unsafe { std::ptr::write_volatile(addr.cast::<u8>().add(page * page_bytes), 1) };
     }
-    println!("hugepage-holder: holding {pages} x {size_kb}kB hugepages");
-    wait_for_termination();
-    println!("hugepage-holder: released");
-    ExitCode::SUCCESS
+    Ok(())
+}
+
+/// Maps and faults one page more in a child process and says what became
+/// of it. A child, because a hugetlb fault limit answers with SIGBUS.
+fn try_one_more(size_kb: usize) -> String {
+    // SAFETY: this process has one thread; the child only maps, writes and
+    // exits.
+    match unsafe { libc::fork() } {
+        -1 => format!("not tried: fork: {}", std::io::Error::last_os_error()),
+        0 => {
+            // The mmap's errno, if it failed, is the exit status.
+            let code = match map_and_fault(1, size_kb) {
+                Ok(()) => 0,
+                Err(err) => err.raw_os_error().unwrap_or(255).clamp(1, 255),
+            };
+            // SAFETY: leaves the child without running the parent's exit code.
+            unsafe { libc::_exit(code) }
+        }
+        child => {
+            let mut status = 0;
+            // SAFETY: waits for the child just forked.
+            unsafe { libc::waitpid(child, &mut status, 0) };
+            if libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS {
+                "refused by SIGBUS".into()
+            } else if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+                "granted".into()
+            } else if libc::WIFEXITED(status) {
+                let err = std::io::Error::from_raw_os_error(libc::WEXITSTATUS(status));
+                format!("refused by mmap: {err}")
+            } else {
+                format!("the child ended with wait status {status}")
+            }
+        }
+    }
 }
 
 /// Blocks until SIGTERM or SIGINT arrives.

@@ -91,6 +91,11 @@ pub struct AgentConfig {
     /// Where the targets are kept each time the node converges, for
     /// `hugepool-agent boot` (crate::boot).
     pub boot_file: Option<PathBuf>,
+    /// The cgroup file system whose pod cgroups' hugetlb limits say what
+    /// the node's pods request (crate::pod_cgroups); `None`: not reported.
+    pub pod_cgroups: Option<PathBuf>,
+    /// How often the pod cgroups are read.
+    pub pod_cgroups_interval: Duration,
 }
 
 impl AgentConfig {
@@ -110,6 +115,8 @@ impl AgentConfig {
             kmsg_path: None,
             model_file: None,
             boot_file: None,
+            pod_cgroups: None,
+            pod_cgroups_interval: Duration::from_secs(5),
         }
     }
 }
@@ -193,11 +200,13 @@ pub async fn run(
         config.node_name.clone(),
         Arc::clone(&shared),
     ));
-    tokio::spawn(pods::watch_pods(
-        Api::all(client.clone()),
-        config.node_name.clone(),
-        Arc::clone(&shared),
-    ));
+    if let Some(root) = config.pod_cgroups.clone() {
+        tokio::spawn(pods::read_pod_cgroups(
+            crate::pod_cgroups::PodCgroups::new(root),
+            config.pod_cgroups_interval,
+            Arc::clone(&shared),
+        ));
+    }
 
     let (events_tx, events_rx) = mpsc::channel::<PendingEvent>(EVENT_QUEUE);
     let (object_tx, object_rx) = watch::channel::<Option<HugePageNode>>(None);

@@ -177,8 +177,9 @@ pub struct AgentMemory {
     /// (`None`: the whole machine). Replaced only when a figure moves
     /// materially ([`settle_obtainable`]).
     pub obtainable: BTreeMap<(PageSize, Option<u32>), GrowEstimate>,
-    /// Pages per size that the pods bound to this node request, from the
-    /// agent's pod watch; `None` until its first list.
+    /// Pages per size that the pods on this node request, from their
+    /// cgroups' hugetlb limits; `None` until read, or where no hugetlb
+    /// controller holds the pods (crate::pod_cgroups).
     pub requested: Option<BTreeMap<PageSize, u64>>,
 }
 

@@ -92,15 +92,58 @@ where
     }
 }
 
-/// One simulated node: its kernel and its agent.
+/// One simulated node: its kernel, its agent, and the pod cgroups its
+/// agent reads what the node's pods request from.
 pub struct SimNode {
     pub name: String,
     pub kernel: SimulatedKernel,
+    /// The node's cgroup file system as a kubelet leaves it (cgroup v2,
+    /// the systemd driver, the hugetlb controller enabled): a fixture tree
+    /// the test writes pods' limits into ([`SimNode::set_pod_pages_2mi`]).
+    cgroups: Arc<tempfile::TempDir>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
 
+/// A cgroup v2 tree with the kubelet's `kubepods.slice` and no pod yet.
+fn pod_cgroup_tree() -> Arc<tempfile::TempDir> {
+    let root = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        root.path().join("cgroup.controllers"),
+        "cpu memory hugetlb pids",
+    )
+    .expect("cgroup.controllers");
+    let kubepods = root.path().join("kubepods.slice");
+    std::fs::create_dir_all(&kubepods).expect("kubepods.slice");
+    std::fs::write(kubepods.join("hugetlb.2MB.max"), "max").expect("kubepods' limit");
+    Arc::new(root)
+}
+
 impl SimNode {
+    /// A pod on this node as its kubelet would have it: a Burstable pod's
+    /// cgroup whose 2Mi hugetlb limit is `pages` (its request).
+    pub fn set_pod_pages_2mi(&self, uid: &str, pages: u64) {
+        let pod = self.pod_cgroup(uid);
+        std::fs::create_dir_all(&pod).expect("pod cgroup");
+        std::fs::write(
+            pod.join("hugetlb.2MB.max"),
+            (pages * MI2.bytes()).to_string(),
+        )
+        .expect("pod's hugetlb limit");
+    }
+
+    /// The pod's cgroup goes, as the kubelet removes it when the pod ends.
+    pub fn remove_pod(&self, uid: &str) {
+        std::fs::remove_dir_all(self.pod_cgroup(uid)).expect("remove pod cgroup");
+    }
+
+    fn pod_cgroup(&self, uid: &str) -> std::path::PathBuf {
+        self.cgroups.path().join(format!(
+            "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice",
+            uid.replace('-', "_")
+        ))
+    }
+
     /// Persistent and surplus 2Mi pages as the simulated kernel has them.
     pub fn pages_2mi(&self) -> (u64, u64) {
         let counts = self.kernel.pool(MI2).expect("simulated 2Mi pool");
@@ -283,7 +326,9 @@ impl Fleet {
             }
             sim.time_scale = TIME_SCALE;
             let kernel = SimulatedKernel::new(sim);
-            fleet.nodes.push(start_agent(&client, &name, kernel));
+            fleet
+                .nodes
+                .push(start_agent(&client, &name, kernel, pod_cgroup_tree()));
         }
         fleet
     }
@@ -581,7 +626,8 @@ impl Fleet {
             .position(|n| n.name == name)
             .expect("a node of the fleet");
         let kernel = self.nodes[index].kernel.clone();
-        self.nodes[index] = start_agent(&self.client, name, kernel);
+        let cgroups = Arc::clone(&self.nodes[index].cgroups);
+        self.nodes[index] = start_agent(&self.client, name, kernel, cgroups);
     }
 
     /// Sets the Node's Ready condition as a kubelet (or the node lifecycle
@@ -688,8 +734,15 @@ fn scope_collection_reads(
     request
 }
 
-fn start_agent(client: &Client, name: &str, kernel: SimulatedKernel) -> SimNode {
+fn start_agent(
+    client: &Client,
+    name: &str,
+    kernel: SimulatedKernel,
+    cgroups: Arc<tempfile::TempDir>,
+) -> SimNode {
     let mut config = AgentConfig::new(name);
+    config.pod_cgroups = Some(cgroups.path().to_path_buf());
+    config.pod_cgroups_interval = Duration::from_millis(200);
     config.kernel_release = "6.18.0-simulated".into();
     config.min_patch_interval = Duration::from_millis(500);
     config.refresh_interval = Duration::from_secs(1);
@@ -713,6 +766,7 @@ fn start_agent(client: &Client, name: &str, kernel: SimulatedKernel) -> SimNode 
     SimNode {
         name: name.to_string(),
         kernel,
+        cgroups,
         stop,
         task,
     }
