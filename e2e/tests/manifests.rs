@@ -189,7 +189,7 @@ fn assert_agent_privileges(docs: &[Value], restart: bool) {
         {"name": "proc-meminfo", "mountPath": "/host/proc/meminfo", "readOnly": true},
         {"name": "proc-buddyinfo", "mountPath": "/host/proc/buddyinfo", "readOnly": true},
         {"name": "proc-pagetypeinfo", "mountPath": "/host/proc/pagetypeinfo", "readOnly": true},
-        {"name": "sys-fs-cgroup", "mountPath": "/host/sys/fs/cgroup", "readOnly": true},
+        {"name": "sys-fs-cgroup", "mountPath": "/host/sys/fs/cgroup", "readOnly": true, "recursiveReadOnly": "IfPossible"},
         {"name": "run-hugepool", "mountPath": "/host/run/hugepool"},
     ]);
     let mut volumes = json!([
