@@ -20,17 +20,15 @@ import (
 )
 
 // Debian's packages the node runs on; installed by ensureNodePackages when
-// missing. containerd 1.6 is the newest in Debian 12 and serves CRI v1.
+// missing. containerd is not among them: the node runs containerd 2.x, built
+// from its Go module beside the kubelet (build.sh); Debian 12 has only 1.6.
 var nodePackages = map[string]string{
-	"/usr/bin/containerd":              "containerd",
-	"/usr/bin/containerd-shim-runc-v2": "containerd",
-	"/usr/bin/ctr":                     "containerd",
-	"/usr/sbin/runc":                   "runc",
-	"/usr/lib/cni/loopback":            "containernetworking-plugins",
-	"/usr/sbin/ip":                     "iproute2",
-	"/usr/bin/mount":                   "mount",
-	"/usr/bin/nsenter":                 "util-linux",
-	"/lib/systemd/systemd":             "systemd",
+	"/usr/sbin/runc":        "runc",
+	"/usr/lib/cni/loopback": "containernetworking-plugins",
+	"/usr/sbin/ip":          "iproute2",
+	"/usr/bin/mount":        "mount",
+	"/usr/bin/nsenter":      "util-linux",
+	"/lib/systemd/systemd":  "systemd",
 }
 
 // The pod network: a bridge in this machine's network namespace. Pods reach
@@ -163,7 +161,11 @@ func (n *node) start(ctx context.Context, phase func(string, ...any)) error {
 	if err != nil {
 		return err
 	}
-	if err := n.writeUnits([]string{kubeletBin,
+	containerdBin, err := siblingBinary("containerd")
+	if err != nil {
+		return err
+	}
+	if err := n.writeUnits(containerdBin, []string{kubeletBin,
 		"--config=" + n.path("kubelet.yaml"),
 		"--kubeconfig=" + kubeconfig,
 		"--root-dir=" + n.path("kubelet"),
@@ -282,7 +284,11 @@ func (n *node) nodeReady(url string) func(context.Context) error {
 }
 
 func (n *node) ctr(args ...string) (string, error) {
-	cmd := exec.Command("ctr", append([]string{"--address", n.socket(), "--namespace", "k8s.io"}, args...)...)
+	ctr, err := siblingBinary("ctr")
+	if err != nil {
+		return "", err
+	}
+	cmd := exec.Command(ctr, append([]string{"--address", n.socket(), "--namespace", "k8s.io"}, args...)...)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return "", fmt.Errorf("ctr %s: %v: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
@@ -296,12 +302,16 @@ func (n *node) writeContainerdConfig() error {
 	if err != nil {
 		return err
 	}
-	conf := fmt.Sprintf(`version = 2
+	// containerd 2.x's configuration (version 3). NRI is on, its socket in
+	// the node's own /run. disable_hugetlb_controller defaults to true in
+	// containerd (1.6 and 2.x alike): containers would get no hugetlb limit
+	// of their own, only the pod's from the kubelet. The node sets it false,
+	// so each container is limited to its request too, and NRI plugins may
+	// adjust hugetlb limits (containerd drops them while it is disabled).
+	conf := fmt.Sprintf(`version = 3
 root = %[1]q
 state = %[2]q
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
-  "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+disabled_plugins = ["io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
 
 [grpc]
   address = %[3]q
@@ -309,28 +319,38 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [ttrpc]
   address = %[4]q
 
-[plugins."io.containerd.internal.v1.opt"]
+[plugins.'io.containerd.internal.v1.opt']
   path = %[5]q
 
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = %[6]q
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  enable_cdi = false
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = %[6]q
+
+[plugins.'io.containerd.cri.v1.runtime']
   # This machine's root lacks CAP_SYS_RESOURCE, so no process may lower its
   # oom_score_adj (the kubelet asks -998 for sandboxes): clamp instead.
   restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        BinaryName = "/usr/sbin/runc"
+  disable_hugetlb_controller = false
+  tolerate_missing_hugetlb_controller = false
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = 'runc'
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = 'io.containerd.runc.v2'
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = '/usr/sbin/runc'
         SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ['/usr/lib/cni']
     conf_dir = %[7]q
+
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = '127.0.0.1'
+  stream_server_port = '0'
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = false
+  socket_path = '/run/nri/nri.sock'
 `, n.path("containerd", "root"), n.path("containerd", "state"), n.socket(), n.socket()+".ttrpc",
 		n.path("containerd", "opt"), sandbox, n.path("cni"))
 	if err := writeFileAtomic(n.path("containerd.toml"), []byte(conf), 0o644); err != nil {

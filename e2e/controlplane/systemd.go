@@ -39,7 +39,7 @@ const initContainerEnv = "container=hugepool-node"
 const initTarget = "hugepool-node.target"
 
 // writeUnits writes the units systemd is given, into DIR/node/systemd.
-func (n *node) writeUnits(kubeletArgs []string) error {
+func (n *node) writeUnits(containerd string, kubeletArgs []string) error {
 	units := map[string]string{
 		initTarget: `[Unit]
 Description=The hugepool test node (controlplane up --node)
@@ -52,14 +52,16 @@ DefaultDependencies=no
 After=systemd-journald.service
 
 [Service]
-ExecStart=/usr/bin/containerd --config %s
+ExecStart=%s --config %s
+# containerd finds its runc shim on PATH: the one built beside it.
+Environment=PATH=%s:/usr/sbin:/usr/bin:/sbin:/bin
 # The shims and their containers outlive a containerd restart, as in
 # Debian's own containerd.service.
 KillMode=process
 Delegate=yes
 Restart=always
 RestartSec=1
-`, n.path("containerd.toml")),
+`, containerd, n.path("containerd.toml"), filepath.Dir(containerd)),
 		// As kubeadm's kubelet.service: restarted whenever it exits, never
 		// given up on.
 		"kubelet.service": fmt.Sprintf(`[Unit]
