@@ -1024,7 +1024,7 @@ async fn helm_upgrade_replaces_agent_and_operator_with_one_writer_at_a_time() {
         let from = format!("ghcr.io/hugepool-dev/{image}:{version}");
         let to = format!("ghcr.io/hugepool-dev/{image}:upgrade");
         node.run(
-            Path::new("ctr"),
+            &hugepool_e2e::controlplane_bin_dir().join("ctr"),
             &[
                 "--address",
                 socket.to_str().unwrap(),

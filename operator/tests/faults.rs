@@ -14,7 +14,8 @@ use hugepool_crds::{HugePageNode, HugePagePool, HugePagePoolStatus};
 use hugepool_e2e::setup;
 use hugepool_operator::LeaderConfig;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::Api;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
 use support::{EvictionWebhook, Fleet, FleetSpec, MI2, ROLE_LABEL, play_kubelet, pool_spec};
 
@@ -1015,6 +1016,19 @@ async fn an_eviction_whose_record_fails_in_one_of_its_pools_waits_and_is_withdra
         );
     }
     let consumer = support::run_pod(&fleet.client, &scope, pod).await;
+    // A budget that allows no disruption holds the pod until both shrinks
+    // are blocked, so that its one eviction is for both pools (the agent
+    // may report one size blocked a pass before the other).
+    let budgets: Api<PodDisruptionBudget> = Api::namespaced(fleet.client.clone(), &scope);
+    let budget: PodDisruptionBudget = serde_json::from_value(json!({
+        "metadata": {"name": "hold"},
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": "dpdk"}}},
+    }))
+    .expect("a PodDisruptionBudget");
+    budgets
+        .create(&PostParams::default(), &budget)
+        .await
+        .expect("create the budget");
     let (kubelet, kubelet_task) =
         play_kubelet(&fleet, &scope, vec![("consumer".into(), node.clone(), 300)]);
     let failing = support::fail_writes(
@@ -1026,11 +1040,22 @@ async fn an_eviction_whose_record_fails_in_one_of_its_pools_waits_and_is_withdra
     .await;
     fleet.patch_pool(&small, json!({"pages": 100})).await;
     fleet.patch_pool(&large, json!({"pages": 1})).await;
+    support::wait_for("both sizes drained", Duration::from_secs(60), || async {
+        let message = draining_message(&fleet.node_state(&node).await);
+        (message.contains("hugepages-2Mi") && message.contains("hugepages-1Gi"))
+            .then_some(())
+            .ok_or(message)
+    })
+    .await;
+    budgets
+        .delete("hold", &DeleteParams::default())
+        .await
+        .expect("delete the budget");
 
     let abandoned = format!("eviction of {scope}/consumer refused: its record did not land");
     support::wait_for(
         "the eviction abandoned",
-        Duration::from_secs(60),
+        Duration::from_secs(90),
         || async {
             let message = draining_message(&fleet.node_state(&node).await);
             message.contains(&abandoned).then_some(()).ok_or(message)
