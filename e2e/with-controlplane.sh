@@ -2,9 +2,11 @@
 # Runs a command with one real control plane shared by every e2e test binary:
 # starts `controlplane up` in a fresh directory, waits for it to be ready,
 # exports HUGEPOOL_E2E_KUBECONFIG, runs "$@", then stops the control plane.
+# HUGEPOOL_CONTROLPLANE_BIN names another build (e2e/controlplane/bin-1.33);
+# the tests' own control planes come from the same directory.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin="$root/e2e/controlplane/bin/controlplane"
+bin="${HUGEPOOL_CONTROLPLANE_BIN:-$root/e2e/controlplane/bin}/controlplane"
 dir="$root/target/e2e/shared"
 [[ -x "$bin" ]] || { echo "with-controlplane: $bin missing: run 'make controlplane'" >&2; exit 1; }
 

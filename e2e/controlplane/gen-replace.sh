@@ -2,11 +2,29 @@
 # Regenerates the replace block of go.mod. k8s.io/kubernetes replaces every
 # staging module with ./staging/src/..., which only works inside its own repo;
 # a consumer must pin each of them to the published v0.MINOR.PATCH tag.
-# Usage: gen-replace.sh [v1.MINOR.PATCH]   (default: the version go.mod requires)
+# Usage: gen-replace.sh [v1.MINOR.PATCH [DIR]]   (default: the version go.mod requires)
+# With DIR (k8s-1.33: the oldest Kubernetes the project tests), writes DIR/go.mod and
+# DIR/go.sum instead: the same sources resolved afresh against that release, from a
+# go.mod that requires only k8s.io/kubernetes (and kubectl as a tool). build.sh DIR
+# builds from them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 k8s_version="${1:-$(grep -Eo 'k8s\.io/kubernetes v[^[:space:]]+' go.mod | head -n1 | cut -d' ' -f2 || true)}"
+out_dir="${2:-}"
+if [[ -n "$out_dir" ]]; then
+  mkdir -p "$out_dir"
+  out_dir="$(cd "$out_dir" && pwd)"
+  go_line="$(sed -n 's/^go //p' go.mod)"
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  cp ./*.go "$work/"
+  printf 'module %s\n\ngo %s\n\ngodebug default=go%s\n\nrequire k8s.io/kubernetes %s\n' \
+    "$(go list -m)" "$go_line" "${go_line%.*}" "$k8s_version" >"$work/go.mod"
+  cd "$work"
+  # build.sh DIR builds kubectl too (no kubelet: that control plane runs no node).
+  go mod edit -tool=k8s.io/kubernetes/cmd/kubectl
+fi
 if [[ ! "$k8s_version" =~ ^v1\.([0-9]+)\.([0-9]+)$ ]]; then
   echo "gen-replace: need a k8s.io/kubernetes version like v1.37.2, got '$k8s_version'" >&2
   exit 1
@@ -47,3 +65,7 @@ go mod edit -fmt
 echo "gen-replace: pinned ${#staging[@]} staging modules to ${staging_version} for k8s.io/kubernetes ${k8s_version}"
 
 go mod tidy
+if [[ -n "$out_dir" ]]; then
+  cp go.mod go.sum "$out_dir/"
+  echo "gen-replace: wrote $out_dir/go.mod and go.sum"
+fi

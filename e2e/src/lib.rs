@@ -49,11 +49,16 @@ pub struct ControlPlane {
     pub kubeconfig: PathBuf,
 }
 
-/// Where `make controlplane` puts its binaries.
+/// Where the control plane's binaries are: `HUGEPOOL_CONTROLPLANE_BIN` when
+/// set (`make test-oldest-k8s` points it at `e2e/controlplane/bin-1.33`),
+/// else where `make controlplane` puts them.
 pub fn controlplane_bin_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("controlplane")
-        .join("bin")
+    match std::env::var_os("HUGEPOOL_CONTROLPLANE_BIN") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("controlplane")
+            .join("bin"),
+    }
 }
 
 /// The real kubectl built with the control plane.

@@ -122,3 +122,73 @@ fn the_docs_diagrams_are_what_make_diagrams_renders() {
     }
     assert!(checked >= 1, "no diagram in {}", images.display());
 }
+
+/// The Kubernetes version a go.mod requires (`k8s.io/kubernetes v1.33.13` -> "1.33.13").
+fn required_kubernetes(go_mod: &Path) -> String {
+    let text = std::fs::read_to_string(go_mod)
+        .unwrap_or_else(|e| panic!("read {}: {e}", go_mod.display()));
+    text.lines()
+        .find_map(|line| line.trim().strip_prefix("k8s.io/kubernetes v"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{} requires no k8s.io/kubernetes", go_mod.display()))
+        .to_string()
+}
+
+#[test]
+fn the_oldest_kubernetes_is_one_version_everywhere() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let read = |path: &str| {
+        std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("read {path}: {e}"))
+    };
+    // The API the binaries are built for: k8s-openapi's `v1_MINOR` feature.
+    let cargo = read("Cargo.toml");
+    let openapi = cargo
+        .lines()
+        .find(|line| line.starts_with("k8s-openapi "))
+        .expect("k8s-openapi in the workspace's dependencies");
+    let minor = openapi
+        .split('"')
+        .find_map(|word| word.strip_prefix("v1_"))
+        .unwrap_or_else(|| panic!("no v1_MINOR feature in: {openapi}"));
+    let oldest = format!("1.{minor}");
+
+    let chart: serde_json::Value =
+        serde_saphyr::from_str(&read("charts/hugepool/Chart.yaml")).expect("Chart.yaml is YAML");
+    assert_eq!(
+        chart["kubeVersion"],
+        format!(">={oldest}.0-0"),
+        "the chart must admit exactly what k8s-openapi's v1_{minor} is built for"
+    );
+    assert!(
+        read("Makefile").contains(&format!("\nOLDEST_K8S := {oldest}\n")),
+        "`make test-oldest-k8s` must test {oldest}"
+    );
+    let oldest_tested = required_kubernetes(
+        &root
+            .join("e2e/controlplane")
+            .join(format!("k8s-{oldest}"))
+            .join("go.mod"),
+    );
+    assert!(
+        oldest_tested.starts_with(&format!("{oldest}.")),
+        "e2e/controlplane/k8s-{oldest} builds Kubernetes {oldest_tested}"
+    );
+    let newest_tested = required_kubernetes(&root.join("e2e/controlplane/go.mod"));
+
+    let readme = read("README.md");
+    let row = readme
+        .lines()
+        .find(|line| line.starts_with("| Kubernetes |"))
+        .expect("the README's compatibility table has a Kubernetes row");
+    for said in [
+        format!("{oldest} and later"),
+        format!("`v1_{minor}`"),
+        format!("v{oldest_tested}"),
+        format!("v{newest_tested}"),
+    ] {
+        assert!(
+            row.contains(&said),
+            "the README's Kubernetes row does not say {said:?}: {row}"
+        );
+    }
+}
