@@ -41,6 +41,9 @@ const OPERATOR_JOB: &str = "hugepool-operator-metrics";
 const RATE_INTERVAL: &str = "2m";
 /// Generous: the VM is slow and other builds may share it.
 const CONVERGE_TIMEOUT: Duration = Duration::from_secs(180);
+/// Pages of 2Mi the one pod in the agent's cgroup tree requests.
+const REQUESTED_PAGES: u64 = 10;
+const PAGE_2MI: u64 = 2 * 1024 * 1024;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -216,6 +219,22 @@ impl Stack {
             .prefix("prometheus")
             .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
             .expect("temp dir");
+        // The node's cgroups as a kubelet leaves them (cgroup v2, the
+        // systemd driver): one pod whose hugetlb limit asks for
+        // REQUESTED_PAGES, which the agent reports as requested.
+        let cgroups = dir.path().join("cgroup");
+        let pod = cgroups
+            .join("kubepods.slice/kubepods-burstable.slice/kubepods-burstable-podprom.slice");
+        std::fs::create_dir_all(&pod).expect("pod cgroup");
+        std::fs::write(cgroups.join("cgroup.controllers"), "memory hugetlb")
+            .expect("cgroup.controllers");
+        std::fs::write(cgroups.join("kubepods.slice/hugetlb.2MB.max"), "max")
+            .expect("kubepods' limit");
+        std::fs::write(
+            pod.join("hugetlb.2MB.max"),
+            (REQUESTED_PAGES * PAGE_2MI).to_string(),
+        )
+        .expect("the pod's limit");
         let operator_addr = format!("127.0.0.1:{}", free_port());
         let agent_addr = format!("127.0.0.1:{}", free_port());
         let prometheus_addr = format!("127.0.0.1:{}", free_port());
@@ -231,6 +250,8 @@ impl Stack {
             "agent",
             Command::new(&tools.agent)
                 .args(["run", "--node-name", node, "--metrics-addr", &agent_addr])
+                .arg("--cgroup-root")
+                .arg(&cgroups)
                 // Status and metrics follow the kernel within a second; a
                 // shortfall is not retried while the test looks at it.
                 .args(["--refresh-interval", "1s", "--retry-interval", "1h"])
@@ -641,12 +662,15 @@ impl Scenario<'_> {
         let moved = format!(
             r#"hugepool_resize_pages_total{{size="2Mi",direction="grow",{label}="{node}"}}"#
         );
-        let what = format!("Prometheus to see {pages} pages, {grown} grown");
-        let (stack, current, moved) = (self.stack, &current, &moved);
+        let requested = format!(r#"hugepool_requested_bytes{{size="2Mi",{label}="{node}"}}"#);
+        let what =
+            format!("Prometheus to see {pages} pages, {grown} grown, {REQUESTED_PAGES} requested");
+        let (stack, current, moved, requested) = (self.stack, &current, &moved, &requested);
         stack
             .wait_until(&what, CONVERGE_TIMEOUT, || async move {
                 stack.query_is(current, pages as f64)?;
-                stack.query_is(moved, grown as f64)
+                stack.query_is(moved, grown as f64)?;
+                stack.query_is(requested, (REQUESTED_PAGES * PAGE_2MI) as f64)
             })
             .await;
     }

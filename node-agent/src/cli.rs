@@ -209,6 +209,10 @@ pub struct RunArgs {
     /// reboot (the chart: agent.bootFile).
     #[arg(long, value_name = "PATH", env = "HUGEPOOL_BOOT_FILE")]
     pub boot_file: Option<PathBuf>,
+    /// Where the cgroup file system is, whose pod cgroups' hugetlb limits
+    /// say what the node's pods request (default: `<sys-root>/fs/cgroup`).
+    #[arg(long, value_name = "PATH", env = "HUGEPOOL_CGROUP_ROOT")]
+    pub cgroup_root: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -229,7 +233,11 @@ impl RunArgs {
         config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
         config.model_file = self.model_file.clone();
         config.boot_file = self.boot_file.clone();
-        config.pod_cgroups = Some(kernel.sys_root.join("fs/cgroup"));
+        config.pod_cgroups = Some(
+            self.cgroup_root
+                .clone()
+                .unwrap_or_else(|| kernel.sys_root.join("fs/cgroup")),
+        );
         config
     }
 }
