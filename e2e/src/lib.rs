@@ -353,6 +353,47 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}-{}-{n}", std::process::id())
 }
 
+/// A node's cgroup file system as a kubelet leaves it, for an agent's
+/// `--cgroup-root` in tests: cgroup v2, the systemd driver, the hugetlb
+/// controller enabled, `kubepods.slice` unlimited, and no pod yet.
+pub struct KubeletCgroups {
+    pub root: PathBuf,
+}
+
+impl KubeletCgroups {
+    pub fn create(root: &Path) -> std::io::Result<Self> {
+        std::fs::create_dir_all(root.join("kubepods.slice"))?;
+        std::fs::write(root.join("cgroup.controllers"), "cpu memory hugetlb pids")?;
+        std::fs::write(root.join("kubepods.slice/hugetlb.2MB.max"), "max")?;
+        Ok(Self {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// A Burstable pod's cgroup whose 2Mi hugetlb limit is `pages`, as its
+    /// kubelet sets it from the pod's request.
+    pub fn set_pod_pages_2mi(&self, uid: &str, pages: u64) -> std::io::Result<()> {
+        let pod = self.pod(uid);
+        std::fs::create_dir_all(&pod)?;
+        std::fs::write(
+            pod.join("hugetlb.2MB.max"),
+            (pages * 2 * 1024 * 1024).to_string(),
+        )
+    }
+
+    /// The pod's cgroup goes, as the kubelet removes it when the pod ends.
+    pub fn remove_pod(&self, uid: &str) -> std::io::Result<()> {
+        std::fs::remove_dir_all(self.pod(uid))
+    }
+
+    fn pod(&self, uid: &str) -> PathBuf {
+        self.root.join(format!(
+            "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice",
+            uid.replace('-', "_")
+        ))
+    }
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago (for a server a test
 /// starts and then scrapes).
 pub fn free_port() -> u16 {

@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use hugepool_crds::{HugePageNode, HugePagePool};
-use hugepool_e2e::{free_port, http_get, in_ci_mode, lock_machine_kernel, setup, unique_name};
+use hugepool_e2e::{
+    KubeletCgroups, free_port, http_get, in_ci_mode, lock_machine_kernel, setup, unique_name,
+};
 use k8s_openapi::api::core::v1::Node;
 use kube::Client;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -222,19 +224,10 @@ impl Stack {
         // The node's cgroups as a kubelet leaves them (cgroup v2, the
         // systemd driver): one pod whose hugetlb limit asks for
         // REQUESTED_PAGES, which the agent reports as requested.
-        let cgroups = dir.path().join("cgroup");
-        let pod = cgroups
-            .join("kubepods.slice/kubepods-burstable.slice/kubepods-burstable-podprom.slice");
-        std::fs::create_dir_all(&pod).expect("pod cgroup");
-        std::fs::write(cgroups.join("cgroup.controllers"), "memory hugetlb")
-            .expect("cgroup.controllers");
-        std::fs::write(cgroups.join("kubepods.slice/hugetlb.2MB.max"), "max")
-            .expect("kubepods' limit");
-        std::fs::write(
-            pod.join("hugetlb.2MB.max"),
-            (REQUESTED_PAGES * PAGE_2MI).to_string(),
-        )
-        .expect("the pod's limit");
+        let cgroups = KubeletCgroups::create(&dir.path().join("cgroup")).expect("cgroup tree");
+        cgroups
+            .set_pod_pages_2mi("prom", REQUESTED_PAGES)
+            .expect("the pod's limit");
         let operator_addr = format!("127.0.0.1:{}", free_port());
         let agent_addr = format!("127.0.0.1:{}", free_port());
         let prometheus_addr = format!("127.0.0.1:{}", free_port());
@@ -251,7 +244,7 @@ impl Stack {
             Command::new(&tools.agent)
                 .args(["run", "--node-name", node, "--metrics-addr", &agent_addr])
                 .arg("--cgroup-root")
-                .arg(&cgroups)
+                .arg(&cgroups.root)
                 // Status and metrics follow the kernel within a second; a
                 // shortfall is not retried while the test looks at it.
                 .args(["--refresh-interval", "1s", "--retry-interval", "1h"])

@@ -108,14 +108,7 @@ pub struct SimNode {
 /// A cgroup v2 tree with the kubelet's `kubepods.slice` and no pod yet.
 fn pod_cgroup_tree() -> Arc<tempfile::TempDir> {
     let root = tempfile::tempdir().expect("temp dir");
-    std::fs::write(
-        root.path().join("cgroup.controllers"),
-        "cpu memory hugetlb pids",
-    )
-    .expect("cgroup.controllers");
-    let kubepods = root.path().join("kubepods.slice");
-    std::fs::create_dir_all(&kubepods).expect("kubepods.slice");
-    std::fs::write(kubepods.join("hugetlb.2MB.max"), "max").expect("kubepods' limit");
+    hugepool_e2e::KubeletCgroups::create(root.path()).expect("cgroup tree");
     Arc::new(root)
 }
 
@@ -123,25 +116,22 @@ impl SimNode {
     /// A pod on this node as its kubelet would have it: a Burstable pod's
     /// cgroup whose 2Mi hugetlb limit is `pages` (its request).
     pub fn set_pod_pages_2mi(&self, uid: &str, pages: u64) {
-        let pod = self.pod_cgroup(uid);
-        std::fs::create_dir_all(&pod).expect("pod cgroup");
-        std::fs::write(
-            pod.join("hugetlb.2MB.max"),
-            (pages * MI2.bytes()).to_string(),
-        )
-        .expect("pod's hugetlb limit");
+        self.pod_cgroups()
+            .set_pod_pages_2mi(uid, pages)
+            .expect("pod's hugetlb limit");
     }
 
     /// The pod's cgroup goes, as the kubelet removes it when the pod ends.
     pub fn remove_pod(&self, uid: &str) {
-        std::fs::remove_dir_all(self.pod_cgroup(uid)).expect("remove pod cgroup");
+        self.pod_cgroups()
+            .remove_pod(uid)
+            .expect("remove pod cgroup");
     }
 
-    fn pod_cgroup(&self, uid: &str) -> std::path::PathBuf {
-        self.cgroups.path().join(format!(
-            "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice",
-            uid.replace('-', "_")
-        ))
+    fn pod_cgroups(&self) -> hugepool_e2e::KubeletCgroups {
+        hugepool_e2e::KubeletCgroups {
+            root: self.cgroups.path().to_path_buf(),
+        }
     }
 
     /// Persistent and surplus 2Mi pages as the simulated kernel has them.
