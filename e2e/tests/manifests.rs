@@ -1706,6 +1706,24 @@ async fn the_operator_may_only_set_its_taint_and_report_its_own_events() {
         )
         .await
         .expect("the operator's Event about a Node");
+    // The Events policy is a policy of its own, loaded on its own time:
+    // wait until it refuses, as for the Node policy above.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        match events
+            .create(&PostParams::default(), &event("kubelet", "Node", &name))
+            .await
+        {
+            Err(e) if e.to_string().contains("writes Events only as") => break,
+            other => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the operator's Event as kubelet was never refused: {other:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+        }
+    }
     for (controller, kind) in [("kubelet", "Node"), ("hugepool-operator", "Secret")] {
         let refused = events
             .create(&PostParams::default(), &event(controller, kind, &name))
