@@ -13,28 +13,46 @@
 # 65532; the agent adds busybox's static nsenter for kubelet restarts.
 # Registries (HUGEPOOL_IMAGE_REGISTRY) other than the default only change the
 # names written into the archives.
+#
+# `hack/images.sh ARCH` (amd64 or arm64) builds the operator and agent images
+# for another architecture into target/images/ARCH/ (the release does, with
+# kubectl-hugepool beside them): cross-compiled with Debian's
+# gcc-<arch>-linux-gnu as ring's C compiler and the linker, busybox's nsenter
+# from Debian's busybox-static of that architecture.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="$root/target/images"
 registry="${HUGEPOOL_IMAGE_REGISTRY:-ghcr.io/hugepool-dev}"
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)"
-arch="$(uname -m)"
+host_arch="$(uname -m)"
+case "${1:-}" in
+  "") arch="$host_arch" ;;
+  amd64) arch=x86_64 ;;
+  arm64) arch=aarch64 ;;
+  *) echo "images.sh: unknown architecture ${1} (amd64 or arm64)" >&2; exit 2 ;;
+esac
 case "$arch" in
   x86_64) oci_arch=amd64 ;;
   aarch64) oci_arch=arm64 ;;
   *) echo "images.sh: unsupported architecture $arch" >&2; exit 1 ;;
 esac
 target="$arch-unknown-linux-musl"
+cross=""
+[[ "$arch" == "$host_arch" ]] || cross="$arch-linux-gnu"
 start=$SECONDS
 say() { printf 'images.sh: %-58s %4ss\n' "$1" "$((SECONDS - start))"; }
 
 # Tools, installed when missing (Debian packages; the musl std from rustup).
 need_pkgs=()
 command -v umoci >/dev/null || need_pkgs+=(umoci)
-command -v musl-gcc >/dev/null || need_pkgs+=(musl-tools)
-[[ -x /bin/busybox ]] && /bin/busybox --list | grep -x nsenter >/dev/null || need_pkgs+=(busybox-static)
 [[ -f /etc/ssl/certs/ca-certificates.crt ]] || need_pkgs+=(ca-certificates)
+if [[ -z "$cross" ]]; then
+  command -v musl-gcc >/dev/null || need_pkgs+=(musl-tools)
+  [[ -x /bin/busybox ]] && /bin/busybox --list | grep -x nsenter >/dev/null || need_pkgs+=(busybox-static)
+else
+  command -v "$cross-gcc" >/dev/null || need_pkgs+=("gcc-${cross//_/-}")
+fi
 if ((${#need_pkgs[@]})); then
   say "apt-get install ${need_pkgs[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -45,20 +63,40 @@ if ! rustup target list --installed | grep -qx "$target"; then
   say "rustup target add $target"
   rustup target add "$target"
 fi
-if ! file -L /bin/busybox | grep -q 'statically linked'; then
-  echo "images.sh: /bin/busybox is not static (install busybox-static)" >&2
+work="$(mktemp -d "${TMPDIR:-/tmp}/hugepool-images.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+busybox=/bin/busybox
+if [[ -n "$cross" ]]; then
+  # busybox-static of the target architecture, unpacked here (not installed).
+  if ! dpkg --print-foreign-architectures | grep -qx "$oci_arch"; then
+    say "dpkg --add-architecture $oci_arch"
+    dpkg --add-architecture "$oci_arch"
+    apt-get update -qq >/dev/null
+  fi
+  (cd "$work" && apt-get download -qq -o APT::Sandbox::User=root "busybox-static:$oci_arch" >/dev/null)
+  dpkg-deb -x "$work"/busybox-static_*.deb "$work/busybox"
+  busybox="$work/busybox/bin/busybox"
+fi
+if ! file -L "$busybox" | grep -q 'statically linked'; then
+  echo "images.sh: $busybox is not static (install busybox-static)" >&2
   exit 1
 fi
 
 say "cargo build --release --target $target"
-CC="musl-gcc" cargo build -q --release --locked --target "$target" \
-  -p hugepool-operator --bin hugepool-operator --bin kubectl-hugepool \
-  -p hugepool-agent --bin hugepool-agent \
-  -p hugepool-e2e --bin pause --bin hugepage-holder
+if [[ -z "$cross" ]]; then
+  env "CC_${target//-/_}=musl-gcc" cargo build -q --release --locked --target "$target" \
+    -p hugepool-operator --bin hugepool-operator --bin kubectl-hugepool \
+    -p hugepool-agent --bin hugepool-agent \
+    -p hugepool-e2e --bin pause --bin hugepage-holder
+else
+  linker_var="CARGO_TARGET_$(tr 'a-z-' 'A-Z_' <<<"$target")_LINKER"
+  env "CC_${target//-/_}=$cross-gcc" "$linker_var=$cross-gcc" \
+    cargo build -q --release --locked --target "$target" \
+    -p hugepool-operator --bin hugepool-operator --bin kubectl-hugepool \
+    -p hugepool-agent --bin hugepool-agent
+  out="$out/$oci_arch"
+fi
 bin="$root/target/$target/release"
-
-work="$(mktemp -d "${TMPDIR:-/tmp}/hugepool-images.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
 mkdir -p "$out"
 
 # image NAME REF USER ENTRYPOINT FILE... : one OCI archive with FILEs
@@ -103,7 +141,11 @@ certs=/etc/ssl/certs/ca-certificates.crt:etc/ssl/certs/ca-certificates.crt
 image hugepool-operator "$registry/hugepool-operator:$version" 65532:65532 /hugepool-operator \
   "$bin/hugepool-operator:hugepool-operator" "$certs"
 image hugepool-agent "$registry/hugepool-agent:$version" 0:0 /hugepool-agent \
-  "$bin/hugepool-agent:hugepool-agent" "$certs" /bin/busybox:usr/bin/nsenter
-image hugepool-e2e "localhost/hugepool-e2e:$version" 65532:65532 /pause \
-  "$bin/pause:pause" "$bin/hugepage-holder:hugepage-holder"
+  "$bin/hugepool-agent:hugepool-agent" "$certs" "$busybox:usr/bin/nsenter"
+if [[ -n "$cross" ]]; then
+  cp -f "$bin/kubectl-hugepool" "$out/kubectl-hugepool"
+else
+  image hugepool-e2e "localhost/hugepool-e2e:$version" 65532:65532 /pause \
+    "$bin/pause:pause" "$bin/hugepage-holder:hugepage-holder"
+fi
 say "done: $out"

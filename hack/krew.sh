@@ -12,6 +12,8 @@
 #
 # `hack/krew.sh tool` instead prints the path of krew itself, built once
 # from its Go module into target/tools (KREW_VERSION), for the tests.
+# `hack/krew.sh archive` and `manifest` are the two steps alone, for the
+# release (hack/release.sh: both architectures, https URLs).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -37,6 +39,51 @@ if [[ "${1:-}" == tool ]]; then
   echo "$bin"
   exit 0
 fi
+# archive ARCH BINARY OUT: OUT/kubectl-hugepool-linux-ARCH.tar.gz holding
+# BINARY (as kubectl-hugepool) and LICENSE; prints its path.
+archive() {
+  local arch="$1" binary="$2" out="$3" work
+  local path="$out/kubectl-hugepool-linux-$arch.tar.gz"
+  mkdir -p "$out"
+  work="$(mktemp -d "${TMPDIR:-/tmp}/hugepool-krew.XXXXXX")"
+  cp "$binary" "$work/kubectl-hugepool"
+  cp LICENSE "$work/"
+  # Reproducible: fixed owner and time, sorted names, no gzip timestamp.
+  tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
+    -C "$work" -cf - kubectl-hugepool LICENSE | gzip -9n > "$path"
+  rm -rf "$work"
+  echo "$path"
+}
+
+# manifest TAG BASE_URL ARCHIVE...: .krew.yaml as krew-release-bot fills it
+# in for TAG: each archive's platform with uri BASE_URL/NAME and the
+# archive's sha256; platforms with no archive here and the template's
+# comments left out.
+manifest() {
+  python3 - "$@" <<'PY'
+import hashlib, os, re, sys
+tag, base, *paths = sys.argv[1:]
+text = open(".krew.yaml").read()
+head, *platforms = re.split(r"(?m)^  - selector:\n", text)
+head = "".join(l for l in head.splitlines(True) if not l.startswith("#"))
+call = re.compile(r'(?m)^( *)\{\{addURIAndSha "([^"]+)" \.TagName \}\}$')
+rendered = []
+for path in paths:
+    name = os.path.basename(path)
+    sha = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    kept = [p for p in platforms if call.search(p).group(2).endswith("/" + name)]
+    assert len(kept) == 1, f"no platform in .krew.yaml names {name}"
+    rendered.append("  - selector:\n" + call.sub(
+        lambda m: f'{m.group(1)}uri: {base}/{name}\n{m.group(1)}sha256: "{sha}"', kept[0]))
+print((head + "".join(rendered)).replace("{{ .TagName }}", tag), end="")
+PY
+}
+
+case "${1:-}" in
+  archive) shift; archive "$@"; exit 0 ;;
+  manifest) shift; manifest "$@"; exit 0 ;;
+esac
+
 version="v$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)"
 arch="$(uname -m)"
 case "$arch" in
@@ -46,31 +93,9 @@ case "$arch" in
 esac
 target="$arch-unknown-linux-musl"
 command -v musl-gcc >/dev/null || { echo "krew.sh: musl-gcc missing: run make images first" >&2; exit 1; }
-CC="musl-gcc" cargo build -q --release --locked --target "$target" -p hugepool-operator --bin kubectl-hugepool
+env "CC_${target//-/_}=musl-gcc" cargo build -q --release --locked --target "$target" -p hugepool-operator --bin kubectl-hugepool
 
 out="$root/target/krew"
-archive="kubectl-hugepool-linux-$krew_arch.tar.gz"
-mkdir -p "$out"
-work="$(mktemp -d "${TMPDIR:-/tmp}/hugepool-krew.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-cp "target/$target/release/kubectl-hugepool" LICENSE "$work/"
-# Reproducible: fixed owner and time, sorted names, no gzip timestamp.
-tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
-  -C "$work" -cf - kubectl-hugepool LICENSE | gzip -9n > "$out/$archive"
-sha="$(sha256sum "$out/$archive" | cut -d' ' -f1)"
-# What krew-release-bot does with the template, for this one archive: the
-# tag filled in, this platform's uri and sha256; other platforms (no
-# archive here) and the template's comments left out.
-python3 - "$version" "$archive" "$sha" "$out/$archive" <<'PY' > "$out/hugepool.yaml"
-import re, sys
-version, name, sha, path = sys.argv[1:]
-text = open(".krew.yaml").read()
-head, *platforms = re.split(r"(?m)^  - selector:\n", text)
-head = "".join(l for l in head.splitlines(True) if not l.startswith("#"))
-call = re.compile(r'(?m)^( *)\{\{addURIAndSha "([^"]+)" \.TagName \}\}$')
-kept = [p for p in platforms if call.search(p).group(2).endswith("/" + name)]
-assert len(kept) == 1, f"no platform in .krew.yaml names {name}"
-platform = call.sub(lambda m: f'{m.group(1)}uri: file://{path}\n{m.group(1)}sha256: "{sha}"', kept[0])
-print((head + "  - selector:\n" + platform).replace("{{ .TagName }}", version), end="")
-PY
-echo "krew.sh: $out/$archive ($sha) and $out/hugepool.yaml"
+path="$(archive "$krew_arch" "target/$target/release/kubectl-hugepool" "$out")"
+manifest "$version" "file://$out" "$path" > "$out/hugepool.yaml"
+echo "krew.sh: $path ($(sha256sum "$path" | cut -d' ' -f1)) and $out/hugepool.yaml"

@@ -50,6 +50,9 @@ const nodeLockPath = "/run/hugepool-controlplane-node.lock"
 // DIR/node.
 type node struct {
 	dir, name, images, apiURL string
+	// HOST:PORT of registries containerd reaches over plain HTTP
+	// (hosts.toml under DIR/node/certs.d).
+	registries []string
 	// The kubelet's memoryManagerPolicy: None or Static.
 	memoryManager string
 	ports         ports
@@ -324,6 +327,8 @@ disabled_plugins = ["io.containerd.tracing.processor.v1.otlp", "io.containerd.in
 
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = %[8]q
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = %[6]q
 
@@ -352,9 +357,20 @@ disabled_plugins = ["io.containerd.tracing.processor.v1.otlp", "io.containerd.in
   disable = false
   socket_path = '/run/nri/nri.sock'
 `, n.path("containerd", "root"), n.path("containerd", "state"), n.socket(), n.socket()+".ttrpc",
-		n.path("containerd", "opt"), sandbox, n.path("cni"))
+		n.path("containerd", "opt"), sandbox, n.path("cni"), n.path("certs.d"))
 	if err := writeFileAtomic(n.path("containerd.toml"), []byte(conf), 0o644); err != nil {
 		return err
+	}
+	// Each --registry: pulled from over plain HTTP (containerd's hosts.toml,
+	// one directory per HOST:PORT).
+	for _, registry := range n.registries {
+		hosts := fmt.Sprintf("server = %[1]q\n\n[host.%[1]q]\n  capabilities = [\"pull\", \"resolve\"]\n", "http://"+registry)
+		if err := os.MkdirAll(n.path("certs.d", registry), 0o755); err != nil {
+			return err
+		}
+		if err := writeFileAtomic(n.path("certs.d", registry, "hosts.toml"), []byte(hosts), 0o644); err != nil {
+			return err
+		}
 	}
 	// Each pod gets its own network namespace on a bridge that exists only
 	// on this machine (no masquerade, no route out); the bridge's address is

@@ -59,6 +59,8 @@ func runUp(args []string) error {
 	nodeName := fs.String("node-name", defaultNodeName(), "the Node's name (--node)")
 	memoryManager := fs.String("memory-manager", "None", "the kubelet's memoryManagerPolicy, None or Static (Static adds the Topology Manager, single-numa-node) (--node)")
 	images := fs.String("images", "", "import every *.tar OCI archive in this directory into the node's containerd (--node)")
+	var registries stringList
+	fs.Var(&registries, "registry", "HOST:PORT of an OCI registry the node's containerd pulls from over plain HTTP, e.g. a local test registry (--node, repeatable)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -193,7 +195,7 @@ func runUp(args []string) error {
 		if *memoryManager != "None" && *memoryManager != "Static" {
 			return fmt.Errorf("--memory-manager must be None or Static, not %q", *memoryManager)
 		}
-		n = &node{dir: dir, name: *nodeName, images: *images, memoryManager: *memoryManager, apiURL: apiURL, ports: pt, pki: p, admin: admin, timeout: *timeout}
+		n = &node{dir: dir, name: *nodeName, images: *images, registries: registries, memoryManager: *memoryManager, apiURL: apiURL, ports: pt, pki: p, admin: admin, timeout: *timeout}
 		unlockNode, err := n.prepare(phase)
 		if err != nil {
 			return err

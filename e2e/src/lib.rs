@@ -30,6 +30,11 @@ pub enum E2eError {
     MissingBinary(PathBuf),
     #[error("control plane did not become ready within {timeout:?}; last log lines:\n{log}")]
     NotReady { timeout: Duration, log: String },
+    #[error("controlplane up exited ({status}) before it was ready; last log lines:\n{log}")]
+    Exited {
+        status: std::process::ExitStatus,
+        log: String,
+    },
     #[error("control plane process failed: {0}")]
     Process(#[from] std::io::Error),
     #[error("kubeconfig {path}: {source}")]
@@ -75,8 +80,8 @@ impl ControlPlane {
     /// The control plane stops by itself when this process exits (it watches
     /// its parent), so a crashed test run leaks nothing.
     pub fn start(data_dir: &Path, timeout: Duration) -> Result<ControlPlane, E2eError> {
-        let child = spawn_up(data_dir, &[])?;
-        wait_ready(data_dir, timeout)?;
+        let mut child = spawn_up(data_dir, &[])?;
+        wait_ready(data_dir, &mut child, timeout)?;
         // Lives as long as this process; see above.
         std::mem::forget(child);
         Ok(ControlPlane {
@@ -132,14 +137,24 @@ fn spawn_up(data_dir: &Path, extra: &[&std::ffi::OsStr]) -> Result<std::process:
         .spawn()?)
 }
 
-fn wait_ready(data_dir: &Path, timeout: Duration) -> Result<(), E2eError> {
+/// Waits for `up`'s ready file; fails at once (with its log) when `up`
+/// exited first, as on a flag it does not know.
+fn wait_ready(
+    data_dir: &Path,
+    child: &mut std::process::Child,
+    timeout: Duration,
+) -> Result<(), E2eError> {
     let deadline = Instant::now() + timeout;
     while !data_dir.join("ready").exists() {
-        if Instant::now() > deadline {
+        let exited = child.try_wait()?;
+        if exited.is_some() || Instant::now() > deadline {
             let log = std::fs::read_to_string(data_dir.join("up.log")).unwrap_or_default();
             let lines: Vec<&str> = log.lines().collect();
             let tail = lines[lines.len().saturating_sub(20)..].join("\n");
-            return Err(E2eError::NotReady { timeout, log: tail });
+            return Err(match exited {
+                Some(status) => E2eError::Exited { status, log: tail },
+                None => E2eError::NotReady { timeout, log: tail },
+            });
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -180,9 +195,9 @@ impl OwnedControlPlane {
 
     fn start_with(dir: &Path, up_args: Vec<std::ffi::OsString>) -> Result<Self, E2eError> {
         let args: Vec<&std::ffi::OsStr> = up_args.iter().map(|a| a.as_os_str()).collect();
-        let child = spawn_up(dir, &args)?;
+        let mut child = spawn_up(dir, &args)?;
         // A node's first start imports images and waits for the kubelet.
-        wait_ready(dir, Duration::from_secs(300))?;
+        wait_ready(dir, &mut child, Duration::from_secs(300))?;
         Ok(Self {
             dir: dir.to_path_buf(),
             control_plane: ControlPlane {
@@ -244,8 +259,8 @@ impl OwnedControlPlane {
         self.stop();
         between();
         let args: Vec<&std::ffi::OsStr> = self.up_args.iter().map(|a| a.as_os_str()).collect();
-        self.child = Some(spawn_up(&self.dir, &args)?);
-        wait_ready(&self.dir, Duration::from_secs(300))
+        let child = self.child.insert(spawn_up(&self.dir, &args)?);
+        wait_ready(&self.dir, child, Duration::from_secs(300))
     }
 }
 

@@ -2378,3 +2378,450 @@ async fn the_first_install_with_the_charts_defaults_follows_its_notes_to_a_true_
         .map(|q| q.0);
     assert_eq!(allocatable.as_deref(), Some("2Gi"));
 }
+
+/// The distribution registry on 127.0.0.1 (hack/tool.sh registry), its
+/// storage in a temporary directory; stopped on drop.
+struct Registry {
+    child: std::process::Child,
+    addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    fn start() -> Registry {
+        let binary = hugepool_e2e::hack_tool("tool.sh", &["registry"]).expect("registry built");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let addr = format!("127.0.0.1:{}", hugepool_e2e::free_port());
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog: {{level: warn}}\nstorage:\n  filesystem: {{rootdirectory: {}}}\nhttp: {{addr: {addr}}}\n",
+                dir.path().join("data").display()
+            ),
+        )
+        .expect("registry config");
+        let log = std::fs::File::create(dir.path().join("registry.log")).expect("log");
+        let child = Command::new(binary)
+            .args(["serve", config.to_str().unwrap()])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("registry serve");
+        let registry = Registry {
+            child,
+            addr,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while let Err(e) = hugepool_e2e::http_get(&registry.addr, "/v2/") {
+            assert!(
+                Instant::now() < deadline,
+                "the registry never answered: {e}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        registry
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `program args` with `envs`; its stdout, or a panic with all it
+/// printed.
+fn run_ok(program: &Path, args: &[&str], envs: &[(&str, &str)]) -> String {
+    let out = Command::new(program)
+        .current_dir(repo())
+        .args(args)
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", program.display()));
+    assert!(
+        out.status.success(),
+        "{} {} failed:\n{}",
+        program.display(),
+        args.join(" "),
+        hugepool_e2e::output_text(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `cosign COMMAND --key PUBLIC REFERENCE` against the test's plain-HTTP
+/// registry, with no transparency log (the release writes none); what it
+/// printed, or a panic.
+fn cosign_verify(cosign: &Path, command: &[&str], public: &Path, reference: &str) -> String {
+    let mut args = command.to_vec();
+    args.extend([
+        "--key",
+        public.to_str().expect("utf-8 path"),
+        "--allow-http-registry",
+        "--insecure-ignore-tlog",
+        reference,
+    ]);
+    run_ok(cosign, &args, &[])
+}
+
+/// The ELF machine of a binary: 62 x86-64, 183 AArch64.
+fn elf_machine(bytes: &[u8]) -> u16 {
+    assert_eq!(&bytes[..4], b"\x7fELF", "not an ELF file");
+    u16::from_le_bytes([bytes[18], bytes[19]])
+}
+
+/// `make release` against a real registry on 127.0.0.1, as a platform team
+/// meets the result: each image one index of linux/amd64 and linux/arm64
+/// whose binaries are of that machine, signed (and not by another key),
+/// each platform's SBOM a verified attestation, the krew manifest's sha256
+/// those of the archives, and `helm install oci://...` on the real node
+/// pulling the images from the registry by digest and sizing the pool.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_node() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        unavailable("containerd and the kubelet need root".into());
+        return;
+    }
+    let version = env!("CARGO_PKG_VERSION");
+    let registry = Registry::start();
+    let reg = format!("{}/hugepool-dev", registry.addr);
+    let cosign = hugepool_e2e::hack_tool("tool.sh", &["cosign"]).expect("cosign built");
+    let crane = hugepool_e2e::hack_tool("tool.sh", &["crane"]).expect("crane built");
+    let keys = tempfile::tempdir().expect("temp dir");
+    let password = [("COSIGN_PASSWORD", "release-test")];
+    for dir in ["release", "other"] {
+        let dir = keys.path().join(dir);
+        std::fs::create_dir(&dir).unwrap();
+        let out = Command::new(&cosign)
+            .current_dir(&dir)
+            .arg("generate-key-pair")
+            .envs(password)
+            .output()
+            .expect("cosign generate-key-pair");
+        assert!(out.status.success(), "{}", hugepool_e2e::output_text(&out));
+    }
+    let key = keys.path().join("release/cosign.key");
+    let public = keys.path().join("release/cosign.pub");
+    let other = keys.path().join("other/cosign.pub");
+
+    run_ok(
+        Path::new("bash"),
+        &["hack/release.sh"],
+        &[
+            ("VERSION", version),
+            ("REGISTRY", &reg),
+            ("COSIGN_KEY", key.to_str().unwrap()),
+            ("COSIGN_PASSWORD", "release-test"),
+            ("PLAIN_HTTP", "1"),
+        ],
+    );
+    let out = repo().join("target/release").join(version);
+    assert_eq!(
+        std::fs::read_to_string(out.join("cosign.pub")).expect("the release's cosign.pub"),
+        std::fs::read_to_string(&public).unwrap(),
+        "the release names the key that signed it"
+    );
+
+    let insecure = ["--insecure"];
+    let mut digests = std::collections::HashMap::new();
+    for image in ["hugepool-operator", "hugepool-agent"] {
+        let tag = format!("{reg}/{image}:{version}");
+        let index: serde_json::Value =
+            serde_json::from_str(&run_ok(&crane, &["manifest", insecure[0], &tag], &[]))
+                .expect("an index");
+        assert_eq!(
+            index["mediaType"], "application/vnd.oci.image.index.v1+json",
+            "{tag}: {index}"
+        );
+        let mut platforms: Vec<String> = index["manifests"]
+            .as_array()
+            .expect("manifests")
+            .iter()
+            .map(|m| {
+                format!(
+                    "{}/{}",
+                    m["platform"]["os"].as_str().unwrap(),
+                    m["platform"]["architecture"].as_str().unwrap()
+                )
+            })
+            .collect();
+        platforms.sort();
+        assert_eq!(platforms, ["linux/amd64", "linux/arm64"], "{tag}");
+        let digest = run_ok(&crane, &["digest", insecure[0], &tag], &[])
+            .trim()
+            .to_string();
+        let by_digest = format!("{reg}/{image}@{digest}");
+
+        // Each platform's binary is of its machine.
+        for (arch, machine) in [("amd64", 62), ("arm64", 183)] {
+            let platform = format!("linux/{arch}");
+            let layer = Command::new(&crane)
+                .args(["export", insecure[0], "--platform", &platform, &tag, "-"])
+                .output()
+                .expect("crane export");
+            assert!(
+                layer.status.success(),
+                "{}",
+                hugepool_e2e::output_text(&layer)
+            );
+            let unpacked = tempfile::tempdir().unwrap();
+            let tar = unpacked.path().join("fs.tar");
+            std::fs::write(&tar, &layer.stdout).unwrap();
+            run_ok(
+                Path::new("tar"),
+                &[
+                    "-xf",
+                    tar.to_str().unwrap(),
+                    "-C",
+                    unpacked.path().to_str().unwrap(),
+                ],
+                &[],
+            );
+            let binary = std::fs::read(unpacked.path().join(image)).expect("the image's binary");
+            assert_eq!(elf_machine(&binary), machine, "{image} {platform}");
+            if image == "hugepool-agent" {
+                let nsenter = std::fs::read(unpacked.path().join("usr/bin/nsenter")).unwrap();
+                assert_eq!(elf_machine(&nsenter), machine, "nsenter {platform}");
+            }
+
+            // The platform's SBOM: attested with the release key, about
+            // this binary and the crates it was built from.
+            let platform_digest = run_ok(
+                &crane,
+                &["digest", insecure[0], "--platform", &platform, &tag],
+                &[],
+            )
+            .trim()
+            .to_string();
+            let subject = format!("{reg}/{image}@{platform_digest}");
+            let verified = cosign_verify(
+                &cosign,
+                &["verify-attestation", "--type", "cyclonedx"],
+                &public,
+                &subject,
+            );
+            let envelope: serde_json::Value =
+                serde_json::from_str(verified.lines().next().expect("an attestation"))
+                    .expect("a DSSE envelope");
+            let payload = tempfile::NamedTempFile::new().unwrap();
+            std::fs::write(payload.path(), envelope["payload"].as_str().unwrap()).unwrap();
+            let decoded = Command::new("base64")
+                .arg("-d")
+                .arg(payload.path())
+                .output()
+                .expect("base64");
+            let statement: serde_json::Value =
+                serde_json::from_slice(&decoded.stdout).expect("an in-toto statement");
+            assert_eq!(
+                statement["subject"][0]["digest"]["sha256"].as_str(),
+                platform_digest.strip_prefix("sha256:"),
+                "{statement}"
+            );
+            let bom = &statement["predicate"];
+            assert_eq!(bom["bomFormat"], "CycloneDX", "{subject}");
+            assert_eq!(bom["metadata"]["component"]["name"], image, "{subject}");
+            let crates: Vec<&str> = bom["components"]
+                .as_array()
+                .expect("components")
+                .iter()
+                .filter_map(|c| c["name"].as_str())
+                .collect();
+            assert!(
+                crates.contains(&"kube-client") && crates.contains(&"hugepool-crds"),
+                "{subject}: {crates:?}"
+            );
+        }
+
+        // The index is signed by the release key (each platform too), and
+        // another key's check fails.
+        for reference in [
+            by_digest.clone(),
+            format!(
+                "{reg}/{image}@{}",
+                run_ok(
+                    &crane,
+                    &["digest", insecure[0], "--platform", "linux/arm64", &tag],
+                    &[]
+                )
+                .trim()
+            ),
+        ] {
+            cosign_verify(&cosign, &["verify"], &public, &reference);
+        }
+        let forged = Command::new(&cosign)
+            .args(["verify", "--key", other.to_str().unwrap()])
+            .args(["--allow-http-registry", "--insecure-ignore-tlog"])
+            .arg(&by_digest)
+            .output()
+            .expect("cosign verify");
+        assert!(
+            !forged.status.success(),
+            "{image} verified with a key that did not sign it"
+        );
+        digests.insert(image, digest);
+    }
+
+    // kubectl-hugepool: both archives, the krew manifest naming their
+    // sha256, each archive's binary of its machine.
+    let manifest = serde_saphyr::from_str::<serde_json::Value>(
+        &std::fs::read_to_string(out.join("hugepool.yaml")).expect("krew manifest"),
+    )
+    .expect("YAML");
+    assert_eq!(manifest["spec"]["version"], format!("v{version}"));
+    let platforms = manifest["spec"]["platforms"].as_array().expect("platforms");
+    assert_eq!(platforms.len(), 2, "{manifest}");
+    for (arch, machine) in [("amd64", 62), ("arm64", 183)] {
+        let name = format!("kubectl-hugepool-linux-{arch}.tar.gz");
+        let platform = platforms
+            .iter()
+            .find(|p| p["selector"]["matchLabels"]["arch"] == arch)
+            .expect("a platform per architecture");
+        let uri = platform["uri"].as_str().unwrap();
+        assert_eq!(
+            uri,
+            format!("https://github.com/hugepool-dev/hugepool/releases/download/v{version}/{name}")
+        );
+        let archive = out.join(&name);
+        let sum = run_ok(Path::new("sha256sum"), &[archive.to_str().unwrap()], &[]);
+        assert_eq!(
+            platform["sha256"].as_str(),
+            sum.split_whitespace().next(),
+            "{name}"
+        );
+        let listing = Command::new("tar")
+            .args(["-xzOf", archive.to_str().unwrap(), "kubectl-hugepool"])
+            .output()
+            .expect("tar");
+        assert_eq!(elf_machine(&listing.stdout), machine, "{name}");
+    }
+    let sums = Command::new("sha256sum")
+        .current_dir(&out)
+        .args(["--check", "--quiet", "SHA256SUMS"])
+        .output()
+        .expect("sha256sum");
+    assert!(
+        sums.status.success(),
+        "{}",
+        hugepool_e2e::output_text(&sums)
+    );
+
+    // The chart from the registry, on the real node: containerd pulls both
+    // images from the registry (only the pause image is imported).
+    let chart = format!("oci://{reg}/charts/hugepool");
+    cosign_verify(
+        &cosign,
+        &["verify"],
+        &public,
+        &format!("{reg}/charts/hugepool:{version}"),
+    );
+    let pause_only = tempfile::tempdir().expect("temp dir");
+    std::os::unix::fs::symlink(
+        repo()
+            .join("target/images")
+            .join(format!("hugepool-e2e-{version}.tar"))
+            .canonicalize()
+            .unwrap(),
+        pause_only
+            .path()
+            .join(format!("hugepool-e2e-{version}.tar")),
+    )
+    .unwrap();
+    let Some(node) = Node::start_with(&[
+        "--images",
+        pause_only.path().to_str().unwrap(),
+        "--registry",
+        &registry.addr,
+    ]) else {
+        return;
+    };
+    let client = node.client().await;
+    let root_dir = format!(
+        "agent.kubeletRestart.rootDir={}",
+        node.kubelet_root.display()
+    );
+    node.run(
+        &node.helm,
+        &[
+            "install",
+            "hugepool",
+            &chart,
+            "--version",
+            version,
+            "--plain-http",
+            "--namespace",
+            NAMESPACE,
+            "--create-namespace",
+            "--set",
+            &format!("apiServer.host={}", node.pod_apiserver.0),
+            "--set",
+            &format!("apiServer.port={}", node.pod_apiserver.1),
+            "--set",
+            "agent.kubeletRestart.enabled=true",
+            "--set",
+            &root_dir,
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
+    );
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    for (component, image) in [
+        ("operator", "hugepool-operator"),
+        ("agent", "hugepool-agent"),
+    ] {
+        let listed = pods
+            .list(
+                &ListParams::default().labels(&format!("app.kubernetes.io/component={component}")),
+            )
+            .await
+            .expect("pods");
+        assert!(!listed.items.is_empty(), "no {component} pod");
+        let wanted = format!("{reg}/{image}@{}", digests[image]);
+        for pod in listed.items {
+            // The chart names the image by digest; the kubelet reports the
+            // repository digest containerd pulled.
+            let spec = &pod.spec.as_ref().unwrap().containers[0];
+            assert_eq!(spec.image.as_deref(), Some(wanted.as_str()), "{component}");
+            let status = &pod
+                .status
+                .as_ref()
+                .unwrap()
+                .container_statuses
+                .as_ref()
+                .unwrap()[0];
+            assert_eq!(status.image_id, wanted, "{component} pod's image");
+            assert!(status.ready, "{component} pod not ready");
+        }
+    }
+    node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
+    node.apply(
+        r#"
+apiVersion: hugepool.dev/v1alpha1
+kind: HugePagePool
+metadata: {name: released}
+spec:
+  nodeSelector: {matchLabels: {hugepool.dev/demo: "true"}}
+  pageSize: 2Mi
+  pages: 8
+  kubelet: {restart: AfterResize}
+  deletionPolicy: Release
+"#,
+    );
+    node.wait_available("released");
+    assert_eq!(
+        read_sys("nr_hugepages"),
+        8,
+        "the released agent sized the pool"
+    );
+    node.kubectl(&[
+        "delete",
+        "hugepagepool",
+        "released",
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    assert_eq!(read_sys("nr_hugepages"), 0, "Release returned every page");
+}
