@@ -26,6 +26,14 @@ out="$root/target/images"
 registry="${HUGEPOOL_IMAGE_REGISTRY:-ghcr.io/hugepool-dev}"
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)"
 host_arch="$(uname -m)"
+# `hack/images.sh binaries`: only the host build below (what make krew
+# packs), with exactly this selection of packages, so that neither run
+# rebuilds what the other built.
+binaries_only=""
+if [[ "${1:-}" == binaries ]]; then
+  binaries_only=1
+  shift
+fi
 case "${1:-}" in
   "") arch="$host_arch" ;;
   amd64) arch=x86_64 ;;
@@ -97,6 +105,7 @@ else
   out="$out/$oci_arch"
 fi
 bin="$root/target/$target/release"
+[[ -z "$binaries_only" ]] || exit 0
 mkdir -p "$out"
 
 # image NAME REF USER ENTRYPOINT FILE... : one OCI archive with FILEs

@@ -8,7 +8,8 @@
 #
 # Try it: kubectl krew install --manifest=target/krew/hugepool.yaml \
 #           --archive=target/krew/kubectl-hugepool-linux-ARCH.tar.gz
-# The binary is the static (musl) one `make images` builds.
+# The binary is the static (musl) one `make images` builds (hack/images.sh
+# binaries: the same build, a no-op after make images).
 #
 # `hack/krew.sh tool` instead prints the path of krew itself, built once
 # from its Go module into target/tools (KREW_VERSION), for the tests.
@@ -92,8 +93,8 @@ case "$arch" in
   *) echo "krew.sh: unsupported architecture $arch" >&2; exit 1 ;;
 esac
 target="$arch-unknown-linux-musl"
-command -v musl-gcc >/dev/null || { echo "krew.sh: musl-gcc missing: run make images first" >&2; exit 1; }
-env "CC_${target//-/_}=musl-gcc" cargo build -q --release --locked --target "$target" -p hugepool-operator --bin kubectl-hugepool
+# The build `make images` runs (a no-op after it).
+bash hack/images.sh binaries >&2
 
 out="$root/target/krew"
 path="$(archive "$krew_arch" "target/$target/release/kubectl-hugepool" "$out")"

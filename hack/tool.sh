@@ -8,6 +8,7 @@
 #   registry    the distribution registry (the release test's OCI registry)
 #   crane       pushes OCI layouts, assembles multi-arch indexes, reads them
 #   actionlint  checks .github/workflows
+#   kube-score  lints the rendered manifests (e2e/tests/lint_manifests.rs)
 #   cargo-cyclonedx  writes the CycloneDX SBOM of each binary (a crate: built
 #               with cargo install)
 #
@@ -16,7 +17,7 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-name="${1:?usage: hack/tool.sh cosign|registry|crane|actionlint|cargo-cyclonedx}"
+name="${1:?usage: hack/tool.sh cosign|registry|crane|actionlint|kube-score|cargo-cyclonedx}"
 crate=""
 case "$name" in
   cosign)
@@ -31,6 +32,10 @@ case "$name" in
   actionlint)
     module=github.com/rhysd/actionlint package=cmd/actionlint version="${ACTIONLINT_VERSION:-v1.7.12}"
     ldflags="-X $module.version=$version" ;;
+  kube-score)
+    # The version stamp of kube-score's own release build (goreleaser).
+    module=github.com/zegl/kube-score package=cmd/kube-score version="${KUBE_SCORE_VERSION:-v1.20.0}"
+    ldflags="-X main.version=${version#v}" ;;
   cargo-cyclonedx)
     crate=cargo-cyclonedx version="${CARGO_CYCLONEDX_VERSION:-0.5.9}" ;;
   *) echo "hack/tool.sh: unknown tool $name" >&2; exit 2 ;;

@@ -1,5 +1,5 @@
 //! The rendered chart under real manifest linters: kube-score
-//! (hack/kube-score.sh, built from its Go module) and checkov
+//! (`hack/tool.sh kube-score`, built from its Go module) and checkov
 //! (hack/checkov.sh, from PyPI into a virtualenv), each run on the chart
 //! rendered with its default values and with every optional part on. Every
 //! finding must be in charts/hugepool/lint-exceptions.yaml with its reason,
@@ -311,7 +311,7 @@ fn checkov_resources_name_their_object() {
 fn kube_score_finds_only_the_excepted() {
     let (Some(helm), Some(bin)) = (
         hugepool_e2e::hack_tool_or_skip("helm.sh", &[]),
-        hugepool_e2e::hack_tool_or_skip("kube-score.sh", &[]),
+        hugepool_e2e::hack_tool_or_skip("tool.sh", &["kube-score"]),
     ) else {
         return;
     };
