@@ -2528,12 +2528,13 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
         "the release names the key that signed it"
     );
 
-    let insecure = ["--insecure"];
+    // The test registry speaks plain HTTP.
+    let insecure = "--insecure";
     let mut digests = std::collections::HashMap::new();
     for image in ["hugepool-operator", "hugepool-agent"] {
         let tag = format!("{reg}/{image}:{version}");
         let index: serde_json::Value =
-            serde_json::from_str(&run_ok(&crane, &["manifest", insecure[0], &tag], &[]))
+            serde_json::from_str(&run_ok(&crane, &["manifest", insecure, &tag], &[]))
                 .expect("an index");
         assert_eq!(
             index["mediaType"], "application/vnd.oci.image.index.v1+json",
@@ -2553,7 +2554,7 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
             .collect();
         platforms.sort();
         assert_eq!(platforms, ["linux/amd64", "linux/arm64"], "{tag}");
-        let digest = run_ok(&crane, &["digest", insecure[0], &tag], &[])
+        let digest = run_ok(&crane, &["digest", insecure, &tag], &[])
             .trim()
             .to_string();
         let by_digest = format!("{reg}/{image}@{digest}");
@@ -2562,7 +2563,7 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
         for (arch, machine) in [("amd64", 62), ("arm64", 183)] {
             let platform = format!("linux/{arch}");
             let layer = Command::new(&crane)
-                .args(["export", insecure[0], "--platform", &platform, &tag, "-"])
+                .args(["export", insecure, "--platform", &platform, &tag, "-"])
                 .output()
                 .expect("crane export");
             assert!(
@@ -2594,7 +2595,7 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
             // this binary and the crates it was built from.
             let platform_digest = run_ok(
                 &crane,
-                &["digest", insecure[0], "--platform", &platform, &tag],
+                &["digest", insecure, "--platform", &platform, &tag],
                 &[],
             )
             .trim()
@@ -2646,7 +2647,7 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
                 "{reg}/{image}@{}",
                 run_ok(
                     &crane,
-                    &["digest", insecure[0], "--platform", "linux/arm64", &tag],
+                    &["digest", insecure, "--platform", "linux/arm64", &tag],
                     &[]
                 )
                 .trim()
