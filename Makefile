@@ -10,7 +10,7 @@ CONTROLPLANE_TESTS := -p hugepool-e2e --test api --test manifests --test prometh
 	-p hugepool-operator --test faults --test fleet --test kubectl_hugepool \
 	-p hugepool-agent --test cluster
 
-.PHONY: all build test test-oldest-k8s lint fmt crds manifests controlplane images krew release bench bench-fragment bench-fleet demo diagrams clean
+.PHONY: all build test test-oldest-k8s lint fmt crds manifests controlplane images previous krew release bench bench-fragment bench-fleet demo diagrams clean
 
 all: build
 
@@ -18,8 +18,8 @@ build:
 	$(CARGO) build --workspace --all-targets
 
 ## Everything CI checks: lint, then every test (unit, real kernel, real control plane).
-test: lint controlplane images
-	bash e2e/with-controlplane.sh $(CARGO) test --workspace --all-targets
+test: lint controlplane images previous
+	bash e2e/with-controlplane.sh $(CARGO) test --workspace --all-targets --no-fail-fast
 
 ## The control-plane tests again on the oldest Kubernetes the chart admits (v$(OLDEST_K8S), built
 ## from $(CONTROLPLANE_DIR)/k8s-$(OLDEST_K8S)); .ci/run runs it after `make test` when CI's time allows.
@@ -58,6 +58,11 @@ controlplane:
 ## Build the operator, agent and test images as OCI archives in target/images/ (nothing pulled).
 images:
 	bash hack/images.sh
+
+## The chart and images of an earlier version (hack/previous.sh), for the upgrade test; after
+## `images`, whose compiled dependencies it copies.
+previous: images
+	bash hack/previous.sh >/dev/null
 
 ## kubectl-hugepool as krew installs it: target/krew/ (archive + manifest from .krew.yaml).
 krew:

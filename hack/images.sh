@@ -14,6 +14,11 @@
 # Registries (HUGEPOOL_IMAGE_REGISTRY) other than the default only change the
 # names written into the archives.
 #
+# HUGEPOOL_IMAGES_SOURCE=DIR builds another checkout of this workspace (an
+# earlier commit: hack/previous.sh) in HUGEPOOL_IMAGES_TARGET_DIR into
+# HUGEPOOL_IMAGES_OUT, operator and agent only, with the same package
+# selection (the dependencies' features stay the same).
+#
 # `hack/images.sh ARCH` (amd64 or arm64) builds the operator and agent images
 # for another architecture into target/images/ARCH/ (the release does, with
 # kubectl-hugepool beside them): cross-compiled with Debian's
@@ -22,9 +27,11 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-out="$root/target/images"
+src_dir="${HUGEPOOL_IMAGES_SOURCE:-$root}"
+out="${HUGEPOOL_IMAGES_OUT:-$root/target/images}"
+target_dir="${HUGEPOOL_IMAGES_TARGET_DIR:-$root/target}"
 registry="${HUGEPOOL_IMAGE_REGISTRY:-ghcr.io/hugepool-dev}"
-version="$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)"
+version="$(sed -n 's/^version = "\(.*\)"/\1/p' "$src_dir/Cargo.toml" | head -n1)"
 host_arch="$(uname -m)"
 # `hack/images.sh binaries`: only the host build below (what make krew
 # packs), with exactly this selection of packages, so that neither run
@@ -91,20 +98,26 @@ if ! file -L "$busybox" | grep -q 'statically linked'; then
 fi
 
 say "cargo build --release --target $target"
+cd "$src_dir"
+# Another checkout builds no kubectl-hugepool (its packages stay the same,
+# and with them the dependencies' features).
+plugin=(--bin kubectl-hugepool)
+[[ "$src_dir" == "$root" ]] || plugin=()
 if [[ -z "$cross" ]]; then
   env "CC_${target//-/_}=musl-gcc" cargo build -q --release --locked --target "$target" \
-    -p hugepool-operator --bin hugepool-operator --bin kubectl-hugepool \
+    --target-dir "$target_dir" \
+    -p hugepool-operator --bin hugepool-operator "${plugin[@]}" \
     -p hugepool-agent --bin hugepool-agent \
     -p hugepool-e2e --bin pause --bin hugepage-holder
 else
   linker_var="CARGO_TARGET_$(tr 'a-z-' 'A-Z_' <<<"$target")_LINKER"
   env "CC_${target//-/_}=$cross-gcc" "$linker_var=$cross-gcc" \
-    cargo build -q --release --locked --target "$target" \
+    cargo build -q --release --locked --target "$target" --target-dir "$target_dir" \
     -p hugepool-operator --bin hugepool-operator --bin kubectl-hugepool \
     -p hugepool-agent --bin hugepool-agent
   out="$out/$oci_arch"
 fi
-bin="$root/target/$target/release"
+bin="$target_dir/$target/release"
 [[ -z "$binaries_only" ]] || exit 0
 mkdir -p "$out"
 
@@ -153,7 +166,7 @@ image hugepool-agent "$registry/hugepool-agent:$version" 0:0 /hugepool-agent \
   "$bin/hugepool-agent:hugepool-agent" "$certs" "$busybox:usr/bin/nsenter"
 if [[ -n "$cross" ]]; then
   cp -f "$bin/kubectl-hugepool" "$out/kubectl-hugepool"
-else
+elif [[ "$src_dir" == "$root" ]]; then
   image hugepool-e2e "localhost/hugepool-e2e:$version" 65532:65532 /pause \
     "$bin/pause:pause" "$bin/hugepage-holder:hugepage-holder"
 fi

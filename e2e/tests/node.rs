@@ -193,7 +193,12 @@ impl Node {
     /// `helm install` of the chart with its defaults but for where pods reach
     /// this test's apiserver and `values`; prints what helm printed (NOTES).
     fn helm_install_values(&self, values: &[&str]) -> String {
-        let chart = repo().join("charts").join("hugepool");
+        self.helm_install_chart(&repo().join("charts").join("hugepool"), values)
+    }
+
+    /// `helm install` of `chart` (this repository's or an earlier
+    /// version's) as [`Node::helm_install_values`] does.
+    fn helm_install_chart(&self, chart: &Path, values: &[&str]) -> String {
         let host = format!("apiServer.host={}", self.pod_apiserver.0);
         let port = format!("apiServer.port={}", self.pod_apiserver.1);
         self.run(
@@ -1227,6 +1232,416 @@ impl LockSampler {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().expect("sampler")
     }
+}
+
+/// The chart and images of the earlier version hack/previous.sh names (the
+/// upgrade's starting point): (its chart, its image archives, their tag).
+fn previous_version() -> Option<(PathBuf, Vec<PathBuf>, String)> {
+    let out = Command::new("bash")
+        .arg(repo().join("hack/previous.sh"))
+        .output()
+        .expect("running hack/previous.sh");
+    if !out.status.success() {
+        unavailable(format!(
+            "hack/previous.sh failed (make previous): {}",
+            hugepool_e2e::output_text(&out)
+        ));
+        return None;
+    }
+    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let mut archives: Vec<PathBuf> = std::fs::read_dir(dir.join("images"))
+        .expect("the previous version's images")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "tar"))
+        .collect();
+    archives.sort();
+    assert_eq!(
+        archives.len(),
+        2,
+        "operator and agent archives: {archives:?}"
+    );
+    let tag = archives[0]
+        .file_stem()
+        .and_then(|s| s.to_str()?.strip_prefix("hugepool-agent-"))
+        .expect("hugepool-agent-TAG.tar")
+        .to_string();
+    Some((
+        dir.join("src").join("charts").join("hugepool"),
+        archives,
+        tag,
+    ))
+}
+
+/// What an upgrade or a rollback must leave as it was, read from the
+/// cluster and the node.
+#[derive(Debug, PartialEq)]
+struct Untouched {
+    /// The holder pod: UID, phase, restarts.
+    holder: (String, String, i32),
+    /// Which run of kubelet.service.
+    kubelet_run: String,
+    pool_spec: serde_json::Value,
+    pool_generation: Option<i64>,
+    node_spec: serde_json::Value,
+    /// The agent's one-line summary of every size (pages/target).
+    node_summary: Option<String>,
+    /// The kernel's 2Mi pool and its free pages.
+    kernel: (u64, u64),
+}
+
+impl Node {
+    async fn untouched(&self, client: &Client) -> Untouched {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+        let holder = pods.get("holder").await.expect("holder pod");
+        let restarts = holder
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|c| c.first())
+            .map_or(-1, |c| c.restart_count);
+        let pool = Api::<HugePagePool>::all(client.clone())
+            .get("consumers-2mi")
+            .await
+            .expect("pool");
+        let hpn = Api::<HugePageNode>::all(client.clone())
+            .get(&self.name)
+            .await
+            .expect("HugePageNode");
+        Untouched {
+            holder: (
+                holder.metadata.uid.unwrap_or_default(),
+                holder.status.and_then(|s| s.phase).unwrap_or_default(),
+                restarts,
+            ),
+            kubelet_run: self.kubelet_run(),
+            pool_spec: serde_json::to_value(&pool.spec).expect("json"),
+            pool_generation: pool.metadata.generation,
+            node_spec: serde_json::to_value(&hpn.spec).expect("json"),
+            node_summary: hpn.status.and_then(|s| s.summary),
+            kernel: (read_sys("nr_hugepages"), read_sys("free_hugepages")),
+        }
+    }
+
+    /// The operator and agent pods, by name, with their images; and the
+    /// Lease's holder.
+    async fn hugepool_pods(&self, client: &Client) -> (Vec<(String, String)>, String) {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+        let mut running: Vec<(String, String)> = pods
+            .list(&ListParams::default())
+            .await
+            .expect("pods")
+            .items
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .map(|p| {
+                let image = p
+                    .spec
+                    .and_then(|s| s.containers.first().and_then(|c| c.image.clone()))
+                    .unwrap_or_default();
+                (p.metadata.name.unwrap_or_default(), image)
+            })
+            .collect();
+        running.sort();
+        let lease = Api::<Lease>::namespaced(client.clone(), NAMESPACE)
+            .get_opt("hugepool-operator")
+            .await
+            .expect("Lease");
+        let holder = lease
+            .and_then(|l| l.spec?.holder_identity)
+            .unwrap_or_default();
+        (running, holder)
+    }
+
+    /// Waits until the three hugepool pods (two operators, one agent) all
+    /// run images from `repository` and, for the agent, are Ready, and one
+    /// of the new operators holds the Lease; returns the pods' names.
+    async fn wait_rolled_to(&self, client: &Client, repository: &str) -> Vec<String> {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+        wait_for(
+            &format!("pods of {repository} and their leader"),
+            Duration::from_secs(300),
+            || async {
+                let (running, holder) = self.hugepool_pods(client).await;
+                let names: Vec<String> = running.iter().map(|(n, _)| n.clone()).collect();
+                let ready = pods
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .items
+                    .iter()
+                    .filter(|p| p.metadata.deletion_timestamp.is_none())
+                    .all(|p| {
+                        p.status
+                            .as_ref()
+                            .and_then(|s| s.conditions.as_ref())
+                            .is_some_and(|c| {
+                                c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                            })
+                    });
+                if running.len() == 3
+                    && running.iter().all(|(_, i)| i.starts_with(repository))
+                    && ready
+                    && names.contains(&holder)
+                {
+                    Ok(names)
+                } else {
+                    Err(format!(
+                        "pods {running:?}, all Ready {ready}, Lease holder {holder}"
+                    ))
+                }
+            },
+        )
+        .await
+    }
+}
+
+/// The Events (UID and resourceVersion: a repeated Event is rewritten)
+/// whose reason says a page moved, a pod was evicted or the kubelet was
+/// restarted.
+async fn disruptive_events(client: &Client) -> Vec<(String, String, String)> {
+    const REASONS: &[&str] = &[
+        "ResizeStarted",
+        "KubeletRestarted",
+        "KubeletRestartFailed",
+        "OtherWriter",
+        "DrainStarted",
+        "Evicted",
+        "EvictionBlocked",
+        "EvictionFailed",
+    ];
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::all(client.clone());
+    let mut found: Vec<(String, String, String)> = events
+        .list(&ListParams::default())
+        .await
+        .expect("events")
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref().is_some_and(|r| REASONS.contains(&r)))
+        .map(|e| {
+            (
+                e.reason.unwrap_or_default(),
+                e.metadata.uid.unwrap_or_default(),
+                e.metadata.resource_version.unwrap_or_default(),
+            )
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// Samples the kernel's 2Mi pool every few milliseconds; the distinct
+/// values it saw, in order.
+struct PoolSampler {
+    stop: std::sync::Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<u64>>,
+}
+
+impl PoolSampler {
+    fn start() -> Self {
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = std::sync::Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                let pages = read_sys("nr_hugepages");
+                if seen.last() != Some(&pages) {
+                    seen.push(pages);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            seen
+        });
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> Vec<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("sampler")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn helm_upgrade_and_rollback_from_the_previous_version_keep_pages_pods_and_kubelet() {
+    let Some(node) = Node::start() else { return };
+    let Some((previous_chart, archives, tag)) = previous_version() else {
+        return;
+    };
+    let client = node.client().await;
+    let socket = node.cp.dir.join("node").join("containerd.sock");
+    for archive in &archives {
+        node.run(
+            &hugepool_e2e::controlplane_bin_dir().join("ctr"),
+            &[
+                "--address",
+                socket.to_str().unwrap(),
+                "--namespace",
+                "k8s.io",
+                "images",
+                "import",
+                archive.to_str().unwrap(),
+            ],
+        );
+    }
+
+    // The previous version, installed as a user would, with a values file
+    // the upgrade and the rollback are given again.
+    let values = tempfile::NamedTempFile::new().expect("values file");
+    std::fs::write(
+        values.path(),
+        format!(
+            "apiServer: {{host: {}, port: {}}}\nagent:\n  kubeletRestart: {{enabled: true, rootDir: {}}}\n",
+            node.pod_apiserver.0,
+            node.pod_apiserver.1,
+            node.kubelet_root.display()
+        ),
+    )
+    .expect("write values");
+    let values = values.path().to_str().expect("utf-8 path");
+    let previous = "localhost/previous/";
+    node.run(
+        &node.helm,
+        &[
+            "install",
+            "hugepool",
+            previous_chart.to_str().expect("utf-8 path"),
+            "--namespace",
+            NAMESPACE,
+            "--create-namespace",
+            "-f",
+            values,
+            "--set",
+            "operator.image.repository=localhost/previous/hugepool-operator",
+            "--set",
+            "agent.image.repository=localhost/previous/hugepool-agent",
+            "--set",
+            &format!("operator.image.tag={tag},agent.image.tag={tag}"),
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
+    );
+    node.wait_rolled_to(&client, previous).await;
+    node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
+    node.apply(
+        r#"
+apiVersion: hugepool.dev/v1alpha1
+kind: HugePagePool
+metadata: {name: consumers-2mi}
+spec:
+  nodeSelector: {matchLabels: {hugepool.dev/demo: "true"}}
+  pageSize: 2Mi
+  pages: 32
+  drain: {policy: IfNeeded, timeout: 2m}
+  kubelet: {restart: AfterResize}
+  deletionPolicy: Release
+"#,
+    );
+    node.wait_available("consumers-2mi");
+    node.start_holder("holder", 8);
+    node.wait_in_use(32, 8).await;
+    let before = node.untouched(&client).await;
+    assert_eq!(
+        before.kernel,
+        (32, 24),
+        "the previous version's pool, 8 pages held"
+    );
+    assert_eq!(before.holder.1, "Running", "{before:?}");
+    let events = disruptive_events(&client).await;
+
+    let chart = repo().join("charts").join("hugepool");
+    let crds = chart.join("crds");
+    for (step, repository) in [("upgrade", "ghcr.io/hugepool-dev/"), ("rollback", previous)] {
+        let (old_pods, old_leader) = node.hugepool_pods(&client).await;
+        let pool = PoolSampler::start();
+        let locks = LockSampler::start(&node.root.join("run/hugepool/agent.lock"));
+        if step == "upgrade" {
+            // As docs/operations.md "Upgrade" says: the CRDs first, then
+            // the chart with the same values file.
+            node.kubectl(&[
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "-f",
+                crds.to_str().expect("utf-8 path"),
+            ]);
+            node.run(
+                &node.helm,
+                &[
+                    "upgrade",
+                    "hugepool",
+                    chart.to_str().expect("utf-8 path"),
+                    "--namespace",
+                    NAMESPACE,
+                    "-f",
+                    values,
+                    "--wait",
+                    "--timeout",
+                    "5m",
+                ],
+            );
+        } else {
+            node.run(
+                &node.helm,
+                &[
+                    "rollback",
+                    "hugepool",
+                    "1",
+                    "--namespace",
+                    NAMESPACE,
+                    "--wait",
+                    "--timeout",
+                    "5m",
+                ],
+            );
+        }
+        let new_pods = node.wait_rolled_to(&client, repository).await;
+        node.wait_available("consumers-2mi");
+        let after = node.untouched(&client).await;
+        let pool = pool.stop();
+        let locks = locks.stop();
+        eprintln!("{step}: pods {old_pods:?} (Lease {old_leader}) -> {new_pods:?}");
+
+        assert!(
+            old_pods.iter().all(|(name, _)| !new_pods.contains(name)),
+            "{step} replaced every pod: {old_pods:?} -> {new_pods:?}"
+        );
+        assert_eq!(pool, [32], "{step}: the kernel's 2Mi pool never moved");
+        assert_eq!(
+            after, before,
+            "{step}: the holder, the kubelet, the pool and the node as they were"
+        );
+        assert_eq!(
+            disruptive_events(&client).await,
+            events,
+            "{step}: no resize, eviction, drain or kubelet restart"
+        );
+        for (alive, holders) in &locks {
+            assert!(
+                holders.len() <= 1,
+                "{step}: one writer-lock holder at a time: {holders:?}"
+            );
+            assert!(
+                alive.len() < 2 || holders.len() == 1 && alive.contains(&holders[0]),
+                "{step}: two agents alive ({alive:?}) while the lock holders were {holders:?}"
+            );
+        }
+    }
+    let history = node.run(
+        &node.helm,
+        &[
+            "history",
+            "hugepool",
+            "--namespace",
+            NAMESPACE,
+            "-o",
+            "json",
+        ],
+    );
+    assert!(
+        history.contains(r#""revision":3"#) && history.contains("Rollback to 1"),
+        "install, upgrade, rollback: {history}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
