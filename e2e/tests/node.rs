@@ -173,6 +173,19 @@ impl Node {
         self.run(&hugepool_e2e::kubectl_path(), args)
     }
 
+    /// `ctr` on the node's containerd, in the kubelet's namespace.
+    fn ctr(&self, args: &[&str]) -> String {
+        let socket = self.cp.dir.join("node").join("containerd.sock");
+        let mut all = vec![
+            "--address",
+            socket.to_str().expect("utf-8 path"),
+            "--namespace",
+            "k8s.io",
+        ];
+        all.extend_from_slice(args);
+        self.run(&hugepool_e2e::controlplane_bin_dir().join("ctr"), &all)
+    }
+
     fn helm_install(&self) -> String {
         self.helm_install_with(&[])
     }
@@ -1026,24 +1039,11 @@ async fn helm_upgrade_replaces_agent_and_operator_with_one_writer_at_a_time() {
     node.with_pool(32, "2m").await;
 
     // The new version's images: the same archives under another tag.
-    let socket = node.cp.dir.join("node").join("containerd.sock");
     let version = env!("CARGO_PKG_VERSION");
     for image in ["hugepool-operator", "hugepool-agent"] {
         let from = format!("ghcr.io/hugepool-dev/{image}:{version}");
         let to = format!("ghcr.io/hugepool-dev/{image}:upgrade");
-        node.run(
-            &hugepool_e2e::controlplane_bin_dir().join("ctr"),
-            &[
-                "--address",
-                socket.to_str().unwrap(),
-                "--namespace",
-                "k8s.io",
-                "images",
-                "tag",
-                &from,
-                &to,
-            ],
-        );
+        node.ctr(&["images", "tag", &from, &to]);
     }
 
     // Through the upgrade, sample the agent processes and the holders of
@@ -1131,16 +1131,7 @@ async fn helm_upgrade_replaces_agent_and_operator_with_one_writer_at_a_time() {
     .await;
     lease_watch.abort();
     let samples = sampler.stop();
-    for (alive, holders) in &samples {
-        assert!(
-            holders.len() <= 1,
-            "one writer-lock holder at a time: {holders:?}"
-        );
-        assert!(
-            alive.len() < 2 || holders.len() == 1 && alive.contains(&holders[0]),
-            "two agents alive ({alive:?}) while the lock holders were {holders:?}"
-        );
-    }
+    assert_one_writer("helm upgrade", &samples);
     let overlapped = samples.iter().filter(|(alive, _)| alive.len() > 1).count();
     eprintln!(
         "{overlapped} of {} samples saw two agent processes at once",
@@ -1176,6 +1167,21 @@ async fn helm_upgrade_replaces_agent_and_operator_with_one_writer_at_a_time() {
         32,
         "the pool stayed at target through the upgrade"
     );
+}
+
+/// Over `samples` of [`LockSampler`] taken through `step`: never two holders
+/// of the writer lock, and while two agents were alive, one of them held it.
+fn assert_one_writer(step: &str, samples: &[(Vec<u32>, Vec<u32>)]) {
+    for (alive, holders) in samples {
+        assert!(
+            holders.len() <= 1,
+            "{step}: one writer-lock holder at a time: {holders:?}"
+        );
+        assert!(
+            alive.len() < 2 || holders.len() == 1 && alive.contains(&holders[0]),
+            "{step}: two agents alive ({alive:?}) while the lock holders were {holders:?}"
+        );
+    }
 }
 
 /// Samples, every few milliseconds, the PIDs of the agent processes on this
@@ -1468,20 +1474,8 @@ async fn helm_upgrade_and_rollback_from_the_previous_version_keep_pages_pods_and
         return;
     };
     let client = node.client().await;
-    let socket = node.cp.dir.join("node").join("containerd.sock");
     for archive in &archives {
-        node.run(
-            &hugepool_e2e::controlplane_bin_dir().join("ctr"),
-            &[
-                "--address",
-                socket.to_str().unwrap(),
-                "--namespace",
-                "k8s.io",
-                "images",
-                "import",
-                archive.to_str().unwrap(),
-            ],
-        );
+        node.ctr(&["images", "import", archive.to_str().expect("utf-8 path")]);
     }
 
     // The previous version, installed as a user would, with a values file
@@ -1616,16 +1610,7 @@ spec:
             events,
             "{step}: no resize, eviction, drain or kubelet restart"
         );
-        for (alive, holders) in &locks {
-            assert!(
-                holders.len() <= 1,
-                "{step}: one writer-lock holder at a time: {holders:?}"
-            );
-            assert!(
-                alive.len() < 2 || holders.len() == 1 && alive.contains(&holders[0]),
-                "{step}: two agents alive ({alive:?}) while the lock holders were {holders:?}"
-            );
-        }
+        assert_one_writer(step, &locks);
     }
     let history = node.run(
         &node.helm,
