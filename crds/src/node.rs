@@ -6,7 +6,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::settings::{AllocationSettings, KubeletRestart, NumaTarget, ResizeSettings};
+use crate::settings::{
+    AllocationSettings, Consumption, KubeletRestart, NumaTarget, ResizeSettings,
+};
 
 // Each printcolumn(...) names its own type_; clippy reads them as one list.
 #[allow(clippy::duplicated_attributes)]
@@ -81,6 +83,9 @@ pub struct PageSizeTarget {
     pub allocation: AllocationSettings,
     #[serde(default)]
     pub kubelet_restart: KubeletRestart,
+    /// How pods take the pages, copied from the pool; absent is Kubelet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumption: Option<Consumption>,
 }
 
 impl PageSizeTarget {
@@ -96,7 +101,14 @@ impl PageSizeTarget {
             resize: ResizeSettings::default(),
             allocation: AllocationSettings::default(),
             kubelet_restart: KubeletRestart::default(),
+            consumption: None,
         }
+    }
+
+    /// Whether pods take these pages through ResourceClaims (the agent's
+    /// ResourceSlice) rather than the kubelet's `hugepages-<size>`.
+    pub fn by_claims(&self) -> bool {
+        self.consumption == Some(Consumption::DynamicResourceAllocation)
     }
 
     /// Whether `reported` (what the kernel holds of this size) is this

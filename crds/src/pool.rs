@@ -7,8 +7,8 @@ use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 use crate::settings::{
-    AllocationSettings, DeletionPolicy, DrainPolicy, KubeletRestart, NumaPolicy, NumaTarget,
-    ResizeSettings,
+    AllocationSettings, Consumption, DeletionPolicy, DrainPolicy, KubeletRestart, NumaPolicy,
+    NumaTarget, ResizeSettings,
 };
 
 /// Schema pattern of a page size: a power of two in canonical binary form.
@@ -72,6 +72,8 @@ fn selector_requirements(schema: &mut schemars::Schema) {
 /// What the pool holds on each selected node and how the change rolls out.
 #[x_kube(validation = Rule::new("!has(self.memory) || quantity(self.memory).asInteger() % quantity(self.pageSize).asInteger() == 0").message("memory must be a multiple of pageSize").field_path(".memory"))]
 #[x_kube(validation = Rule::new("!has(self.numa) || self.numa.policy != 'Explicit' || !has(self.pages) || self.numa.nodes.map(n, n.pages).sum() == self.pages").message("numa.nodes pages must add up to pages").field_path(".numa.nodes"))]
+#[x_kube(validation = Rule::new("!has(self.consumption) || self.consumption != 'DynamicResourceAllocation' || !has(self.kubelet) || !has(self.kubelet.restart) || self.kubelet.restart != 'AfterResize'").message("kubelet.restart AfterResize cannot be set with consumption DynamicResourceAllocation: pods take its pages through ResourceClaims, which need no kubelet restart").field_path(".kubelet.restart"))]
+#[x_kube(validation = Rule::new("has(self.consumption) == has(oldSelf.consumption) && (!has(self.consumption) || self.consumption == oldSelf.consumption)").message("consumption is immutable: create another pool to change how pods take the pages").field_path(".consumption"))]
 pub struct HugePagePoolSpec {
     /// Nodes this pool applies to; `{}` selects every node.
     #[serde(default)]
@@ -108,6 +110,11 @@ pub struct HugePagePoolSpec {
     pub kubelet: KubeletSpec,
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+    /// How pods take the pages: Kubelet (absent; `hugepages-<size>`
+    /// requests) or DynamicResourceAllocation (ResourceClaims, with no
+    /// kubelet restart). Immutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumption: Option<Consumption>,
 }
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]

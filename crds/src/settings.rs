@@ -128,6 +128,23 @@ pub enum KubeletRestart {
     AfterResize,
 }
 
+/// How pods take a pool's pages.
+#[derive(
+    schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq,
+)]
+pub enum Consumption {
+    /// `hugepages-<size>` requests, against what the kubelet advertises. The
+    /// kubelet reads the pool when it starts, so a grow reaches pods after a
+    /// kubelet restart (`kubelet.restart`).
+    #[default]
+    Kubelet,
+    /// ResourceClaims on the agent's ResourceSlice (driver
+    /// `hugepages.hugepool.dev`): consumable capacity that follows every
+    /// resize, so a grow is usable at once, with no kubelet restart
+    /// (Kubernetes 1.36 or later).
+    DynamicResourceAllocation,
+}
+
 /// What happens to the pages when a pool is deleted or a node leaves it.
 #[derive(
     schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq,

@@ -56,6 +56,7 @@ func runUp(args []string) error {
 	fs.Var(&apiExtra, "apiserver-arg", "extra kube-apiserver flag, e.g. --apiserver-arg=--v=4 (repeatable)")
 	fs.Var(&kcmExtra, "controller-manager-arg", "extra kube-controller-manager flag (repeatable)")
 	withNode := fs.Bool("node", false, "also run a kubelet and containerd on this machine (root), with kube-scheduler")
+	withScheduler := fs.Bool("scheduler", false, "also run kube-scheduler (--node does), to schedule pods on Nodes a test writes")
 	nodeName := fs.String("node-name", defaultNodeName(), "the Node's name (--node)")
 	memoryManager := fs.String("memory-manager", "None", "the kubelet's memoryManagerPolicy, None or Static (Static adds the Topology Manager, single-numa-node) (--node)")
 	images := fs.String("images", "", "import every *.tar OCI archive in this directory into the node's containerd (--node)")
@@ -190,6 +191,18 @@ func runUp(args []string) error {
 	}
 	phase("default ServiceAccount exists")
 
+	startScheduler := func() error {
+		if err := p.writeKubeconfig(filepath.Join(dir, "scheduler.kubeconfig"), apiURL, schedName); err != nil {
+			return err
+		}
+		schedHealth := fmt.Sprintf("https://127.0.0.1:%d/healthz", pt.Scheduler)
+		if err := startAndWait("scheduler", schedulerArgs(dir, pt), httpCheck(caOnly, schedHealth, "ok")); err != nil {
+			return err
+		}
+		phase("scheduler healthy on %s", schedHealth)
+		return nil
+	}
+
 	var n *node
 	if *withNode {
 		if *memoryManager != "None" && *memoryManager != "Static" {
@@ -203,15 +216,14 @@ func runUp(args []string) error {
 		defer unlockNode()
 		// Stopped before the control plane, after the kubelet: see node.stop.
 		defer n.stop(phase)
-		if err := p.writeKubeconfig(filepath.Join(dir, "scheduler.kubeconfig"), apiURL, schedName); err != nil {
+		if err := startScheduler(); err != nil {
 			return err
 		}
-		schedHealth := fmt.Sprintf("https://127.0.0.1:%d/healthz", pt.Scheduler)
-		if err := startAndWait("scheduler", schedulerArgs(dir, pt), httpCheck(caOnly, schedHealth, "ok")); err != nil {
-			return err
-		}
-		phase("scheduler healthy on %s", schedHealth)
 		if err := n.start(ctx, phase); err != nil {
+			return err
+		}
+	} else if *withScheduler {
+		if err := startScheduler(); err != nil {
 			return err
 		}
 	}

@@ -175,6 +175,11 @@ impl OwnedControlPlane {
         Self::start_with(dir, Vec::new())
     }
 
+    /// `controlplane up` with more flags (`--scheduler`).
+    pub fn start_with_args(dir: &Path, extra: &[&str]) -> Result<Self, E2eError> {
+        Self::start_with(dir, extra.iter().map(std::ffi::OsString::from).collect())
+    }
+
     /// `controlplane up --node`: also a real kubelet and containerd on this
     /// machine (root), with the OCI archives in `images` imported.
     pub fn start_with_node(dir: &Path, images: &Path) -> Result<Self, E2eError> {

@@ -97,6 +97,9 @@ async fn minimal_pool_gets_every_default_from_the_server() {
     assert_eq!(spec.deletion_policy, DeletionPolicy::Retain);
     assert_eq!(spec.node_selector, Default::default());
     assert!(spec.numa.is_none());
+    // No default is stored: pools written before the field read back as
+    // they were (absent is Kubelet).
+    assert_eq!(spec.consumption, None);
     delete_pool(&env.client, &name).await;
 }
 
@@ -387,6 +390,18 @@ fn invalid_pools() -> Vec<(&'static str, Value, &'static str)> {
             base(json!({"resize": {"budget": "1s"}})),
             "spec.resize.budget",
         ),
+        (
+            "a kubelet restart for a pool consumed through DRA",
+            base(
+                json!({"consumption": "DynamicResourceAllocation", "kubelet": {"restart": "AfterResize"}}),
+            ),
+            "kubelet.restart AfterResize cannot be set with consumption DynamicResourceAllocation",
+        ),
+        (
+            "an unknown consumption",
+            base(json!({"consumption": "Claims"})),
+            "spec.consumption",
+        ),
     ]
 }
 
@@ -544,6 +559,46 @@ async fn page_size_cannot_change_after_creation() {
         .await
         .unwrap();
     assert_eq!(pool.spec.pages, Some(8));
+    delete_pool(&env.client, &name).await;
+}
+
+/// How pods take a pool's pages is fixed when it is created, in both
+/// directions (set, changed, or removed).
+#[tokio::test]
+async fn consumption_cannot_change_after_creation() {
+    let Some(env) = setup().await else { return };
+    let name = unique_name("consumption");
+    let dra = json!({"pageSize": "2Mi", "pages": 4, "consumption": "DynamicResourceAllocation"});
+    let pool = apply_pool(&env.client, &name, dra.clone()).await.unwrap();
+    assert_eq!(
+        pool.spec.consumption,
+        Some(hugepool_crds::settings::Consumption::DynamicResourceAllocation)
+    );
+    for changed in [
+        json!({"pageSize": "2Mi", "pages": 4, "consumption": "Kubelet"}),
+        json!({"pageSize": "2Mi", "pages": 4}),
+    ] {
+        let message = api_message(apply_pool(&env.client, &name, changed).await.unwrap_err());
+        assert!(
+            message.contains("spec.consumption") && message.contains("immutable"),
+            "{message}"
+        );
+    }
+    let grown = apply_pool(
+        &env.client,
+        &name,
+        json!({"pageSize": "2Mi", "pages": 8, "consumption": "DynamicResourceAllocation"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(grown.spec.pages, Some(8));
+    delete_pool(&env.client, &name).await;
+    let name = unique_name("consumption");
+    apply_pool(&env.client, &name, json!({"pageSize": "2Mi", "pages": 4}))
+        .await
+        .unwrap();
+    let message = api_message(apply_pool(&env.client, &name, dra).await.unwrap_err());
+    assert!(message.contains("immutable"), "{message}");
     delete_pool(&env.client, &name).await;
 }
 
@@ -869,6 +924,7 @@ async fn kubectl_get_prints_the_printer_columns() {
                 resize: Default::default(),
                 allocation: Default::default(),
                 kubelet_restart: KubeletRestart::Never,
+                consumption: None,
             }],
         },
     );

@@ -213,6 +213,12 @@ pub struct RunArgs {
     /// say what the node's pods request (default: `<sys-root>/fs/cgroup`).
     #[arg(long, value_name = "PATH", env = "HUGEPOOL_CGROUP_ROOT")]
     pub cgroup_root: Option<PathBuf>,
+    /// Publish the node's ResourceSlice (driver hugepages.hugepool.dev) for
+    /// pools consumed through Dynamic Resource Allocation, and delete it
+    /// when there are none (the chart: dra.enabled; Kubernetes 1.36 or
+    /// later). Without it such pools are sized but not claimable.
+    #[arg(long, env = "HUGEPOOL_RESOURCE_SLICES")]
+    pub resource_slices: bool,
 }
 
 impl RunArgs {
@@ -233,6 +239,7 @@ impl RunArgs {
         config.kmsg_path = (!self.no_kmsg).then(|| kernel.kmsg.clone());
         config.model_file = self.model_file.clone();
         config.boot_file = self.boot_file.clone();
+        config.resource_slices = self.resource_slices;
         config.pod_cgroups = Some(
             self.cgroup_root
                 .clone()

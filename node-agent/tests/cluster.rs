@@ -9,10 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use hugepool_agent::agent::slice::{DRIVER, resource_slices, slice_name};
 use hugepool_agent::kernel::Kernel;
 use hugepool_crds::conditions::{NodeConditionType, find_condition};
 use hugepool_crds::node::PageSizeTarget;
-use hugepool_crds::settings::{AllocationSettings, KubeletRestart, ResizeSettings};
+use hugepool_crds::settings::{AllocationSettings, Consumption, KubeletRestart, ResizeSettings};
 use hugepool_crds::{HugePageNode, OPERATOR_MANAGER, PageSize};
 use hugepool_e2e::{OwnedControlPlane, free_port, install_crds, setup, unique_name};
 use k8s_openapi::api::core::v1::Node;
@@ -130,6 +131,7 @@ fn entry(pages: i64) -> PageSizeTarget {
         },
         allocation: AllocationSettings::default(),
         kubelet_restart: KubeletRestart::Never,
+        consumption: None,
     }
 }
 
@@ -1513,5 +1515,340 @@ async fn a_kernel_reported_lockup_during_a_resize_sets_stalled_and_raises_an_eve
     wait_for_event(&env.client, &name, "ResizeFinished").await;
     drop(agent);
     cleanup(&env.client, &name).await;
+    drop(real);
+}
+
+/// The slice's devices as (name, capacity in bytes), and its pool
+/// generation; `None` while there is no slice.
+async fn slice_devices(
+    slices: &Api<kube::api::DynamicObject>,
+    node: &str,
+) -> Option<(Vec<(String, u64)>, i64)> {
+    let slice = slices.get_opt(&slice_name(node)).await.ok()??;
+    let spec = &slice.data["spec"];
+    let devices = spec["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            let bytes = d["capacity"]["memory"]["value"]
+                .as_str()
+                .and_then(|q| hugepool_crds::quantity::parse_bytes(q).ok())
+                .unwrap_or(u64::MAX);
+            (d["name"].as_str().unwrap_or_default().to_string(), bytes)
+        })
+        .collect();
+    Some((devices, spec["pool"]["generation"].as_i64().unwrap_or(0)))
+}
+
+/// Waits until the node's slice holds exactly `want` (no slice: `None`);
+/// returns its pool generation.
+async fn wait_for_slice(
+    slices: &Api<kube::api::DynamicObject>,
+    node: &str,
+    agent: &AgentProcess,
+    want: Option<&[(&str, u64)]>,
+) -> i64 {
+    let want: Option<Vec<(String, u64)>> =
+        want.map(|w| w.iter().map(|(n, b)| (n.to_string(), *b)).collect());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let seen = slice_devices(slices, node).await;
+        if seen.as_ref().map(|(d, _)| d) == want.as_ref() {
+            return seen.map_or(0, |(_, g)| g);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the slice is {seen:?}, not {want:?} within 60s\nagent log:\n{}",
+            agent.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A claim for `memory` of 2Mi pages, and a pod that uses it (tolerating
+/// every taint: the Node has no kubelet).
+async fn claim_and_pod(client: &Client, name: &str, memory: &str) {
+    let claims: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(client.clone(), "default", &resource_claims());
+    let claim: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "pages", "exactly": {
+            "deviceClassName": "hugepages-2mi.hugepool.dev",
+            "capacity": {"requests": {"memory": memory}},
+        }}]}},
+    }))
+    .unwrap();
+    claims
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("create ResourceClaim");
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "resourceClaims": [{"name": "pages", "resourceClaimName": name}],
+            "containers": [{"name": "c", "image": "pause", "resources": {"claims": [{"name": "pages"}]}}],
+            "tolerations": [{"operator": "Exists"}],
+        },
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("create Pod");
+}
+
+/// The claim's allocation: (device, consumed memory in bytes), once the
+/// scheduler made one.
+async fn allocation(client: &Client, claim: &str) -> Option<(String, u64)> {
+    let claims: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(client.clone(), "default", &resource_claims());
+    let object = claims.get(claim).await.ok()?;
+    let result = &object.data["status"]["allocation"]["devices"]["results"][0];
+    let consumed = result["consumedCapacity"]["memory"]
+        .as_str()
+        .and_then(|q| hugepool_crds::quantity::parse_bytes(q).ok())?;
+    Some((result["device"].as_str()?.to_string(), consumed))
+}
+
+async fn wait_scheduled(client: &Client, pod: &str, node: &str) -> (String, u64) {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let bound = pods
+            .get(pod)
+            .await
+            .ok()
+            .and_then(|p| p.spec?.node_name)
+            .is_some_and(|n| n == node);
+        if bound && let Some(allocated) = allocation(client, pod).await {
+            return allocated;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pod} not scheduled on {node} within 120s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until the scheduler has said why `pod` does not fit.
+async fn wait_unschedulable(client: &Client, pod: &str) -> String {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let object = pods.get(pod).await.expect("get pod");
+        let refused = object
+            .status
+            .and_then(|s| s.conditions)
+            .into_iter()
+            .flatten()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False");
+        if let Some(condition) = refused {
+            assert_eq!(condition.reason.as_deref(), Some("Unschedulable"));
+            return condition.message.unwrap_or_default();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pod}: no scheduling verdict within 120s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn resource_claims() -> kube::api::ApiResource {
+    kube::api::ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceClaim"),
+        "resourceclaims",
+    )
+}
+
+/// A pool consumed through DRA on a control plane with kube-scheduler (the
+/// Node is written by the test, no kubelet): the agent publishes the pages
+/// the kubelet does not advertise, per NUMA node, as consumable capacity;
+/// the real scheduler allocates claims from it; a grow is claimable within
+/// seconds with no kubelet restart and no KubeletCapacityStale; a kubelet
+/// that advertises the pool takes it out of the slice; a pool no longer
+/// consumed through DRA deletes the slice.
+#[tokio::test]
+async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize() {
+    let Some(_shared) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let dir = std::env::temp_dir().join(unique_name("dra"));
+    let own = OwnedControlPlane::start_with_args(&dir, &["--scheduler"])
+        .expect("a private control plane with kube-scheduler");
+    let client = own.control_plane.client().await.expect("client");
+    install_crds(client.clone()).await.expect("CRDs");
+    let version = client.apiserver_version().await.expect("version");
+    let minor: u32 = version.minor.trim_end_matches('+').parse().unwrap_or(0);
+
+    let name = unique_name("agent-dra");
+    let dra = |pages| PageSizeTarget {
+        consumption: Some(Consumption::DynamicResourceAllocation),
+        ..entry(pages)
+    };
+    // The kubelet started when the pool held 10 pages: it advertises those.
+    create_node(&client, &name, "20Mi", vec![dra(32)]).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let schedulable = json!({"status": {
+        "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110"},
+        "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110", "hugepages-2Mi": "20Mi"},
+    }});
+    nodes
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&schedulable))
+        .await
+        .expect("make the Node schedulable");
+    let agent = AgentProcess::start(&own.control_plane.kubeconfig, &name, &["--resource-slices"]);
+    wait_for(
+        &client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "convergence at 32",
+        |o| converged_at(o, 32),
+    )
+    .await;
+    assert_eq!(sysfs("nr_hugepages"), 32);
+
+    if minor < 36 {
+        // Before 1.36 no consumable capacity: the pool is sized, and the
+        // slice writes fail where the metric shows them.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while agent
+            .metric(r#"hugepool_resource_slice_writes_total{result="error"}"#)
+            .unwrap_or(0.0)
+            < 1.0
+        {
+            assert!(
+                Instant::now() < deadline,
+                "no failed slice write on 1.{minor}:\n{}",
+                agent.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        drop(agent);
+        cleanup(&client, &name).await;
+        drop(real);
+        return;
+    }
+
+    let slices: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &resource_slices());
+    let device = "hugepages-2mi-numa0";
+    let first = wait_for_slice(&slices, &name, &agent, Some(&[(device, 22 * MI2.bytes())])).await;
+    let slice = slices.get(&slice_name(&name)).await.unwrap();
+    assert_eq!(slice.data["spec"]["driver"], DRIVER);
+    assert_eq!(slice.data["spec"]["nodeName"], name.as_str());
+    let node_uid = nodes.get(&name).await.unwrap().metadata.uid;
+    assert_eq!(
+        slice.metadata.owner_references.unwrap()[0].uid,
+        node_uid.unwrap(),
+        "the slice goes with its Node"
+    );
+    assert_eq!(
+        agent.metric(r#"hugepool_claimable_pages{size="2Mi",numa="0"}"#),
+        Some(22.0)
+    );
+    let object = Api::<HugePageNode>::all(client.clone())
+        .get(&name)
+        .await
+        .unwrap();
+    let stale = object
+        .status
+        .as_ref()
+        .and_then(|s| find_condition(&s.conditions, NodeConditionType::KubeletCapacityStale));
+    assert!(
+        stale.is_none_or(|c| c.status == "False"),
+        "the kubelet is not meant to advertise a DRA pool: {stale:?}"
+    );
+
+    // The DeviceClass the chart installs for 2Mi pages.
+    let classes: Api<kube::api::DynamicObject> = Api::all_with(
+        client.clone(),
+        &kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "DeviceClass"),
+            "deviceclasses",
+        ),
+    );
+    let class = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": "hugepages-2mi.hugepool.dev"},
+        "spec": {"selectors": [{"cel": {"expression":
+            "device.driver == 'hugepages.hugepool.dev' && device.attributes['hugepages.hugepool.dev'].pageSize == '2Mi'"}}]},
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &class)
+        .await
+        .expect("create DeviceClass");
+
+    // 20 of the 22 claimable pages: allocated on the node's device.
+    claim_and_pod(&client, "first", "40Mi").await;
+    assert_eq!(
+        wait_scheduled(&client, "first", &name).await,
+        (device.to_string(), 40 << 20)
+    );
+    // 10 more do not fit in the 2 left ...
+    claim_and_pod(&client, "second", "20Mi").await;
+    let why = wait_unschedulable(&client, "second").await;
+    assert!(!why.is_empty());
+    assert!(allocation(&client, "second").await.is_none());
+
+    // ... until the pool grows, with no kubelet restart: the slice follows
+    // at once (a newer pool generation) and the scheduler places the claim.
+    apply_spec(&client, &name, vec![dra(64)]).await;
+    let grown = wait_for_slice(&slices, &name, &agent, Some(&[(device, 54 * MI2.bytes())])).await;
+    assert!(grown > first, "generation {grown} after {first}");
+    assert_eq!(
+        wait_scheduled(&client, "second", &name).await,
+        (device.to_string(), 20 << 20)
+    );
+    assert_eq!(sysfs("nr_hugepages"), 64);
+
+    // A kubelet that restarted and advertises the whole pool has it: the
+    // device goes, nothing is counted twice.
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let claims: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(client.clone(), "default", &resource_claims());
+    for pod in ["first", "second"] {
+        pods.delete(pod, &DeleteParams::default().grace_period(0))
+            .await
+            .expect("delete pod");
+        claims
+            .delete(pod, &DeleteParams::default())
+            .await
+            .expect("delete claim");
+    }
+    set_capacity(&client, &name, "128Mi").await;
+    wait_for_slice(&slices, &name, &agent, Some(&[])).await;
+
+    // Consumed through the kubelet again (a new pool, as consumption is
+    // immutable on a pool): no slice.
+    apply_spec(&client, &name, vec![entry(0)]).await;
+    wait_for_slice(&slices, &name, &agent, None).await;
+    assert!(
+        agent
+            .metric(r#"hugepool_resource_slice_writes_total{result="ok"}"#)
+            .unwrap_or(0.0)
+            >= 4.0
+    );
+    wait_for(
+        &client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "convergence at 0",
+        |o| converged_at(o, 0),
+    )
+    .await;
+    drop(agent);
+    cleanup(&client, &name).await;
     drop(real);
 }

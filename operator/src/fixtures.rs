@@ -42,6 +42,7 @@ pub fn pool(name: &str, created: i64, label: &str, size: &str, pages: i64) -> Hu
             drain: Default::default(),
             kubelet: Default::default(),
             deletion_policy: Default::default(),
+            consumption: None,
         },
     );
     pool.metadata.creation_timestamp = Some(Time(at(created)));
@@ -203,6 +204,7 @@ impl EntryForTest for HugePagePool {
             resize: self.spec.resize.clone(),
             allocation: self.spec.allocation.clone(),
             kubelet_restart: self.spec.kubelet.restart,
+            consumption: self.spec.consumption,
         }
     }
 }

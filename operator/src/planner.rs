@@ -177,6 +177,7 @@ impl<'a> PoolRules<'a> {
             resize: spec.resize.clone(),
             allocation: spec.allocation.clone(),
             kubelet_restart: spec.kubelet.restart,
+            consumption: spec.consumption,
         }
     }
 
@@ -692,7 +693,10 @@ fn classify(
     };
     member.desired = Some(desired.clone());
     if matches!(want, Want::Active(_)) && member.state == NodeState::Converged {
-        member.capacity_stale = kubelet_capacity_stale(node, pool.size, desired.pages);
+        // Pods claim a DRA pool's pages from the agent's ResourceSlice; the
+        // kubelet is not meant to advertise them.
+        member.capacity_stale =
+            !desired.by_claims() && kubelet_capacity_stale(node, pool.size, desired.pages);
     }
     if matches!(want, Want::Release(_))
         && held.is_some_and(|e| e.pages == 0)

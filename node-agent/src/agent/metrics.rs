@@ -113,6 +113,32 @@ pub struct NumaObtainableLabels {
     pub when: Obtainable,
 }
 
+/// How a ResourceSlice write ended.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum WriteResult {
+    ok,
+    error,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: WriteResult,
+}
+
+impl ResultLabels {
+    pub fn ok() -> Self {
+        Self {
+            result: WriteResult::ok,
+        }
+    }
+    pub fn error() -> Self {
+        Self {
+            result: WriteResult::error,
+        }
+    }
+}
+
 fn step_histogram() -> Histogram {
     // 1 ms .. ~16 s: covers a 2Mi step under budget and a stalled 1Gi write.
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
@@ -157,6 +183,11 @@ pub struct Metrics {
     pub numa_obtainable_pages: Family<NumaObtainableLabels, Gauge>,
     /// 1 while /proc/buddyinfo and /proc/pagetypeinfo read, else 0.
     pub free_lists_readable: Gauge,
+    /// Pages published as claimable in the node's ResourceSlice, by size and
+    /// NUMA node.
+    pub claimable_pages: Family<NumaLabels, Gauge>,
+    /// ResourceSlice writes (apply or delete) by result.
+    pub slice_writes: Family<ResultLabels, Counter>,
 }
 
 impl Metrics {
@@ -182,6 +213,8 @@ impl Metrics {
             obtainable_pages: Family::default(),
             numa_obtainable_pages: Family::default(),
             free_lists_readable: Gauge::default(),
+            claimable_pages: Family::default(),
+            slice_writes: Family::default(),
         };
         // At 0 from the start: increase() over a series born at 1 is 0, so
         // a node's first stall would never fire HugepoolResizeStalled.
@@ -303,7 +336,32 @@ impl Metrics {
             "1 while the agent reads /proc/buddyinfo and /proc/pagetypeinfo (what a grow can get), else 0",
             metrics.free_lists_readable.clone(),
         );
+        prefix.register(
+            "claimable_pages",
+            "Huge pages of a size on one NUMA node published in the node's ResourceSlice for ResourceClaims \
+             (pools with consumption DynamicResourceAllocation: the node's pages the kubelet does not advertise)",
+            metrics.claimable_pages.clone(),
+        );
+        prefix.register(
+            "resource_slice_writes",
+            "Writes of the node's ResourceSlice (apply or delete) by result (ok, error)",
+            metrics.slice_writes.clone(),
+        );
         metrics
+    }
+
+    /// Publishes the claimable pages of the node's ResourceSlice as
+    /// desired, dropping devices that went.
+    pub fn set_claimable(&self, devices: &[super::slice::Device]) {
+        self.claimable_pages.clear();
+        for device in devices {
+            self.claimable_pages
+                .get_or_create(&NumaLabels {
+                    size: device.size.to_string(),
+                    numa: device.numa.to_string(),
+                })
+                .set(gauge(device.pages));
+        }
     }
 
     /// Publishes what a grow can get, per size and NUMA node (`None`: the

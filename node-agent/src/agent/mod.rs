@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod pods;
 mod resize_loop;
 pub mod server;
+pub mod slice;
 pub mod snapshot;
 pub mod status;
 mod status_writer;
@@ -96,6 +97,8 @@ pub struct AgentConfig {
     pub pod_cgroups: Option<PathBuf>,
     /// How often the pod cgroups are read.
     pub pod_cgroups_interval: Duration,
+    /// Publish the node's ResourceSlice (slice.rs).
+    pub resource_slices: bool,
 }
 
 impl AgentConfig {
@@ -117,6 +120,7 @@ impl AgentConfig {
             boot_file: None,
             pod_cgroups: None,
             pod_cgroups_interval: Duration::from_secs(5),
+            resource_slices: false,
         }
     }
 }
@@ -137,6 +141,9 @@ pub struct Shared {
     pub reports: AtomicU64,
     /// The resize loop's heartbeat, which `/healthz` reports.
     pub liveness: Arc<liveness::Liveness>,
+    /// What the node's ResourceSlice should hold, as the status writer last
+    /// read the kernel (slice.rs publishes it).
+    slice: watch::Sender<slice::Desired>,
 }
 
 impl Shared {
@@ -155,6 +162,7 @@ impl Shared {
             patches: AtomicU64::new(0),
             reports: AtomicU64::new(0),
             liveness: Arc::new(liveness::Liveness::new(timeout)),
+            slice: watch::Sender::new(slice::Desired::Unknown),
         })
     }
 
@@ -200,6 +208,14 @@ pub async fn run(
         config.node_name.clone(),
         Arc::clone(&shared),
     ));
+    if config.resource_slices {
+        tokio::spawn(slice::publish_slice(
+            Api::all_with(client.clone(), &slice::resource_slices()),
+            config.node_name.clone(),
+            shared.slice.subscribe(),
+            Arc::clone(&shared),
+        ));
+    }
     if let Some(root) = config.pod_cgroups.clone() {
         tokio::spawn(pods::read_pod_cgroups(
             crate::pod_cgroups::PodCgroups::new(root),

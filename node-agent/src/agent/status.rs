@@ -88,6 +88,8 @@ pub struct KubeletView {
     pub memory_manager: MemoryManagerView,
     /// The Node's Ready condition as last seen (`True (KubeletReady: ...)`).
     pub node_ready: Option<String>,
+    /// The Node's uid, which owns the node's ResourceSlice.
+    pub node_uid: Option<String>,
 }
 
 /// What the agent knows of the kubelet's Memory Manager
@@ -639,16 +641,19 @@ pub fn settle_restoring(snapshot: &KernelSnapshot, memory: &mut AgentMemory) {
         ..
     } = memory;
     restoring.retain(|size, pages| {
-        let same_target = targets
+        let target = targets
             .iter()
-            .any(|e| e.size == *size && u64::try_from(e.pages).ok() == Some(*pages));
+            .find(|e| e.size == *size && u64::try_from(e.pages).ok() == Some(*pages));
+        let same_target = target.is_some();
+        // A DRA pool's pages are claimable as soon as they are back.
+        let by_claims = target.is_some_and(|e| e.by_claims());
         let back = snapshot
             .size(*size)
             .is_some_and(|s| s.pool.persistent() == *pages && s.pool.surplus == 0);
         let reported = kubelet.capacity.as_ref().is_some_and(|capacity| {
             !hugepool_crds::kubelet::capacity_stale(capacity, *size, *pages)
         });
-        same_target && !(back && reported)
+        same_target && !(back && (reported || by_claims))
     });
 }
 
@@ -783,11 +788,14 @@ fn kernel_log_condition(state: &KernelLogState) -> ConditionUpdate {
     }
 }
 
-/// The pools kubelet should report: persistent pages of every targeted size.
+/// The pools kubelet should report: persistent pages of every targeted size
+/// that pods take through the kubelet (pods claim the pages of a DRA pool
+/// from the node's ResourceSlice, slice.rs).
 pub fn kubelet_pools(snapshot: &KernelSnapshot, memory: &AgentMemory) -> BTreeMap<PageSize, u64> {
     memory
         .targets
         .iter()
+        .filter(|entry| !entry.by_claims())
         .map(|entry| entry.size)
         .filter_map(|size| snapshot.size(size).map(|s| (size, s.pool.persistent())))
         .collect()

@@ -97,6 +97,19 @@ pub(super) async fn write_status(
             memory.clone()
         };
         update_gauges(&shared.metrics, &snapshot, &memory);
+        // Known only once the agent has read its HugePageNode: before, no
+        // target says whether a slice is wanted.
+        if memory.generation.is_some() {
+            let want = slice::desired(&snapshot, &memory.targets, memory.kubelet.capacity.as_ref());
+            if let slice::Desired::Devices(devices) = &want {
+                shared.metrics.set_claimable(devices);
+            }
+            shared.slice.send_if_modified(|current| {
+                let changed = *current != want;
+                *current = want;
+                changed
+            });
+        }
         let now = Time(jiff::Timestamp::now());
         let status = status::build(&snapshot, &memory, &mut conditions, &now);
         if let Some(path) = &config.boot_file {

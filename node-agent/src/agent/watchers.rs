@@ -73,6 +73,7 @@ pub(super) async fn watch_kubelet_capacity(api: Api<Node>, name: String, shared:
                 shared.metrics.set_node_taints(&taint_keys(&node));
                 let mut memory = shared.memory();
                 memory.kubelet.node_ready = ready;
+                memory.kubelet.node_uid = node.metadata.uid.clone();
                 if memory.kubelet.capacity.as_ref() != Some(&capacity) {
                     memory.kubelet.capacity = Some(capacity);
                     drop(memory);
