@@ -514,6 +514,11 @@ pub const CHART_EVERYTHING_ON: &[&str] = &[
     "monitoring.kubeStateMetrics.rbac.serviceAccountNamespace=monitoring",
     "--set",
     "namespace.create=true,apiServer.host=10.88.0.1,apiServer.port=6443",
+    // DRA needs 1.36 or later; helm template assumes its own client's.
+    "--set",
+    "dra.enabled=true",
+    "--kube-version",
+    "1.37.0",
 ];
 
 /// `helm template hugepool charts/hugepool -n hugepool-system EXTRA...`.

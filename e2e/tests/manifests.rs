@@ -774,6 +774,25 @@ async fn deploy_is_accepted_by_a_real_apiserver() {
             &yaml,
             "chart with kubeletRestart and kube-state-metrics",
         );
+        // DRA's DeviceClasses, RBAC and policy where the apiserver serves
+        // consumable capacity (1.36+).
+        let client = env.control_plane.client().await.expect("client");
+        let version = client.apiserver_version().await.expect("version");
+        let minor = version.minor.trim_end_matches('+');
+        if minor.parse::<u32>().unwrap_or(0) >= 36 {
+            let kube_version = format!("{}.{minor}.0", version.major);
+            let yaml = helm_template(
+                &helm,
+                &[
+                    "--set",
+                    "namespace.create=true,dra.enabled=true",
+                    "--kube-version",
+                    &kube_version,
+                ],
+            );
+            assert!(yaml.contains("kind: DeviceClass"), "{yaml}");
+            dry_run_apply(kubeconfig, &yaml, "chart with dra.enabled");
+        }
     }
 }
 
@@ -1276,6 +1295,16 @@ async fn an_agent_writes_only_its_own_nodes_status() {
     let kubeconfig = &env.control_plane.kubeconfig;
     let namespace = unique_name("vap");
     let release = unique_name("own");
+    // With DRA where the apiserver has consumable capacity (1.36+): the
+    // agent's ResourceSlice policy and RBAC too.
+    let version = client.apiserver_version().await.expect("version");
+    let minor: u32 = version.minor.trim_end_matches('+').parse().unwrap_or(0);
+    let dra = minor >= 36;
+    let kube_version = format!(
+        "{}.{}.0",
+        version.major,
+        version.minor.trim_end_matches('+')
+    );
     let rendered = Command::new(&helm)
         .current_dir(repo())
         .args([
@@ -1284,6 +1313,10 @@ async fn an_agent_writes_only_its_own_nodes_status() {
             "charts/hugepool",
             "--namespace",
             &namespace,
+            "--kube-version",
+            &kube_version,
+            "--set",
+            &format!("dra.enabled={dra}"),
         ])
         .args(["--show-only", "templates/agent-policy.yaml"])
         .args(["--show-only", "templates/rbac-agent.yaml"])
@@ -1437,6 +1470,10 @@ async fn an_agent_writes_only_its_own_nodes_status() {
         "{refused}"
     );
 
+    if dra {
+        own_resource_slices_only(&client, &agent_a, a, b).await;
+    }
+
     for name in &names {
         let _ = hpns.delete(name, &DeleteParams::default()).await;
         let _ = nodes.delete(name, &DeleteParams::default()).await;
@@ -1448,6 +1485,97 @@ async fn an_agent_writes_only_its_own_nodes_status() {
         &["delete", "namespace", &namespace, "--wait=false"],
         "",
     );
+}
+
+/// With `dra.enabled`, the agent on node `a` (`agent_a`'s token) writes its
+/// own node's ResourceSlice, and neither writes nor deletes `b`'s.
+async fn own_resource_slices_only(admin: &kube::Client, agent_a: &kube::Client, a: &str, b: &str) {
+    use kube::api::{
+        Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams,
+    };
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceSlice"),
+        "resourceslices",
+    );
+    let slice = |node: &str| {
+        json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": format!("{node}-hugepool")},
+            "spec": {"driver": "hugepages.hugepool.dev", "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": []},
+        })
+    };
+    let apply = |api: Api<DynamicObject>, node: String, body: serde_json::Value| async move {
+        api.patch(
+            &format!("{node}-hugepool"),
+            &PatchParams::apply(hugepool_crds::AGENT_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    };
+    let as_a: Api<DynamicObject> = Api::all_with(agent_a.clone(), &resource);
+    let as_admin: Api<DynamicObject> = Api::all_with(admin.clone(), &resource);
+    // The policy was created with the others: wait until it refuses.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let refused = loop {
+        match apply(as_a.clone(), b.to_string(), slice(b)).await {
+            Err(message) if message.contains("may write only ResourceSlice") => break message,
+            other => {
+                let _ = as_admin
+                    .delete(&format!("{b}-hugepool"), &DeleteParams::default())
+                    .await;
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "A's write of B's ResourceSlice was never refused by the policy: {other:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+        }
+    };
+    assert!(
+        refused.contains(&format!(
+            "the hugepool agent on node {a} may write only ResourceSlice {a}-hugepool"
+        )),
+        "{refused}"
+    );
+    // Its own node's name on a slice for another node is refused too.
+    let mut disguised = slice(b);
+    disguised["metadata"]["name"] = json!(format!("{a}-hugepool"));
+    let refused = apply(as_a.clone(), a.to_string(), disguised)
+        .await
+        .unwrap_err();
+    assert!(
+        refused.contains("may write only ResourceSlice"),
+        "{refused}"
+    );
+    apply(as_a.clone(), a.to_string(), slice(a))
+        .await
+        .expect("A writes its own node's slice");
+    as_admin
+        .create(
+            &Default::default(),
+            &serde_json::from_value(slice(b)).unwrap(),
+        )
+        .await
+        .expect("B's slice");
+    let refused = as_a
+        .delete(&format!("{b}-hugepool"), &DeleteParams::default())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("may write only ResourceSlice"),
+        "{refused}"
+    );
+    as_a.delete(&format!("{a}-hugepool"), &DeleteParams::default())
+        .await
+        .expect("A deletes its own node's slice");
+    let _ = as_admin
+        .delete(&format!("{b}-hugepool"), &DeleteParams::default())
+        .await;
 }
 
 /// The chart's operator policies on a real apiserver with a real token of
