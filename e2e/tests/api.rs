@@ -1091,6 +1091,62 @@ async fn the_workload_examples_ask_for_the_example_pools_pages() {
     );
     assert!(pods.get_opt("dpdk-forwarder").await.unwrap().is_none());
 
+    // The claim template asks the DeviceClass the chart installs for the DRA
+    // pool's size for at most the pool's pages, and the pod goes where the
+    // pool is; the apiserver takes both (1.36+: consumable capacity).
+    let documents: Vec<Value> = serde_saphyr::from_multiple(
+        &std::fs::read_to_string(dir.join("workloads/dra-pod.yaml")).expect("dra-pod.yaml"),
+    )
+    .expect("dra-pod.yaml");
+    let pool = read("pool-dra.yaml");
+    let [template, pod] = &documents[..] else {
+        panic!("dra-pod.yaml: a ResourceClaimTemplate and a Pod")
+    };
+    let request = &template["spec"]["spec"]["devices"]["requests"][0]["exactly"];
+    let size = pool["spec"]["pageSize"].as_str().expect("pageSize");
+    assert_eq!(
+        request["deviceClassName"],
+        format!("hugepages-{}.hugepool.dev", size.to_lowercase())
+    );
+    let memory = request["capacity"]["requests"]["memory"]
+        .as_str()
+        .expect("memory");
+    let bytes = hugepool_crds::quantity::parse_bytes(memory).expect("a quantity");
+    let page = hugepool_crds::quantity::parse_bytes(size).expect("a size");
+    assert!(bytes % page == 0 && bytes <= pool["spec"]["pages"].as_u64().expect("pages") * page);
+    assert_eq!(
+        pod["spec"]["nodeSelector"], pool["spec"]["nodeSelector"]["matchLabels"],
+        "the pod goes where the pool is"
+    );
+    assert_eq!(
+        pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"],
+        template["metadata"]["name"]
+    );
+    let version = env.client.apiserver_version().await.expect("version");
+    if version
+        .minor
+        .trim_end_matches('+')
+        .parse::<u32>()
+        .unwrap_or(0)
+        >= 36
+    {
+        let templates = Api::<DynamicObject>::namespaced_with(
+            env.client.clone(),
+            "default",
+            &kube::api::ApiResource::from_gvk_with_plural(
+                &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceClaimTemplate"),
+                "resourceclaimtemplates",
+            ),
+        );
+        templates
+            .patch("hugepages-512mi", &params, &Patch::Apply(template))
+            .await
+            .unwrap_or_else(|err| panic!("dra-pod.yaml's template refused: {err}"));
+        pods.patch("dpdk-claims", &params, &Patch::Apply(pod))
+            .await
+            .unwrap_or_else(|err| panic!("dra-pod.yaml's pod refused: {err}"));
+    }
+
     let vm = read("workloads/kubevirt-vm.yaml");
     let pool = read("pool-1gi.yaml");
     let domain = &vm["spec"]["template"]["spec"]["domain"];
@@ -1158,10 +1214,14 @@ async fn every_example_pool_is_accepted_and_the_examples_cover_each_kind() {
         if spec.deletion_policy == DeletionPolicy::Release {
             shown.insert("Release");
         }
+        if spec.consumption == Some(hugepool_crds::settings::Consumption::DynamicResourceAllocation)
+        {
+            shown.insert("DRA");
+        }
     }
     assert_eq!(
         shown.into_iter().collect::<Vec<_>>(),
-        ["1Gi", "Explicit NUMA", "Release", "memory"]
+        ["1Gi", "DRA", "Explicit NUMA", "Release", "memory"]
     );
     // A dry run stores nothing.
     let pools = Api::<HugePagePool>::all(env.client.clone());
