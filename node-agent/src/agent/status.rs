@@ -1390,6 +1390,21 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_claimed_through_dra_needs_no_kubelet_to_report_it() {
+        let mut claimed = target("2Mi", 512);
+        claimed.consumption = Some(hugepool_crds::settings::Consumption::DynamicResourceAllocation);
+        let mut memory = memory(vec![claimed]);
+        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 0)]));
+        let snapshot = snapshot(512, 512, 0, 0);
+        assert!(kubelet_pools(&snapshot, &memory).is_empty());
+        let status = built(&snapshot, &memory);
+        assert_ne!(
+            cond(&status, NodeConditionType::KubeletCapacityStale).status,
+            "True"
+        );
+    }
+
+    #[test]
     fn kubelet_restart_failures_and_disabled_restarts_are_said() {
         let mut memory = memory(vec![target("2Mi", 512)]);
         memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 0)]));

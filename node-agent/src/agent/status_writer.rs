@@ -101,8 +101,10 @@ pub(super) async fn write_status(
         // target says whether a slice is wanted.
         if memory.generation.is_some() {
             let want = slice::desired(&snapshot, &memory.targets, memory.kubelet.capacity.as_ref());
-            if let slice::Desired::Devices(devices) = &want {
-                shared.metrics.set_claimable(devices);
+            match &want {
+                slice::Desired::Devices(devices) => shared.metrics.set_claimable(devices),
+                slice::Desired::Absent => shared.metrics.set_claimable(&[]),
+                slice::Desired::Unknown => {}
             }
             shared.slice.send_if_modified(|current| {
                 let changed = *current != want;

@@ -1815,6 +1815,36 @@ fn with_capacity(mut node: Node, resource: &str, quantity: &str) -> Node {
     node
 }
 
+/// Pods claim a DRA pool's pages from the agent's ResourceSlice: a kubelet
+/// that advertises none of them is as it should be, and the entries carry
+/// the consumption to the agent.
+#[test]
+fn a_dra_pool_is_available_whatever_the_kubelets_advertise() {
+    use hugepool_crds::settings::Consumption;
+    let mut claimed =
+        with_max_unavailable(pool("claims", 0, "dpdk", "2Mi", 64), IntOrString::Int(2));
+    claimed.spec.consumption = Some(Consumption::DynamicResourceAllocation);
+    let mut pools = vec![claimed];
+    let nodes: Vec<Node> = fleet(2, &["dpdk"])
+        .into_iter()
+        .map(|n| with_capacity(n, "hugepages-2Mi", "0"))
+        .collect();
+    let mut hpns = Vec::new();
+    let (plan, _) = run_to_end(&mut pools, &nodes, &mut hpns, &BTreeSet::new());
+    assert_eq!(plan.pools["claims"].status.nodes.converged, 2);
+    assert!(plan.pools["claims"].capacity_stale.is_empty());
+    assert_eq!(
+        condition(&plan, "claims", PoolConditionType::Available),
+        ("True", "AllNodesConverged")
+    );
+    for hpn in &hpns {
+        assert_eq!(
+            hpn.spec.page_sizes[0].consumption,
+            Some(Consumption::DynamicResourceAllocation)
+        );
+    }
+}
+
 #[test]
 fn a_pool_is_not_available_while_a_kubelet_reports_the_old_capacity() {
     let mut pools = vec![with_max_unavailable(
