@@ -1113,7 +1113,10 @@ async fn the_workload_examples_ask_for_the_example_pools_pages() {
         .expect("memory");
     let bytes = hugepool_crds::quantity::parse_bytes(memory).expect("a quantity");
     let page = hugepool_crds::quantity::parse_bytes(size).expect("a size");
-    assert!(bytes % page == 0 && bytes <= pool["spec"]["pages"].as_u64().expect("pages") * page);
+    assert!(
+        bytes.is_multiple_of(page)
+            && bytes <= pool["spec"]["pages"].as_u64().expect("pages") * page
+    );
     assert_eq!(
         pod["spec"]["nodeSelector"], pool["spec"]["nodeSelector"]["matchLabels"],
         "the pod goes where the pool is"
