@@ -497,6 +497,24 @@ pub fn output_text(output: &Output) -> String {
     )
 }
 
+/// The Kubernetes minor version the apiserver serves, as `(minor,
+/// "1.MINOR.0")` for `helm template --kube-version`.
+pub async fn server_minor(client: &Client) -> (u32, String) {
+    let version = client
+        .apiserver_version()
+        .await
+        .expect("the apiserver's version");
+    let minor = version.minor.trim_end_matches('+');
+    (
+        minor.parse().expect("a numeric minor version"),
+        format!("{}.{minor}.0", version.major),
+    )
+}
+
+/// The first Kubernetes minor version that serves DRA consumable capacity
+/// (beta and on by default), which pools claimed through DRA need.
+pub const DRA_MINOR: u32 = 36;
+
 /// `helm template` values that turn on every optional part of the chart
 /// (e2e/tests/manifests.rs renders with them, lint_manifests.rs lints them).
 pub const CHART_EVERYTHING_ON: &[&str] = &[

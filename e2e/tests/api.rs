@@ -1125,14 +1125,7 @@ async fn the_workload_examples_ask_for_the_example_pools_pages() {
         pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"],
         template["metadata"]["name"]
     );
-    let version = env.client.apiserver_version().await.expect("version");
-    if version
-        .minor
-        .trim_end_matches('+')
-        .parse::<u32>()
-        .unwrap_or(0)
-        >= 36
-    {
+    if hugepool_e2e::server_minor(&env.client).await.0 >= hugepool_e2e::DRA_MINOR {
         let templates = Api::<DynamicObject>::namespaced_with(
             env.client.clone(),
             "default",

@@ -777,10 +777,8 @@ async fn deploy_is_accepted_by_a_real_apiserver() {
         // DRA's DeviceClasses, RBAC and policy where the apiserver serves
         // consumable capacity (1.36+).
         let client = env.control_plane.client().await.expect("client");
-        let version = client.apiserver_version().await.expect("version");
-        let minor = version.minor.trim_end_matches('+');
-        if minor.parse::<u32>().unwrap_or(0) >= 36 {
-            let kube_version = format!("{}.{minor}.0", version.major);
+        let (minor, kube_version) = hugepool_e2e::server_minor(&client).await;
+        if minor >= hugepool_e2e::DRA_MINOR {
             let yaml = helm_template(
                 &helm,
                 &[
@@ -1297,14 +1295,8 @@ async fn an_agent_writes_only_its_own_nodes_status() {
     let release = unique_name("own");
     // With DRA where the apiserver has consumable capacity (1.36+): the
     // agent's ResourceSlice policy and RBAC too.
-    let version = client.apiserver_version().await.expect("version");
-    let minor: u32 = version.minor.trim_end_matches('+').parse().unwrap_or(0);
-    let dra = minor >= 36;
-    let kube_version = format!(
-        "{}.{}.0",
-        version.major,
-        version.minor.trim_end_matches('+')
-    );
+    let (minor, kube_version) = hugepool_e2e::server_minor(&client).await;
+    let dra = minor >= hugepool_e2e::DRA_MINOR;
     let rendered = Command::new(&helm)
         .current_dir(repo())
         .args([

@@ -1686,8 +1686,7 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         .expect("a private control plane with kube-scheduler");
     let client = own.control_plane.client().await.expect("client");
     install_crds(client.clone()).await.expect("CRDs");
-    let version = client.apiserver_version().await.expect("version");
-    let minor: u32 = version.minor.trim_end_matches('+').parse().unwrap_or(0);
+    let (minor, _) = hugepool_e2e::server_minor(&client).await;
 
     let name = unique_name("agent-dra");
     let dra = |pages| PageSizeTarget {
@@ -1717,7 +1716,7 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     .await;
     assert_eq!(sysfs("nr_hugepages"), 32);
 
-    if minor < 36 {
+    if minor < hugepool_e2e::DRA_MINOR {
         // Before 1.36 no consumable capacity: the pool is sized, and the
         // slice writes fail where the metric shows them.
         let deadline = Instant::now() + Duration::from_secs(60);
