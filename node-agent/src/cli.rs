@@ -66,7 +66,8 @@ pub enum Command {
     /// Move one size's pool to a number of pages in budgeted writes.
     Resize(ResizeArgs),
     /// Run as the node agent: converge this node's HugePageNode and report.
-    Run(RunArgs),
+    /// (Boxed: its flags outweigh the other commands'.)
+    Run(Box<RunArgs>),
     /// Before the kubelet starts (a systemd unit): apply the targets the
     /// agent last converged to, from its boot file.
     Boot(BootArgs),
@@ -219,6 +220,20 @@ pub struct RunArgs {
     /// later). Without it such pools are sized but not claimable.
     #[arg(long, env = "HUGEPOOL_RESOURCE_SLICES")]
     pub resource_slices: bool,
+    /// Serve the kubelet plugin of driver hugepages.hugepool.dev: its
+    /// registration socket in --kubelet-registry-dir, its DRA socket and the
+    /// prepared claims under --kubelet-plugins-dir (the chart mounts both at
+    /// the kubelet's own paths, which the kubelet dials).
+    #[arg(long, env = "HUGEPOOL_KUBELET_PLUGIN")]
+    pub kubelet_plugin: bool,
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
+    pub kubelet_registry_dir: PathBuf,
+    #[arg(long, value_name = "PATH", default_value = "/var/lib/kubelet/plugins")]
+    pub kubelet_plugins_dir: PathBuf,
 }
 
 impl RunArgs {
@@ -240,6 +255,10 @@ impl RunArgs {
         config.model_file = self.model_file.clone();
         config.boot_file = self.boot_file.clone();
         config.resource_slices = self.resource_slices;
+        config.kubelet_plugin = self.kubelet_plugin.then(|| crate::dra::PluginDirs {
+            registry: self.kubelet_registry_dir.clone(),
+            plugins: self.kubelet_plugins_dir.clone(),
+        });
         config.pod_cgroups = Some(
             self.cgroup_root
                 .clone()
@@ -630,7 +649,7 @@ mod tests {
         let mut all = vec!["run", "--node-name", "n1"];
         all.extend_from_slice(args);
         match parse(&all)?.command {
-            Command::Run(args) => Ok(args),
+            Command::Run(args) => Ok(*args),
             Command::Resize(_) | Command::Boot(_) => unreachable!("parsed a run command line"),
         }
     }

@@ -13,6 +13,7 @@
 pub mod agent;
 pub mod boot;
 pub mod cli;
+pub mod dra;
 pub mod error;
 pub mod kernel;
 pub mod kubelet_state;

@@ -10,6 +10,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hugepool_agent::agent::slice::{DRIVER, resource_slices, slice_name};
+use hugepool_agent::dra::proto::registration::registration_client::RegistrationClient;
+use hugepool_agent::dra::proto::registration::{InfoRequest, RegistrationStatus};
+use hugepool_agent::dra::proto::v1::dra_plugin_client::DraPluginClient;
+use hugepool_agent::dra::proto::v1::{NodePrepareResourcesRequest, NodeUnprepareResourcesRequest};
 use hugepool_agent::kernel::Kernel;
 use hugepool_crds::conditions::{NodeConditionType, find_condition};
 use hugepool_crds::node::PageSizeTarget;
@@ -1660,6 +1664,44 @@ async fn wait_unschedulable(client: &Client, pod: &str) -> String {
     }
 }
 
+/// A gRPC channel over the unix socket at `path`, as the kubelet dials its
+/// plugins.
+async fn unix_channel(path: &Path) -> tonic::transport::Channel {
+    let path = path.to_path_buf();
+    // The URI is required and ignored: the connector dials the socket.
+    tonic::transport::Endpoint::from_static("http://[::1]:50051")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+        .expect("connect to the plugin's socket")
+}
+
+async fn claim_uid(client: &Client, name: &str) -> String {
+    let claims: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(client.clone(), "default", &resource_claims());
+    claims
+        .get(name)
+        .await
+        .expect("claim")
+        .metadata
+        .uid
+        .expect("uid")
+}
+
+fn dra_claim(name: &str, uid: &str) -> hugepool_agent::dra::proto::v1::Claim {
+    hugepool_agent::dra::proto::v1::Claim {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
 fn resource_claims() -> kube::api::ApiResource {
     kube::api::ApiResource::from_gvk_with_plural(
         &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceClaim"),
@@ -1704,7 +1746,21 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         .patch_status(&name, &PatchParams::default(), &Patch::Merge(&schedulable))
         .await
         .expect("make the Node schedulable");
-    let agent = AgentProcess::start(&own.control_plane.kubeconfig, &name, &["--resource-slices"]);
+    let kubelet_dirs = tempfile::tempdir().expect("the kubelet's plugin directories");
+    let registry = kubelet_dirs.path().join("plugins_registry");
+    let plugins = kubelet_dirs.path().join("plugins");
+    let agent = AgentProcess::start(
+        &own.control_plane.kubeconfig,
+        &name,
+        &[
+            "--resource-slices",
+            "--kubelet-plugin",
+            "--kubelet-registry-dir",
+            registry.to_str().unwrap(),
+            "--kubelet-plugins-dir",
+            plugins.to_str().unwrap(),
+        ],
+    );
     wait_for(
         &client,
         &name,
@@ -1799,6 +1855,90 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     let why = wait_unschedulable(&client, "second").await;
     assert!(!why.is_empty());
     assert!(allocation(&client, "second").await.is_none());
+
+    // The kubelet's side of the plugin: it finds the registration socket,
+    // learns the driver and its DRA socket, and prepares the pod's claim
+    // there; a claim not allocated yet is refused with the reason.
+    let registration = registry.join("hugepages.hugepool.dev-reg.sock");
+    let mut registrar = RegistrationClient::new(unix_channel(&registration).await);
+    let info = registrar
+        .get_info(InfoRequest {})
+        .await
+        .expect("GetInfo")
+        .into_inner();
+    assert_eq!(
+        (
+            info.r#type.as_str(),
+            info.name.as_str(),
+            info.supported_versions
+        ),
+        ("DRAPlugin", DRIVER, vec!["v1.DRAPlugin".to_string()])
+    );
+    let endpoint = PathBuf::from(&info.endpoint);
+    assert_eq!(endpoint, plugins.join("hugepages.hugepool.dev/dra.sock"));
+    registrar
+        .notify_registration_status(RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        })
+        .await
+        .expect("NotifyRegistrationStatus");
+    let mut kubelet = DraPluginClient::new(unix_channel(&endpoint).await);
+    let first_uid = claim_uid(&client, "first").await;
+    let second_uid = claim_uid(&client, "second").await;
+    let prepared = kubelet
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![
+                dra_claim("first", &first_uid),
+                dra_claim("second", &second_uid),
+            ],
+        })
+        .await
+        .expect("NodePrepareResources")
+        .into_inner()
+        .claims;
+    let first_answer = &prepared[&first_uid];
+    assert_eq!(first_answer.error, "");
+    assert_eq!(first_answer.devices.len(), 1);
+    let prepared_device = &first_answer.devices[0];
+    assert_eq!(
+        (
+            prepared_device.device_name.as_str(),
+            prepared_device.pool_name.as_str(),
+            prepared_device.request_names.clone()
+        ),
+        (device, name.as_str(), vec!["pages".to_string()])
+    );
+    assert!(
+        prepared_device.share_id.is_some(),
+        "a consumable allocation has a share"
+    );
+    assert!(
+        prepared[&second_uid].error.contains("not allocated"),
+        "{:?}",
+        prepared[&second_uid]
+    );
+    // Kept on the host: what the pod's cgroups are to be given.
+    let kept_file = plugins.join("hugepages.hugepool.dev/prepared-claims.json");
+    let kept = hugepool_agent::dra::load(&kept_file).expect("the prepared claims file");
+    assert_eq!(kept.keys().collect::<Vec<_>>(), [&first_uid]);
+    assert_eq!(
+        (
+            kept[&first_uid].pages[0].pages,
+            kept[&first_uid].pages[0].numa
+        ),
+        (20, 0)
+    );
+    let unprepared = kubelet
+        .node_unprepare_resources(NodeUnprepareResourcesRequest {
+            claims: vec![dra_claim("first", &first_uid)],
+        })
+        .await
+        .expect("NodeUnprepareResources")
+        .into_inner()
+        .claims;
+    assert_eq!(unprepared[&first_uid].error, "");
+    assert!(hugepool_agent::dra::load(&kept_file).unwrap().is_empty());
 
     // ... until the pool grows, with no kubelet restart: the slice follows
     // at once (a newer pool generation) and the scheduler places the claim.

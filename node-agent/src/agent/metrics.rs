@@ -772,6 +772,15 @@ mod tests {
             .foreign_writes
             .get_or_create(&SizeLabels { size: "2Mi".into() })
             .inc();
+        metrics.set_claimable(&[super::super::slice::Device {
+            size: mi2(),
+            numa: 0,
+            pages: 4,
+        }]);
+        metrics
+            .slice_writes
+            .get_or_create(&ResultLabels::ok())
+            .inc();
         let text = encode(&registry);
         let docs = include_str!("../../../docs/operations.md");
         let table = metrics_doc::documented(docs, "Agent (per node):");

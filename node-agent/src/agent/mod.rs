@@ -99,6 +99,8 @@ pub struct AgentConfig {
     pub pod_cgroups_interval: Duration,
     /// Publish the node's ResourceSlice (slice.rs).
     pub resource_slices: bool,
+    /// Serve the kubelet plugin of the DRA driver there (crate::dra).
+    pub kubelet_plugin: Option<crate::dra::PluginDirs>,
 }
 
 impl AgentConfig {
@@ -121,6 +123,7 @@ impl AgentConfig {
             pod_cgroups: None,
             pod_cgroups_interval: Duration::from_secs(5),
             resource_slices: false,
+            kubelet_plugin: None,
         }
     }
 }
@@ -215,6 +218,27 @@ pub async fn run(
             shared.slice.subscribe(),
             Arc::clone(&shared),
         ));
+    }
+    if let Some(dirs) = config.kubelet_plugin.clone() {
+        let file = dirs
+            .plugins
+            .join(slice::DRIVER)
+            .join("prepared-claims.json");
+        let plugin = Arc::new(crate::dra::KubeletPlugin::new(
+            client.clone(),
+            config.node_name.clone(),
+            dirs,
+            Some(file),
+        ));
+        let mut stop = shutdown.clone();
+        tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stop.wait_for(|stop| *stop).await;
+            };
+            if let Err(err) = crate::dra::serve(plugin, stopped).await {
+                warn!(error = %err, "cannot serve the kubelet plugin");
+            }
+        });
     }
     if let Some(root) = config.pod_cgroups.clone() {
         tokio::spawn(pods::read_pod_cgroups(

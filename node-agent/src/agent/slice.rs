@@ -63,6 +63,25 @@ impl Device {
             self.numa
         )
     }
+
+    /// The size and NUMA node a device [`name`](Self::name) stands for.
+    pub fn parse_name(name: &str) -> Option<(PageSize, u32)> {
+        let (size, numa) = name.strip_prefix("hugepages-")?.split_once("-numa")?;
+        // The name lowercases the unit: `2mi` is 2Mi.
+        let mut chars: Vec<char> = size.chars().collect();
+        let unit = chars.iter().position(|c| c.is_ascii_alphabetic())?;
+        chars[unit] = chars[unit].to_ascii_uppercase();
+        let size: PageSize = chars.into_iter().collect::<String>().parse().ok()?;
+        let numa = numa.parse().ok()?;
+        (Device {
+            size,
+            numa,
+            pages: 0,
+        }
+        .name()
+            == name)
+            .then_some((size, numa))
+    }
 }
 
 /// What the node's slice should be.
@@ -400,6 +419,21 @@ mod tests {
                 pages: 3,
             },
         ];
+        for device in &devices {
+            assert_eq!(
+                Device::parse_name(&device.name()),
+                Some((device.size, device.numa))
+            );
+        }
+        for other in [
+            "gpu-0",
+            "hugepages-2mi",
+            "hugepages-3mi-numa0",
+            "hugepages-2mi-numa01",
+            "hugepages-2Mi-numa0",
+        ] {
+            assert_eq!(Device::parse_name(other), None, "{other}");
+        }
         let object = slice_object("w-1", Some("uid-1"), 7, &devices);
         assert_eq!(object["metadata"]["name"], "w-1-hugepool");
         assert_eq!(object["metadata"]["ownerReferences"][0]["uid"], "uid-1");

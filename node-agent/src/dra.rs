@@ -1,0 +1,512 @@
+//! The kubelet plugin of pools claimed through DRA (driver
+//! `hugepages.hugepool.dev`): the registration service the kubelet finds in
+//! its `plugins_registry` directory, and the DRA service (v1) it calls to
+//! prepare a pod's claims before it creates the pod's sandbox and to
+//! unprepare them after the pod is gone.
+//!
+//! Preparing a claim reads it (the kubelet names it; the agent may `get`
+//! claims), checks that its allocation is this node's, and records which
+//! pages of which size and NUMA node it holds, for whom (`reservedFor`), in
+//! [`Prepared`], kept in a file on the host so that a restarted agent still
+//! knows. What is prepared is what the pod's cgroups are given (not yet
+//! built: docs/design.md, "Pools claimed through DRA").
+//!
+//! The protos in `proto/` are compiled by build.rs (protox, tonic).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use hugepool_crds::PageSize;
+use kube::Client;
+use kube::api::{Api, DynamicObject};
+use serde::{Deserialize, Serialize};
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::agent::slice::{DRIVER, Device};
+
+/// The generated services and messages.
+pub mod proto {
+    pub mod registration {
+        tonic::include_proto!("pluginregistration");
+    }
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+}
+
+use proto::registration::registration_server::{Registration, RegistrationServer};
+use proto::registration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
+use proto::v1::dra_plugin_server::{DraPlugin, DraPluginServer};
+use proto::v1::{
+    NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
+    NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
+};
+
+/// The DRA service version this plugin serves, as the kubelet names it.
+pub const DRA_SERVICE: &str = "v1.DRAPlugin";
+
+/// `resource.k8s.io/v1` ResourceClaim.
+pub fn resource_claims() -> kube::api::ApiResource {
+    kube::api::ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceClaim"),
+        "resourceclaims",
+    )
+}
+
+/// Where the plugin's sockets go: the kubelet's registry directory (it
+/// watches it for `<driver>-reg.sock`) and its plugins directory (the DRA
+/// socket, `<plugins>/<driver>/dra.sock`).
+#[derive(Clone, Debug)]
+pub struct PluginDirs {
+    pub registry: PathBuf,
+    pub plugins: PathBuf,
+}
+
+impl PluginDirs {
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry.join(format!("{DRIVER}-reg.sock"))
+    }
+
+    pub fn dra_socket(&self) -> PathBuf {
+        self.plugins.join(DRIVER).join("dra.sock")
+    }
+}
+
+/// The pages one allocation result of a claim holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimedPages {
+    /// The claim's request this result serves.
+    pub request: String,
+    pub device: String,
+    pub size: PageSize,
+    pub numa: u32,
+    pub pages: u64,
+    /// The allocation's share of the device, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+}
+
+/// One prepared claim.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedClaim {
+    pub namespace: String,
+    pub name: String,
+    /// The uids of the pods the claim is reserved for.
+    pub pods: Vec<String>,
+    pub pages: Vec<ClaimedPages>,
+}
+
+/// Prepared claims by uid.
+pub type Prepared = BTreeMap<String, PreparedClaim>;
+
+/// What `claim` (a ResourceClaim as JSON) holds on `node` from this driver,
+/// or why it cannot be prepared here. Pure: the DRA service calls it on
+/// the claim it read.
+pub fn claimed_pages(claim: &serde_json::Value, node: &str) -> Result<PreparedClaim, String> {
+    let metadata = &claim["metadata"];
+    let results = claim["status"]["allocation"]["devices"]["results"]
+        .as_array()
+        .ok_or("the claim is not allocated")?;
+    let mut pages = Vec::new();
+    for result in results.iter().filter(|r| r["driver"] == DRIVER) {
+        let device = result["device"].as_str().unwrap_or_default();
+        let pool = result["pool"].as_str().unwrap_or_default();
+        if pool != node {
+            return Err(format!(
+                "device {device} is allocated from node {pool}'s pool, not {node}'s"
+            ));
+        }
+        let (size, numa) =
+            Device::parse_name(device).ok_or_else(|| format!("no such device: {device}"))?;
+        let bytes = match result["consumedCapacity"]["memory"].as_str() {
+            Some(quantity) => hugepool_crds::quantity::parse_bytes(quantity)
+                .map_err(|err| format!("device {device}: consumed memory {quantity}: {err}"))?,
+            None => return Err(format!("device {device}: no consumed memory capacity")),
+        };
+        if bytes % size.bytes() != 0 {
+            return Err(format!(
+                "device {device}: {bytes} bytes is not a whole number of {size} pages"
+            ));
+        }
+        pages.push(ClaimedPages {
+            request: result["request"].as_str().unwrap_or_default().to_string(),
+            device: device.to_string(),
+            size,
+            numa,
+            pages: bytes / size.bytes(),
+            share_id: result["shareID"].as_str().map(str::to_string),
+        });
+    }
+    if pages.is_empty() {
+        return Err(format!("the claim has no device of driver {DRIVER}"));
+    }
+    let pods = claim["status"]["reservedFor"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["resource"] == "pods")
+        .filter_map(|r| r["uid"].as_str().map(str::to_string))
+        .collect();
+    Ok(PreparedClaim {
+        namespace: metadata["namespace"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        name: metadata["name"].as_str().unwrap_or_default().to_string(),
+        pods,
+        pages,
+    })
+}
+
+/// Reads the prepared claims kept in `path` (none when it does not exist).
+pub fn load(path: &Path) -> std::io::Result<Prepared> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map_err(|err| std::io::Error::new(std::io::ErrorKind::InvalidData, err)),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(Prepared::new()),
+        Err(err) => Err(err),
+    }
+}
+
+/// Writes `prepared` to `path` whole or not at all (a temporary file renamed
+/// over it).
+pub fn save(path: &Path, prepared: &Prepared) -> std::io::Result<()> {
+    let temporary = path.with_extension("tmp");
+    std::fs::write(&temporary, serde_json::to_vec_pretty(prepared)?)?;
+    std::fs::rename(&temporary, path)
+}
+
+/// The plugin's state, shared by both services.
+pub struct KubeletPlugin {
+    client: Client,
+    node: String,
+    dirs: PluginDirs,
+    prepared: Mutex<Prepared>,
+    /// Where `prepared` is kept across restarts.
+    file: Option<PathBuf>,
+}
+
+impl KubeletPlugin {
+    pub fn new(client: Client, node: String, dirs: PluginDirs, file: Option<PathBuf>) -> Self {
+        let prepared = match file.as_deref().map(load) {
+            Some(Ok(prepared)) => prepared,
+            Some(Err(err)) => {
+                warn!(error = %err, "cannot read the prepared claims: starting with none");
+                Prepared::new()
+            }
+            None => Prepared::new(),
+        };
+        Self {
+            client,
+            node,
+            dirs,
+            prepared: Mutex::new(prepared),
+            file,
+        }
+    }
+
+    /// The claims prepared now.
+    pub fn prepared(&self) -> Prepared {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Prepared> {
+        self.prepared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records a change and keeps it in the file; a failed write is said
+    /// and fails the call, so the kubelet retries it.
+    fn update(&self, change: impl FnOnce(&mut Prepared)) -> Result<(), String> {
+        let mut prepared = self.lock();
+        change(&mut prepared);
+        if let Some(path) = &self.file {
+            save(path, &prepared).map_err(|err| {
+                format!(
+                    "cannot keep the prepared claims in {}: {err}",
+                    path.display()
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    async fn prepare(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> Result<PreparedClaim, String> {
+        let claims: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &resource_claims());
+        let claim = claims
+            .get(name)
+            .await
+            .map_err(|err| format!("cannot read ResourceClaim {namespace}/{name}: {err}"))?;
+        if claim.metadata.uid.as_deref() != Some(uid) {
+            return Err(format!(
+                "ResourceClaim {namespace}/{name} has uid {:?}, not {uid}",
+                claim.metadata.uid
+            ));
+        }
+        let json = serde_json::to_value(&claim).map_err(|err| err.to_string())?;
+        let prepared = claimed_pages(&json, &self.node)?;
+        self.update(|all| {
+            all.insert(uid.to_string(), prepared.clone());
+        })?;
+        Ok(prepared)
+    }
+}
+
+/// The registration service, answering for one plugin.
+struct Registrar(Arc<KubeletPlugin>);
+
+#[tonic::async_trait]
+impl Registration for Registrar {
+    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        Ok(Response::new(PluginInfo {
+            r#type: "DRAPlugin".into(),
+            name: DRIVER.into(),
+            endpoint: self.0.dirs.dra_socket().to_string_lossy().into_owned(),
+            supported_versions: vec![DRA_SERVICE.into()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        if status.plugin_registered {
+            info!(driver = DRIVER, "the kubelet registered the DRA plugin");
+        } else {
+            warn!(driver = DRIVER, error = %status.error, "the kubelet refused the DRA plugin");
+        }
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+/// The DRA service.
+struct Claims(Arc<KubeletPlugin>);
+
+#[tonic::async_trait]
+impl DraPlugin for Claims {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<NodePrepareResourcesRequest>,
+    ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
+        let mut claims = std::collections::HashMap::new();
+        for claim in request.into_inner().claims {
+            let answer = match self
+                .0
+                .prepare(&claim.namespace, &claim.name, &claim.uid)
+                .await
+            {
+                Ok(prepared) => {
+                    info!(claim = %format!("{}/{}", claim.namespace, claim.name), pages = ?prepared.pages, "claim prepared");
+                    NodePrepareResourceResponse {
+                        devices: prepared
+                            .pages
+                            .iter()
+                            .map(|p| proto::v1::Device {
+                                request_names: vec![p.request.clone()],
+                                pool_name: self.0.node.clone(),
+                                device_name: p.device.clone(),
+                                cdi_device_ids: Vec::new(),
+                                share_id: p.share_id.clone(),
+                            })
+                            .collect(),
+                        error: String::new(),
+                    }
+                }
+                Err(error) => {
+                    warn!(claim = %format!("{}/{}", claim.namespace, claim.name), %error, "claim not prepared");
+                    NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    }
+                }
+            };
+            claims.insert(claim.uid, answer);
+        }
+        Ok(Response::new(NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
+        let mut claims = std::collections::HashMap::new();
+        for claim in request.into_inner().claims {
+            let uid = claim.uid.clone();
+            let error = match self.0.update(|all| {
+                all.remove(&uid);
+            }) {
+                Ok(()) => String::new(),
+                Err(error) => error,
+            };
+            claims.insert(claim.uid, NodeUnprepareResourceResponse { error });
+        }
+        Ok(Response::new(NodeUnprepareResourcesResponse { claims }))
+    }
+}
+
+/// Binds a unix socket at `path`, replacing a stale one a previous agent
+/// left.
+fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+        Err(err) => return Err(err),
+    }
+    UnixListener::bind(path)
+}
+
+/// Serves the DRA service, then the registration (so the kubelet never
+/// dials an endpoint that is not there yet), until `shutdown` resolves;
+/// removes the registration socket on the way out so the kubelet drops the
+/// plugin.
+pub async fn serve(
+    plugin: Arc<KubeletPlugin>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let dirs = plugin.dirs.clone();
+    let dra = bind(&dirs.dra_socket())?;
+    let registration = bind(&dirs.registration_socket())?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let signal = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let dra_server = tonic::transport::Server::builder()
+        .add_service(DraPluginServer::new(Claims(Arc::clone(&plugin))))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(dra), signal(stopped.clone()));
+    let registration_server = tonic::transport::Server::builder()
+        .add_service(RegistrationServer::new(Registrar(Arc::clone(&plugin))))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(registration), signal(stopped));
+    info!(registration = %dirs.registration_socket().display(), dra = %dirs.dra_socket().display(), "kubelet plugin serving");
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    });
+    let (a, b) = tokio::join!(dra_server, registration_server);
+    let _ = std::fs::remove_file(dirs.registration_socket());
+    for result in [a, b] {
+        if let Err(err) = result {
+            warn!(error = %err, "kubelet plugin server failed");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn claim(results: serde_json::Value) -> serde_json::Value {
+        json!({
+            "metadata": {"namespace": "apps", "name": "pages", "uid": "u1"},
+            "status": {
+                "allocation": {"devices": {"results": results}},
+                "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-1"}],
+            },
+        })
+    }
+
+    #[test]
+    fn a_claim_holds_the_pages_its_allocation_consumed_on_this_node() {
+        let allocated = claim(json!([{
+            "request": "pages", "driver": DRIVER, "pool": "w-1",
+            "device": "hugepages-2mi-numa1", "consumedCapacity": {"memory": "40Mi"},
+            "shareID": "9f3c",
+        }, {
+            "request": "gpu", "driver": "gpu.example.com", "pool": "w-1", "device": "gpu-0",
+        }]));
+        let prepared = claimed_pages(&allocated, "w-1").unwrap();
+        assert_eq!(prepared.namespace, "apps");
+        assert_eq!(prepared.name, "pages");
+        assert_eq!(prepared.pods, ["pod-1"]);
+        assert_eq!(
+            prepared.pages,
+            [ClaimedPages {
+                request: "pages".into(),
+                device: "hugepages-2mi-numa1".into(),
+                size: PageSize::SIZE_2MI,
+                numa: 1,
+                pages: 20,
+                share_id: Some("9f3c".into()),
+            }]
+        );
+    }
+
+    #[test]
+    fn claims_that_cannot_be_prepared_here_say_why() {
+        let cases = [
+            (json!({"metadata": {}}), "not allocated"),
+            (
+                claim(
+                    json!([{"driver": DRIVER, "pool": "w-2", "device": "hugepages-2mi-numa0",
+                               "consumedCapacity": {"memory": "2Mi"}}]),
+                ),
+                "node w-2's pool, not w-1's",
+            ),
+            (
+                claim(json!([{"driver": DRIVER, "pool": "w-1", "device": "gpu-0",
+                               "consumedCapacity": {"memory": "2Mi"}}])),
+                "no such device: gpu-0",
+            ),
+            (
+                claim(json!([{"driver": DRIVER, "pool": "w-1", "device": "hugepages-2mi-numa0"}])),
+                "no consumed memory capacity",
+            ),
+            (
+                claim(
+                    json!([{"driver": DRIVER, "pool": "w-1", "device": "hugepages-2mi-numa0",
+                               "consumedCapacity": {"memory": "3Mi"}}]),
+                ),
+                "not a whole number of 2Mi pages",
+            ),
+            (
+                claim(json!([{"driver": "gpu.example.com", "pool": "w-1", "device": "gpu-0"}])),
+                "no device of driver",
+            ),
+        ];
+        for (claim, why) in cases {
+            let error = claimed_pages(&claim, "w-1").unwrap_err();
+            assert!(error.contains(why), "{error} (wanted {why})");
+        }
+    }
+
+    #[test]
+    fn prepared_claims_survive_in_their_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("claims.json");
+        assert!(load(&path).unwrap().is_empty());
+        let prepared = Prepared::from([(
+            "u1".to_string(),
+            claimed_pages(
+                &claim(json!([{"request": "pages", "driver": DRIVER, "pool": "w-1",
+                               "device": "hugepages-1gi-numa0", "consumedCapacity": {"memory": "2Gi"}}])),
+                "w-1",
+            )
+            .unwrap(),
+        )]);
+        save(&path, &prepared).unwrap();
+        assert_eq!(load(&path).unwrap(), prepared);
+        assert_eq!(load(&path).unwrap()["u1"].pages[0].pages, 2);
+        std::fs::write(&path, b"{").unwrap();
+        assert!(load(&path).is_err());
+    }
+}
