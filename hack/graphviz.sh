@@ -13,11 +13,12 @@ if ! command -v dot >/dev/null; then
   fi
   echo "hack/graphviz.sh: apt-get install graphviz" >&2
   # Serialise concurrent callers (tests run in parallel).
-  exec 9>"${TMPDIR:-/tmp}/hugepool-graphviz.lock"
+  # The lock hack/images.sh takes for its installs too.
+  exec 9>"${TMPDIR:-/tmp}/hugepool-apt.lock"
   flock 9
   if ! command -v dot >/dev/null; then
-    apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >&2
+    apt-get -o DPkg::Lock::Timeout=600 update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq graphviz >&2
   fi
 fi
 command -v dot

@@ -68,11 +68,22 @@ if [[ -z "$cross" ]]; then
 else
   command -v "$cross-gcc" >/dev/null || need_pkgs+=("gcc-${cross//_/-}")
 fi
+# Package installs and downloads take one lock, shared with the other hack/
+# scripts (two builds at once both found a package missing, and the second
+# apt-get failed on dpkg's lock), and wait for dpkg's own lock too.
+apt_lock() {
+  exec 8>"${TMPDIR:-/tmp}/hugepool-apt.lock"
+  flock 8
+}
+apt_unlock() { exec 8>&-; }
+apt_get() { apt-get -o DPkg::Lock::Timeout=600 "$@"; }
 if ((${#need_pkgs[@]})); then
   say "apt-get install ${need_pkgs[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >/dev/null
-  apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+  apt_lock
+  apt_get update -qq >/dev/null
+  apt_get install -y -qq "${need_pkgs[@]}" >/dev/null
+  apt_unlock
 fi
 if ! rustup target list --installed | grep -qx "$target"; then
   say "rustup target add $target"
@@ -83,12 +94,14 @@ trap 'rm -rf "$work"' EXIT
 busybox=/bin/busybox
 if [[ -n "$cross" ]]; then
   # busybox-static of the target architecture, unpacked here (not installed).
+  apt_lock
   if ! dpkg --print-foreign-architectures | grep -qx "$oci_arch"; then
     say "dpkg --add-architecture $oci_arch"
     dpkg --add-architecture "$oci_arch"
-    apt-get update -qq >/dev/null
+    apt_get update -qq >/dev/null
   fi
-  (cd "$work" && apt-get download -qq -o APT::Sandbox::User=root "busybox-static:$oci_arch" >/dev/null)
+  (cd "$work" && apt_get download -qq -o APT::Sandbox::User=root "busybox-static:$oci_arch" >/dev/null)
+  apt_unlock
   dpkg-deb -x "$work"/busybox-static_*.deb "$work/busybox"
   busybox="$work/busybox/bin/busybox"
 fi
