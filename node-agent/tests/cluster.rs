@@ -14,6 +14,7 @@ use hugepool_agent::dra::proto::registration::registration_client::RegistrationC
 use hugepool_agent::dra::proto::registration::{InfoRequest, RegistrationStatus};
 use hugepool_agent::dra::proto::v1::dra_plugin_client::DraPluginClient;
 use hugepool_agent::dra::proto::v1::{NodePrepareResourcesRequest, NodeUnprepareResourcesRequest};
+use hugepool_agent::dra::resource_claims;
 use hugepool_agent::kernel::Kernel;
 use hugepool_crds::conditions::{NodeConditionType, find_condition};
 use hugepool_crds::node::PageSizeTarget;
@@ -1700,13 +1701,6 @@ fn dra_claim(name: &str, uid: &str) -> hugepool_agent::dra::proto::v1::Claim {
         uid: uid.into(),
         name: name.into(),
     }
-}
-
-fn resource_claims() -> kube::api::ApiResource {
-    kube::api::ApiResource::from_gvk_with_plural(
-        &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceClaim"),
-        "resourceclaims",
-    )
 }
 
 /// A pool consumed through DRA on a control plane with kube-scheduler (the
