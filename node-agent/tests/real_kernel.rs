@@ -109,9 +109,8 @@ async fn a_few_1gi_pages_grow_and_shrink() {
     // builds this VM had none with 23.9 GiB free, dropped caches and
     // compaction; fresh it had 8). So: either the engine reaches two pages
     // exactly, or it compacts, retries, reports exactly what it got as a
-    // shortfall (at once when the free lists foresaw it), and the naive way
-    // (one write after a compaction) gets no more. Either way the shrink to
-    // 0 is exact.
+    // shortfall, and what the naive way (one write after a compaction) gets
+    // beyond it, the engine gets too. Either way the shrink to 0 is exact.
     std::fs::write("/proc/sys/vm/drop_caches", "3").expect("drop caches");
     real.kernel
         .compact(PoolScope::Global)
@@ -137,13 +136,11 @@ async fn a_few_1gi_pages_grow_and_shrink() {
             eprintln!("only {achieved} x 1Gi could be allocated now: {summary:?}");
             assert_eq!(pool.persistent(), achieved);
             // The free lists never hold a 1Gi page: the engine compacts
-            // before the first write. Where the estimate then foresaw the
-            // shortfall, that was all; otherwise the rounds of retries.
-            let foreseen = detail
-                .as_deref()
-                .is_some_and(|d| d.starts_with("foreseen: "));
-            let rounds = if foreseen { 0 } else { quick().retries };
-            assert_eq!(summary.compactions, 1 + rounds, "{summary:?}");
+            // before the first write. Their estimate for 1Gi is the worst
+            // layout, a floor, so nothing is concluded from it: a short
+            // write is compacted and retried, round after round.
+            assert_eq!(detail, &None, "{summary:?}");
+            assert_eq!(summary.compactions, 1 + quick().retries, "{summary:?}");
             real.kernel
                 .compact(PoolScope::Global)
                 .expect("compact memory");
@@ -151,10 +148,31 @@ async fn a_few_1gi_pages_grow_and_shrink() {
                 .write_pool(gi, PoolScope::Global, 2)
                 .expect("write nr_hugepages");
             let direct = real.kernel.pool(gi).expect("read 1Gi pool").persistent();
-            assert!(
-                direct <= achieved,
-                "one write got {direct} x 1Gi where the engine stopped at {achieved}"
-            );
+            if direct > achieved {
+                // Memory moved since the engine's rounds (a process freed
+                // a range). The pages one write got, freed and asked for
+                // again at once, the engine takes too: no compaction in
+                // between to fill the freed gigabytes.
+                eprintln!("one write then got {direct} x 1Gi; the engine asks again");
+                real.kernel
+                    .write_pool(gi, PoolScope::Global, achieved)
+                    .expect("write nr_hugepages");
+                let (again, _) = run_engine(
+                    real.shared(),
+                    target(gi, direct, PoolScope::Global),
+                    Settings {
+                        compact: false,
+                        ..quick()
+                    },
+                    Options::default(),
+                    |_| {},
+                )
+                .await;
+                assert!(
+                    again.reached(),
+                    "one write got {direct} x 1Gi, the engine asked again got {again:?}"
+                );
+            }
         }
         other => panic!("unexpected outcome {other:?}"),
     }

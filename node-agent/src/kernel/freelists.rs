@@ -474,6 +474,13 @@ pub struct GrowEstimate {
     pub after_compaction: u64,
 }
 
+/// A page beyond the buddy lists (1Gi): its estimate after compaction is the
+/// worst layout of the unmovable blocks, a floor the kernel may beat, never
+/// a ceiling a grow can be stopped at.
+pub fn beyond_the_buddy_lists(size: PageSize) -> bool {
+    page_order(size) > MAX_BUDDY_ORDER
+}
+
 /// `log2(page bytes / 4096)`: the buddy order of one huge page.
 pub fn page_order(size: PageSize) -> u32 {
     (size.bytes() / BASE_PAGE_BYTES).max(1).ilog2()

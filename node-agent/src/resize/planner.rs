@@ -28,7 +28,7 @@ use std::time::Duration;
 use hugepool_crds::PageSize;
 use serde::Serialize;
 
-use crate::kernel::freelists::GrowEstimate;
+use crate::kernel::freelists::{GrowEstimate, beyond_the_buddy_lists};
 use crate::kernel::{NumaCounts, PoolCounts, PoolScope};
 use crate::resize::model::{CostModel, CostModels, Direction, ModelKey, Sample};
 
@@ -586,7 +586,11 @@ impl Planner {
             }
             Foresight::Unchecked | Foresight::Compacted => {
                 self.covered = estimate.obtainable_now >= needed;
-                self.foresight = if estimate.after_compaction < needed {
+                // For 1Gi the estimate is a floor (the worst layout): the
+                // grow goes through its rounds of retries as without one.
+                self.foresight = if estimate.after_compaction < needed
+                    && !beyond_the_buddy_lists(self.target.size)
+                {
                     Foresight::Short { needed, estimate }
                 } else {
                     Foresight::Enough
@@ -1445,6 +1449,41 @@ mod tests {
         );
         before.estimate = estimate(10, 200);
         assert!(matches!(planner.next(&before, &models), Decision::Write(_)));
+    }
+
+    #[test]
+    fn a_1gi_grow_the_worst_layout_says_cannot_be_had_is_still_tried_in_rounds() {
+        // The 1Gi estimate is a floor: 0 of 2 after compaction on most
+        // machines that have run a while, where the kernel may still find
+        // an aligned gigabyte. The grow compacts, writes, and a short write
+        // is compacted and retried, as without an estimate.
+        let gi = Target {
+            size: PageSize::SIZE_1GI,
+            pages: 2,
+            scope: PoolScope::Global,
+        };
+        let none = Some(GrowEstimate::default());
+        let mut models = CostModels::default();
+        let mut planner = Planner::new(gi, Settings::default());
+        let mut empty = observed(0, 0, 0, 0);
+        empty.estimate = none;
+        assert_eq!(
+            planner.next(&empty, &models),
+            Decision::Compact(PoolScope::Global)
+        );
+        let Decision::Write(write) = planner.next(&empty, &models) else {
+            panic!("a write after the compaction");
+        };
+        assert_eq!(
+            write.value, 1,
+            "an uncovered grow starts with a one-page probe"
+        );
+        planner.record_write(&write, Duration::from_millis(150), &empty, &mut models);
+        assert_eq!(
+            planner.next(&empty, &models),
+            Decision::Compact(PoolScope::Global),
+            "a short 1Gi write is compacted and retried, not finished as foreseen"
+        );
     }
 
     #[test]
