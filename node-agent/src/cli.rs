@@ -234,6 +234,10 @@ pub struct RunArgs {
     pub kubelet_registry_dir: PathBuf,
     #[arg(long, value_name = "PATH", default_value = "/var/lib/kubelet/plugins")]
     pub kubelet_plugins_dir: PathBuf,
+    /// Where the kubelet plugin writes each prepared claim's CDI spec (a
+    /// directory the container runtime reads CDI specs from).
+    #[arg(long, value_name = "PATH", default_value = "/var/run/cdi")]
+    pub cdi_dir: PathBuf,
 }
 
 impl RunArgs {
@@ -258,6 +262,7 @@ impl RunArgs {
         config.kubelet_plugin = self.kubelet_plugin.then(|| crate::dra::PluginDirs {
             registry: self.kubelet_registry_dir.clone(),
             plugins: self.kubelet_plugins_dir.clone(),
+            cdi: self.cdi_dir.clone(),
         });
         config.pod_cgroups = Some(
             self.cgroup_root

@@ -8,8 +8,10 @@
 //! claims), checks that its allocation is this node's, and records which
 //! pages of which size and NUMA node it holds, for whom (`reservedFor`), in
 //! [`Prepared`], kept in a file on the host so that a restarted agent still
-//! knows. What is prepared is what the pod's cgroups are given (not yet
-//! built: docs/design.md, "Pools claimed through DRA").
+//! knows. Each prepared claim also gets a CDI spec whose devices put one
+//! environment variable ([`ENV_PREFIX`]) in the containers that use the
+//! claim; the NRI plugin (`nri/`) sets those containers' hugetlb limits
+//! and memory nodes from it (docs/design.md, "Pools claimed through DRA").
 //!
 //! The protos in `proto/` are compiled by build.rs (protox, tonic).
 
@@ -66,6 +68,9 @@ pub fn resource_claims() -> kube::api::ApiResource {
 pub struct PluginDirs {
     pub registry: PathBuf,
     pub plugins: PathBuf,
+    /// Where the container runtime reads CDI specs (containerd 2.x and
+    /// CRI-O: /etc/cdi and /var/run/cdi).
+    pub cdi: PathBuf,
 }
 
 impl PluginDirs {
@@ -76,6 +81,74 @@ impl PluginDirs {
     pub fn dra_socket(&self) -> PathBuf {
         self.plugins.join(DRIVER).join("dra.sock")
     }
+
+    /// The CDI spec of the claim with `uid`.
+    pub fn cdi_spec(&self, uid: &str) -> PathBuf {
+        self.cdi
+            .join(format!("{CDI_VENDOR}-{CDI_CLASS}-{uid}.json"))
+    }
+}
+
+/// The CDI kind of a claim's pages: `hugepool.dev/hugepages`.
+pub const CDI_VENDOR: &str = "hugepool.dev";
+pub const CDI_CLASS: &str = "hugepages";
+
+/// The environment variable a claim's pages put in each container that
+/// uses the claim, one per allocation result:
+/// `HUGEPOOL_PAGES_<claim uid>_<n>=size=2Mi,numa=0,pages=16`. The NRI plugin
+/// sets the container's hugetlb limits and memory nodes from them; the
+/// application may read them to know where its pages are.
+pub const ENV_PREFIX: &str = "HUGEPOOL_PAGES_";
+
+/// The CDI device of allocation result `index` of the claim with `uid`.
+fn cdi_device(uid: &str, index: usize) -> String {
+    format!("{uid}-{index}")
+}
+
+/// The fully qualified CDI device ids the kubelet hands the runtime for
+/// each of the claim's results, in order.
+pub fn cdi_device_ids(uid: &str, claim: &PreparedClaim) -> Vec<String> {
+    (0..claim.pages.len())
+        .map(|index| format!("{CDI_VENDOR}/{CDI_CLASS}={}", cdi_device(uid, index)))
+        .collect()
+}
+
+/// The CDI spec of a prepared claim: one device per allocation result whose
+/// only edit is its environment variable ([`ENV_PREFIX`]).
+pub fn cdi_spec(uid: &str, claim: &PreparedClaim) -> serde_json::Value {
+    let env_uid = uid.replace('-', "_").to_uppercase();
+    let devices: Vec<_> = claim
+        .pages
+        .iter()
+        .enumerate()
+        .map(|(index, pages)| {
+            serde_json::json!({
+                "name": cdi_device(uid, index),
+                "containerEdits": {
+                    "env": [format!(
+                        "{ENV_PREFIX}{env_uid}_{index}=size={},numa={},pages={}",
+                        pages.size, pages.numa, pages.pages
+                    )],
+                },
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "cdiVersion": "0.6.0",
+        "kind": format!("{CDI_VENDOR}/{CDI_CLASS}"),
+        "devices": devices,
+    })
+}
+
+/// Writes `bytes` to `path` whole or not at all (a temporary file whose name
+/// no reader of the directory picks up, renamed over it).
+fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let temporary = path.with_extension("tmp");
+    std::fs::write(&temporary, bytes)?;
+    std::fs::rename(&temporary, path)
 }
 
 /// The pages one allocation result of a claim holds.
@@ -179,9 +252,7 @@ pub fn load(path: &Path) -> std::io::Result<Prepared> {
 /// Writes `prepared` to `path` whole or not at all (a temporary file renamed
 /// over it).
 pub fn save(path: &Path, prepared: &Prepared) -> std::io::Result<()> {
-    let temporary = path.with_extension("tmp");
-    std::fs::write(&temporary, serde_json::to_vec_pretty(prepared)?)?;
-    std::fs::rename(&temporary, path)
+    write_whole(path, &serde_json::to_vec_pretty(prepared)?)
 }
 
 /// The plugin's state, shared by both services.
@@ -260,10 +331,33 @@ impl KubeletPlugin {
         }
         let json = serde_json::to_value(&claim).map_err(|err| err.to_string())?;
         let prepared = claimed_pages(&json, &self.node)?;
+        let spec = self.dirs.cdi_spec(uid);
+        let bytes =
+            serde_json::to_vec_pretty(&cdi_spec(uid, &prepared)).map_err(|err| err.to_string())?;
+        write_whole(&spec, &bytes)
+            .map_err(|err| format!("cannot write the CDI spec {}: {err}", spec.display()))?;
         self.update(|all| {
             all.insert(uid.to_string(), prepared.clone());
         })?;
         Ok(prepared)
+    }
+
+    /// Forgets a claim and removes its CDI spec (already gone is done).
+    fn unprepare(&self, uid: &str) -> Result<(), String> {
+        let spec = self.dirs.cdi_spec(uid);
+        match std::fs::remove_file(&spec) {
+            Ok(()) => {}
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => {
+                return Err(format!(
+                    "cannot remove the CDI spec {}: {err}",
+                    spec.display()
+                ));
+            }
+        }
+        self.update(|all| {
+            all.remove(uid);
+        })
     }
 }
 
@@ -317,11 +411,12 @@ impl DraPlugin for Claims {
                         devices: prepared
                             .pages
                             .iter()
-                            .map(|p| proto::v1::Device {
+                            .zip(cdi_device_ids(&claim.uid, &prepared))
+                            .map(|(p, cdi)| proto::v1::Device {
                                 request_names: vec![p.request.clone()],
                                 pool_name: self.0.node.clone(),
                                 device_name: p.device.clone(),
-                                cdi_device_ids: Vec::new(),
+                                cdi_device_ids: vec![cdi],
                                 share_id: p.share_id.clone(),
                             })
                             .collect(),
@@ -347,10 +442,7 @@ impl DraPlugin for Claims {
     ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
         let mut claims = std::collections::HashMap::new();
         for claim in request.into_inner().claims {
-            let uid = claim.uid.clone();
-            let error = match self.0.update(|all| {
-                all.remove(&uid);
-            }) {
+            let error = match self.0.unprepare(&claim.uid) {
                 Ok(()) => String::new(),
                 Err(error) => error,
             };
@@ -487,6 +579,56 @@ mod tests {
             let error = claimed_pages(&claim, "w-1").unwrap_err();
             assert!(error.contains(why), "{error} (wanted {why})");
         }
+    }
+
+    #[test]
+    fn each_result_is_a_cdi_device_naming_its_pages_in_the_environment() {
+        let prepared = claimed_pages(
+            &claim(json!([{"request": "pages", "driver": DRIVER, "pool": "w-1",
+                           "device": "hugepages-2mi-numa1", "consumedCapacity": {"memory": "32Mi"}},
+                          {"request": "big", "driver": DRIVER, "pool": "w-1",
+                           "device": "hugepages-1gi-numa0", "consumedCapacity": {"memory": "2Gi"}}])),
+            "w-1",
+        )
+        .unwrap();
+        let uid = "6d1e-42";
+        assert_eq!(
+            cdi_device_ids(uid, &prepared),
+            [
+                "hugepool.dev/hugepages=6d1e-42-0",
+                "hugepool.dev/hugepages=6d1e-42-1"
+            ]
+        );
+        let spec = cdi_spec(uid, &prepared);
+        assert_eq!(spec["kind"], "hugepool.dev/hugepages");
+        let edits: Vec<_> = spec["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| (d["name"].clone(), d["containerEdits"]["env"].clone()))
+            .collect();
+        assert_eq!(
+            edits,
+            [
+                (
+                    json!("6d1e-42-0"),
+                    json!(["HUGEPOOL_PAGES_6D1E_42_0=size=2Mi,numa=1,pages=16"])
+                ),
+                (
+                    json!("6d1e-42-1"),
+                    json!(["HUGEPOOL_PAGES_6D1E_42_1=size=1Gi,numa=0,pages=2"])
+                ),
+            ]
+        );
+        let dirs = PluginDirs {
+            registry: "/r".into(),
+            plugins: "/p".into(),
+            cdi: "/var/run/cdi".into(),
+        };
+        assert_eq!(
+            dirs.cdi_spec(uid),
+            Path::new("/var/run/cdi/hugepool.dev-hugepages-6d1e-42.json")
+        );
     }
 
     #[test]

@@ -1743,6 +1743,7 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     let kubelet_dirs = tempfile::tempdir().expect("the kubelet's plugin directories");
     let registry = kubelet_dirs.path().join("plugins_registry");
     let plugins = kubelet_dirs.path().join("plugins");
+    let cdi = kubelet_dirs.path().join("cdi");
     let agent = AgentProcess::start(
         &own.control_plane.kubeconfig,
         &name,
@@ -1753,6 +1754,8 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
             registry.to_str().unwrap(),
             "--kubelet-plugins-dir",
             plugins.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
         ],
     );
     wait_for(
@@ -1907,6 +1910,30 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         prepared_device.share_id.is_some(),
         "a consumable allocation has a share"
     );
+    // The claim's CDI device puts where its pages are in each container
+    // that uses it, for the NRI plugin to set its limits from.
+    assert_eq!(
+        prepared_device.cdi_device_ids,
+        [format!("hugepool.dev/hugepages={first_uid}-0")]
+    );
+    let spec_file = cdi.join(format!("hugepool.dev-hugepages-{first_uid}.json"));
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_file).expect("the claim's CDI spec"))
+            .expect("CDI spec JSON");
+    assert_eq!(spec["kind"], "hugepool.dev/hugepages");
+    assert_eq!(spec["devices"][0]["name"], format!("{first_uid}-0"));
+    assert_eq!(
+        spec["devices"][0]["containerEdits"]["env"],
+        serde_json::json!([format!(
+            "HUGEPOOL_PAGES_{}_0=size=2Mi,numa=0,pages=20",
+            first_uid.replace('-', "_").to_uppercase()
+        )])
+    );
+    assert_eq!(
+        std::fs::read_dir(&cdi).unwrap().count(),
+        1,
+        "no spec for the claim that was refused, no temporary file left"
+    );
     assert!(
         prepared[&second_uid].error.contains("not allocated"),
         "{:?}",
@@ -1933,6 +1960,10 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         .claims;
     assert_eq!(unprepared[&first_uid].error, "");
     assert!(hugepool_agent::dra::load(&kept_file).unwrap().is_empty());
+    assert!(
+        !spec_file.exists(),
+        "an unprepared claim's CDI spec is removed"
+    );
 
     // ... until the pool grows, with no kubelet restart: the slice follows
     // at once (a newer pool generation) and the scheduler places the claim.
