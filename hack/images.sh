@@ -10,7 +10,8 @@
 # VERSION is the workspace crate version; the chart's appVersion must match
 # (a test checks). Binaries are static (musl) and each image is one layer on
 # an empty base: the operator holds its binary and CA certificates and runs as
-# 65532; the agent adds busybox's static nsenter for kubelet restarts.
+# 65532; the agent adds busybox's static nsenter for kubelet restarts and
+# the NRI plugin (hugepool-nri, Go) for pools claimed through DRA.
 # Registries (HUGEPOOL_IMAGE_REGISTRY) other than the default only change the
 # names written into the archives.
 #
@@ -134,6 +135,16 @@ bin="$target_dir/$target/release"
 [[ -z "$binaries_only" ]] || exit 0
 mkdir -p "$out"
 
+# The NRI plugin of DRA pools (nri/, Go: containerd/nri's stub), static, in
+# the agent's image. An earlier version (make previous) may have none.
+nri=()
+if [[ -d "$src_dir/nri" ]]; then
+  say "go build hugepool-nri ($oci_arch)"
+  (cd "$src_dir/nri" && CGO_ENABLED=0 GOOS=linux GOARCH="$oci_arch" \
+    go build -trimpath -ldflags "-s -w" -o "$target_dir/go/$oci_arch/hugepool-nri" .)
+  nri=("$target_dir/go/$oci_arch/hugepool-nri:hugepool-nri")
+fi
+
 # image NAME REF USER ENTRYPOINT FILE... : one OCI archive with FILEs
 # (src:dest pairs) as its only layer.
 image() {
@@ -176,7 +187,7 @@ certs=/etc/ssl/certs/ca-certificates.crt:etc/ssl/certs/ca-certificates.crt
 image hugepool-operator "$registry/hugepool-operator:$version" 65532:65532 /hugepool-operator \
   "$bin/hugepool-operator:hugepool-operator" "$certs"
 image hugepool-agent "$registry/hugepool-agent:$version" 0:0 /hugepool-agent \
-  "$bin/hugepool-agent:hugepool-agent" "$certs" "$busybox:usr/bin/nsenter"
+  "$bin/hugepool-agent:hugepool-agent" "$certs" "$busybox:usr/bin/nsenter" "${nri[@]}"
 if [[ -n "$cross" ]]; then
   cp -f "$bin/kubectl-hugepool" "$out/kubectl-hugepool"
 elif [[ "$src_dir" == "$root" ]]; then

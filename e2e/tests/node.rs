@@ -2989,6 +2989,8 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
             if image == "hugepool-agent" {
                 let nsenter = std::fs::read(unpacked.path().join("usr/bin/nsenter")).unwrap();
                 assert_eq!(elf_machine(&nsenter), machine, "nsenter {platform}");
+                let nri = std::fs::read(unpacked.path().join("hugepool-nri")).unwrap();
+                assert_eq!(elf_machine(&nri), machine, "hugepool-nri {platform}");
             }
 
             // The platform's SBOM: attested with the release key, about
