@@ -19,7 +19,7 @@ build:
 
 ## Everything CI checks: lint, then every test (unit, real kernel, real control plane).
 test: lint controlplane images previous
-	cd nri && CGO_ENABLED=0 go test ./...
+	cd hooks && CGO_ENABLED=0 go test ./...
 	bash e2e/with-controlplane.sh $(CARGO) test --workspace --all-targets --no-fail-fast
 
 ## The control-plane tests again on the oldest Kubernetes the chart admits (v$(OLDEST_K8S), built
@@ -34,15 +34,15 @@ test-oldest-k8s:
 lint: controlplane
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	@unformatted="$$(gofmt -l $(CONTROLPLANE_DIR)/*.go nri/*.go)"; \
+	@unformatted="$$(gofmt -l $(CONTROLPLANE_DIR)/*.go hooks/*.go)"; \
 	  if [[ -n "$$unformatted" ]]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	cd $(CONTROLPLANE_DIR) && CGO_ENABLED=0 go vet ./...
-	cd nri && CGO_ENABLED=0 go vet ./...
+	cd hooks && CGO_ENABLED=0 go vet ./...
 	"$$(bash hack/tool.sh actionlint)" .github/workflows/*.yml
 
 fmt:
 	$(CARGO) fmt --all
-	gofmt -w $(CONTROLPLANE_DIR)/*.go nri/*.go
+	gofmt -w $(CONTROLPLANE_DIR)/*.go hooks/*.go
 
 ## Regenerate the CRD manifests (crds/ and charts/hugepool/crds/) from the Rust types.
 crds:

@@ -11,7 +11,7 @@
 # (a test checks). Binaries are static (musl) and each image is one layer on
 # an empty base: the operator holds its binary and CA certificates and runs as
 # 65532; the agent adds busybox's static nsenter for kubelet restarts and
-# the NRI plugin (hugepool-nri, Go) for pools claimed through DRA.
+# the node hooks (hugepool-hooks, Go) for pools claimed through DRA.
 # Registries (HUGEPOOL_IMAGE_REGISTRY) other than the default only change the
 # names written into the archives.
 #
@@ -135,14 +135,15 @@ bin="$target_dir/$target/release"
 [[ -z "$binaries_only" ]] || exit 0
 mkdir -p "$out"
 
-# The NRI plugin of DRA pools (nri/, Go: containerd/nri's stub), static, in
-# the agent's image. An earlier version (make previous) may have none.
-nri=()
-if [[ -d "$src_dir/nri" ]]; then
-  say "go build hugepool-nri ($oci_arch)"
-  (cd "$src_dir/nri" && CGO_ENABLED=0 GOOS=linux GOARCH="$oci_arch" \
-    go build -trimpath -ldflags "-s -w" -o "$target_dir/go/$oci_arch/hugepool-nri" .)
-  nri=("$target_dir/go/$oci_arch/hugepool-nri:hugepool-nri")
+# The node hooks of DRA pools (hooks/, Go: the NRI plugin on containerd/nri's
+# stub, the kubelet plugin's registration), static, in the agent's image. An
+# earlier version (make previous) may have none.
+hooks=()
+if [[ -d "$src_dir/hooks" ]]; then
+  say "go build hugepool-hooks ($oci_arch)"
+  (cd "$src_dir/hooks" && CGO_ENABLED=0 GOOS=linux GOARCH="$oci_arch" \
+    go build -trimpath -ldflags "-s -w" -o "$target_dir/go/$oci_arch/hugepool-hooks" .)
+  hooks=("$target_dir/go/$oci_arch/hugepool-hooks:hugepool-hooks")
 fi
 
 # image NAME REF USER ENTRYPOINT FILE... : one OCI archive with FILEs
@@ -187,7 +188,7 @@ certs=/etc/ssl/certs/ca-certificates.crt:etc/ssl/certs/ca-certificates.crt
 image hugepool-operator "$registry/hugepool-operator:$version" 65532:65532 /hugepool-operator \
   "$bin/hugepool-operator:hugepool-operator" "$certs"
 image hugepool-agent "$registry/hugepool-agent:$version" 0:0 /hugepool-agent \
-  "$bin/hugepool-agent:hugepool-agent" "$certs" "$busybox:usr/bin/nsenter" "${nri[@]}"
+  "$bin/hugepool-agent:hugepool-agent" "$certs" "$busybox:usr/bin/nsenter" "${hooks[@]}"
 if [[ -n "$cross" ]]; then
   cp -f "$bin/kubectl-hugepool" "$out/kubectl-hugepool"
 elif [[ "$src_dir" == "$root" ]]; then

@@ -1,8 +1,8 @@
-//! Compiles the kubelet's plugin registration and DRA protos (proto/) into
+//! Compiles the kubelet's DRA proto (proto/) into
 //! the tonic services of `hugepool_agent::dra`, with protox: no protoc.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["proto/registration.proto", "proto/dra.proto"];
+    let protos = ["proto/dra.proto"];
     for proto in protos {
         println!("cargo:rerun-if-changed={proto}");
     }

@@ -37,7 +37,8 @@ var controllers = []string{
 // Deployments, DaemonSets, Jobs (the chart's uninstall hook), the
 // kube-root-ca.crt ConfigMap that every pod's
 // service-account volume mounts, and node lifecycle, which lifts the
-// not-ready taint a kubelet registers with. Without --node it stays off: the
+// not-ready taint a kubelet registers with, and the ResourceClaims of pods
+// that name a ResourceClaimTemplate. Without --node it stays off: the
 // e2e tests create Nodes that no kubelet heartbeats. Taint-based eviction
 // stays off in both modes.
 var nodeControllers = []string{
@@ -47,6 +48,7 @@ var nodeControllers = []string{
 	"daemonset-controller",
 	"job-controller",
 	"root-ca-certificate-publisher-controller",
+	"resourceclaim-controller",
 }
 
 func runAPIServer(args []string) int {

@@ -1934,6 +1934,209 @@ async fn after_a_grow_and_the_kubelet_restart_a_pod_faults_exactly_the_pages_it_
     );
 }
 
+/// A pool consumed through DRA, end to end on the real node (containerd 2.x
+/// with NRI, the hugetlb controller enforcing, the real scheduler): grown
+/// with no kubelet restart, its slice shows the new pages, a claim for more
+/// than the old pool is allocated and prepared by the agent's kubelet
+/// plugin, and its pod, which requests no hugepages-2Mi, faults exactly the
+/// claimed pages (the NRI plugin's limits) and is refused one more.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grown_dra_pool_is_claimed_and_faulted_at_once_with_no_kubelet_restart() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    let kubelet_root = format!("dra.kubeletRootDir={}", node.kubelet_root.display());
+    node.helm_install_values(&["dra.enabled=true", &kubelet_root]);
+    node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
+    node.apply(
+        r#"
+apiVersion: hugepool.dev/v1alpha1
+kind: HugePagePool
+metadata: {name: claims-2mi}
+spec:
+  nodeSelector: {matchLabels: {hugepool.dev/demo: "true"}}
+  pageSize: 2Mi
+  pages: 32
+  consumption: DynamicResourceAllocation
+  drain: {policy: IfNeeded, timeout: 2m}
+  deletionPolicy: Release
+"#,
+    );
+    node.wait_available("claims-2mi");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let allocatable = || async {
+        nodes
+            .get(&node.name)
+            .await
+            .expect("Node")
+            .status
+            .and_then(|s| s.allocatable)
+            .and_then(|a| a.get("hugepages-2Mi").map(|q| q.0.clone()))
+    };
+    let run = node.kubelet_run();
+    let allocatable_before = allocatable().await;
+
+    // The grow: the slice follows within seconds, the kubelet is left alone.
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "claims-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"pages":96}}"#,
+    ]);
+    let slices: Api<kube::api::DynamicObject> = Api::all_with(
+        client.clone(),
+        &kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceSlice"),
+            "resourceslices",
+        ),
+    );
+    let slice_name = format!("{}-hugepool", node.name);
+    let advertised = allocatable_before
+        .as_deref()
+        .map(|q| hugepool_crds::quantity::parse_bytes(q).expect("a quantity") / bytes_2mi(1))
+        .unwrap_or(0);
+    let claimable = bytes_2mi(96 - advertised);
+    wait_for(
+        "the slice shows the grown pool",
+        Duration::from_secs(300),
+        || async {
+            let slice = slices.get(&slice_name).await.map_err(|e| e.to_string())?;
+            let memory = slice.data["spec"]["devices"][0]["capacity"]["memory"]["value"]
+                .as_str()
+                .map(|q| hugepool_crds::quantity::parse_bytes(q).unwrap_or(0));
+            match memory {
+                Some(bytes) if bytes == claimable => Ok(()),
+                other => Err(format!("{other:?} of {claimable}")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(read_sys("nr_hugepages"), 96);
+
+    // 80 pages claimed: more than the pool had before the grow.
+    node.apply(&format!(
+        r#"
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: pages-80, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: pages
+        exactly:
+          deviceClassName: hugepages-2mi.hugepool.dev
+          capacity: {{requests: {{memory: 160Mi}}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: claimer, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 5
+  resourceClaims:
+  - {{name: pages, resourceClaimTemplateName: pages-80}}
+  containers:
+  - name: holder
+    image: localhost/hugepool-e2e:{version}
+    command: ["/hugepage-holder", "80", "--and-one-more"]
+    resources:
+      claims: [{{name: pages}}]
+      limits: {{memory: 64Mi, cpu: 100m}}
+"#,
+        version = env!("CARGO_PKG_VERSION"),
+    ));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    wait_for("the claimer runs", Duration::from_secs(300), || async {
+        let pod = pods.get("claimer").await.map_err(|e| e.to_string())?;
+        let status = pod.status.unwrap_or_default();
+        if status.phase.as_deref() == Some("Running") {
+            return Ok(());
+        }
+        let events = node.kubectl(&[
+            "get",
+            "events",
+            "-n",
+            "default",
+            "--field-selector",
+            "involvedObject.name=claimer",
+            "-o",
+            "custom-columns=REASON:.reason,MESSAGE:.message",
+        ]);
+        let journal = Command::new(node.cp.dir.join("node").join("journalctl"))
+            .args(["--unit", "kubelet", "--no-pager", "--output", "cat"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let kubelet: Vec<_> = journal
+            .lines()
+            .filter(|l| l.contains("hugepool.dev") || l.contains("plugin"))
+            .collect();
+        let agent = Command::new(hugepool_e2e::kubectl_path())
+            .args([
+                "--kubeconfig",
+                node.cp.control_plane.kubeconfig.to_str().unwrap(),
+            ])
+            .args([
+                "logs",
+                "-n",
+                NAMESPACE,
+                "daemonset/hugepool-agent",
+                "--all-containers",
+            ])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        Err(format!(
+            "{:?} {:?}\n{events}\nkubelet:\n{}\nagent:\n{agent}",
+            status.phase,
+            status.container_statuses,
+            kubelet.join("\n")
+        ))
+    })
+    .await;
+    node.wait_in_use(96, 80).await;
+    let one_more = node.wait_log_line("claimer", "one more page:").await;
+    assert!(
+        one_more.contains("refused"),
+        "the 81st page is refused by the claim's hugetlb limits: {one_more}"
+    );
+    assert_eq!(
+        read_sys_node0("free_hugepages"),
+        16,
+        "the claim's pages came off NUMA node 0, the device's"
+    );
+    let (pod, container) = node.pod_cgroups(&pods, "claimer").await;
+    for (cgroup, file) in [
+        (&pod, "limit_in_bytes"),
+        (&pod, "rsvd.limit_in_bytes"),
+        (&container, "limit_in_bytes"),
+    ] {
+        assert_eq!(
+            node.hugetlb_2mi(cgroup, file),
+            Some(bytes_2mi(80)),
+            "{cgroup} {file}: the claim's pages, the kubelet gave 0"
+        );
+    }
+    assert_eq!(
+        node.hugetlb_2mi(&container, "usage_in_bytes"),
+        Some(bytes_2mi(80))
+    );
+    // No kubelet restart, its allocatable untouched.
+    assert_eq!(node.kubelet_run(), run, "the kubelet was not restarted");
+    assert_eq!(allocatable().await, allocatable_before);
+}
+
+/// A file of NUMA node 0's 2Mi pool.
+fn read_sys_node0(file: &str) -> u64 {
+    let path = format!("/sys/devices/system/node/node0/hugepages/hugepages-2048kB/{file}");
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .trim()
+        .parse()
+        .expect("a number")
+}
+
 fn kubelet_state(node: &Node, file: &str) -> Option<String> {
     std::fs::read_to_string(node.kubelet_root.join(file)).ok()
 }
@@ -2989,8 +3192,8 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
             if image == "hugepool-agent" {
                 let nsenter = std::fs::read(unpacked.path().join("usr/bin/nsenter")).unwrap();
                 assert_eq!(elf_machine(&nsenter), machine, "nsenter {platform}");
-                let nri = std::fs::read(unpacked.path().join("hugepool-nri")).unwrap();
-                assert_eq!(elf_machine(&nri), machine, "hugepool-nri {platform}");
+                let hooks = std::fs::read(unpacked.path().join("hugepool-hooks")).unwrap();
+                assert_eq!(elf_machine(&hooks), machine, "hugepool-hooks {platform}");
             }
 
             // The platform's SBOM: attested with the release key, about

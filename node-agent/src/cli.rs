@@ -220,18 +220,13 @@ pub struct RunArgs {
     /// later). Without it such pools are sized but not claimable.
     #[arg(long, env = "HUGEPOOL_RESOURCE_SLICES")]
     pub resource_slices: bool,
-    /// Serve the kubelet plugin of driver hugepages.hugepool.dev: its
-    /// registration socket in --kubelet-registry-dir, its DRA socket and the
-    /// prepared claims under --kubelet-plugins-dir (the chart mounts both at
-    /// the kubelet's own paths, which the kubelet dials).
+    /// Serve the kubelet plugin of driver hugepages.hugepool.dev: its DRA
+    /// socket and the prepared claims under --kubelet-plugins-dir (the chart
+    /// mounts it at the kubelet's own path, which the kubelet dials), each
+    /// prepared claim's CDI spec in --cdi-dir. Its registration is
+    /// hugepool-hooks' (--kubelet-registry-dir).
     #[arg(long, env = "HUGEPOOL_KUBELET_PLUGIN")]
     pub kubelet_plugin: bool,
-    #[arg(
-        long,
-        value_name = "PATH",
-        default_value = "/var/lib/kubelet/plugins_registry"
-    )]
-    pub kubelet_registry_dir: PathBuf,
     #[arg(long, value_name = "PATH", default_value = "/var/lib/kubelet/plugins")]
     pub kubelet_plugins_dir: PathBuf,
     /// Where the kubelet plugin writes each prepared claim's CDI spec (a
@@ -260,7 +255,6 @@ impl RunArgs {
         config.boot_file = self.boot_file.clone();
         config.resource_slices = self.resource_slices;
         config.kubelet_plugin = self.kubelet_plugin.then(|| crate::dra::PluginDirs {
-            registry: self.kubelet_registry_dir.clone(),
             plugins: self.kubelet_plugins_dir.clone(),
             cdi: self.cdi_dir.clone(),
         });

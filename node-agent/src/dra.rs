@@ -1,8 +1,9 @@
 //! The kubelet plugin of pools claimed through DRA (driver
-//! `hugepages.hugepool.dev`): the registration service the kubelet finds in
-//! its `plugins_registry` directory, and the DRA service (v1) it calls to
+//! `hugepages.hugepool.dev`): the DRA service (v1) the kubelet calls to
 //! prepare a pod's claims before it creates the pod's sandbox and to
-//! unprepare them after the pod is gone.
+//! unprepare them after the pod is gone. Its registration (the socket the
+//! kubelet finds in its `plugins_registry`) is served by `hugepool-hooks`
+//! (hooks/registration.go says why not here).
 //!
 //! Preparing a claim reads it (the kubelet names it; the agent may `get`
 //! claims), checks that its allocation is this node's, and records which
@@ -32,18 +33,11 @@ use crate::agent::slice::{DRIVER, Device};
 
 /// The generated services and messages.
 pub mod proto {
-    pub mod registration {
-        tonic::include_proto!("pluginregistration");
-    }
     pub mod v1 {
         tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
     }
 }
 
-use proto::registration::registration_server::{Registration, RegistrationServer};
-use proto::registration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-};
 use proto::v1::dra_plugin_server::{DraPlugin, DraPluginServer};
 use proto::v1::{
     NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
@@ -61,12 +55,11 @@ pub fn resource_claims() -> kube::api::ApiResource {
     )
 }
 
-/// Where the plugin's sockets go: the kubelet's registry directory (it
-/// watches it for `<driver>-reg.sock`) and its plugins directory (the DRA
-/// socket, `<plugins>/<driver>/dra.sock`).
+/// Where the plugin's files go: the kubelet's plugins directory (the DRA
+/// socket, `<plugins>/<driver>/dra.sock`, and the prepared claims) and the
+/// CDI specs' directory.
 #[derive(Clone, Debug)]
 pub struct PluginDirs {
-    pub registry: PathBuf,
     pub plugins: PathBuf,
     /// Where the container runtime reads CDI specs (containerd 2.x and
     /// CRI-O: /etc/cdi and /var/run/cdi).
@@ -74,10 +67,6 @@ pub struct PluginDirs {
 }
 
 impl PluginDirs {
-    pub fn registration_socket(&self) -> PathBuf {
-        self.registry.join(format!("{DRIVER}-reg.sock"))
-    }
-
     pub fn dra_socket(&self) -> PathBuf {
         self.plugins.join(DRIVER).join("dra.sock")
     }
@@ -361,34 +350,6 @@ impl KubeletPlugin {
     }
 }
 
-/// The registration service, answering for one plugin.
-struct Registrar(Arc<KubeletPlugin>);
-
-#[tonic::async_trait]
-impl Registration for Registrar {
-    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
-        Ok(Response::new(PluginInfo {
-            r#type: "DRAPlugin".into(),
-            name: DRIVER.into(),
-            endpoint: self.0.dirs.dra_socket().to_string_lossy().into_owned(),
-            supported_versions: vec![DRA_SERVICE.into()],
-        }))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: Request<RegistrationStatus>,
-    ) -> Result<Response<RegistrationStatusResponse>, Status> {
-        let status = request.into_inner();
-        if status.plugin_registered {
-            info!(driver = DRIVER, "the kubelet registered the DRA plugin");
-        } else {
-            warn!(driver = DRIVER, error = %status.error, "the kubelet refused the DRA plugin");
-        }
-        Ok(Response::new(RegistrationStatusResponse {}))
-    }
-}
-
 /// The DRA service.
 struct Claims(Arc<KubeletPlugin>);
 
@@ -466,38 +427,20 @@ fn bind(path: &Path) -> std::io::Result<UnixListener> {
     UnixListener::bind(path)
 }
 
-/// Serves the DRA service, then the registration (so the kubelet never
-/// dials an endpoint that is not there yet), until `shutdown` resolves;
-/// removes the registration socket on the way out so the kubelet drops the
-/// plugin.
+/// Serves the DRA service until `shutdown` resolves.
 pub async fn serve(
     plugin: Arc<KubeletPlugin>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let dirs = plugin.dirs.clone();
-    let dra = bind(&dirs.dra_socket())?;
-    let registration = bind(&dirs.registration_socket())?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let signal = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
-    let dra_server = tonic::transport::Server::builder()
+    let socket = plugin.dirs.dra_socket();
+    let dra = bind(&socket)?;
+    info!(dra = %socket.display(), "kubelet plugin serving");
+    let served = tonic::transport::Server::builder()
         .add_service(DraPluginServer::new(Claims(Arc::clone(&plugin))))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(dra), signal(stopped.clone()));
-    let registration_server = tonic::transport::Server::builder()
-        .add_service(RegistrationServer::new(Registrar(Arc::clone(&plugin))))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(registration), signal(stopped));
-    info!(registration = %dirs.registration_socket().display(), dra = %dirs.dra_socket().display(), "kubelet plugin serving");
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = stop.send(true);
-    });
-    let (a, b) = tokio::join!(dra_server, registration_server);
-    let _ = std::fs::remove_file(dirs.registration_socket());
-    for result in [a, b] {
-        if let Err(err) = result {
-            warn!(error = %err, "kubelet plugin server failed");
-        }
+        .serve_with_incoming_shutdown(UnixListenerStream::new(dra), shutdown)
+        .await;
+    if let Err(err) = served {
+        warn!(error = %err, "kubelet plugin server failed");
     }
     Ok(())
 }
@@ -621,7 +564,6 @@ mod tests {
             ]
         );
         let dirs = PluginDirs {
-            registry: "/r".into(),
             plugins: "/p".into(),
             cdi: "/var/run/cdi".into(),
         };

@@ -10,8 +10,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hugepool_agent::agent::slice::{DRIVER, resource_slices, slice_name};
-use hugepool_agent::dra::proto::registration::registration_client::RegistrationClient;
-use hugepool_agent::dra::proto::registration::{InfoRequest, RegistrationStatus};
 use hugepool_agent::dra::proto::v1::dra_plugin_client::DraPluginClient;
 use hugepool_agent::dra::proto::v1::{NodePrepareResourcesRequest, NodeUnprepareResourcesRequest};
 use hugepool_agent::dra::resource_claims;
@@ -1741,7 +1739,6 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         .await
         .expect("make the Node schedulable");
     let kubelet_dirs = tempfile::tempdir().expect("the kubelet's plugin directories");
-    let registry = kubelet_dirs.path().join("plugins_registry");
     let plugins = kubelet_dirs.path().join("plugins");
     let cdi = kubelet_dirs.path().join("cdi");
     let agent = AgentProcess::start(
@@ -1750,8 +1747,6 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         &[
             "--resource-slices",
             "--kubelet-plugin",
-            "--kubelet-registry-dir",
-            registry.to_str().unwrap(),
             "--kubelet-plugins-dir",
             plugins.to_str().unwrap(),
             "--cdi-dir",
@@ -1853,33 +1848,11 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     assert!(!why.is_empty());
     assert!(allocation(&client, "second").await.is_none());
 
-    // The kubelet's side of the plugin: it finds the registration socket,
-    // learns the driver and its DRA socket, and prepares the pod's claim
-    // there; a claim not allocated yet is refused with the reason.
-    let registration = registry.join("hugepages.hugepool.dev-reg.sock");
-    let mut registrar = RegistrationClient::new(unix_channel(&registration).await);
-    let info = registrar
-        .get_info(InfoRequest {})
-        .await
-        .expect("GetInfo")
-        .into_inner();
-    assert_eq!(
-        (
-            info.r#type.as_str(),
-            info.name.as_str(),
-            info.supported_versions
-        ),
-        ("DRAPlugin", DRIVER, vec!["v1.DRAPlugin".to_string()])
-    );
-    let endpoint = PathBuf::from(&info.endpoint);
-    assert_eq!(endpoint, plugins.join("hugepages.hugepool.dev/dra.sock"));
-    registrar
-        .notify_registration_status(RegistrationStatus {
-            plugin_registered: true,
-            error: String::new(),
-        })
-        .await
-        .expect("NotifyRegistrationStatus");
+    // The kubelet's side of the plugin: it dials the DRA socket
+    // (hugepool-hooks registers it: hooks/registration_test.go) and
+    // prepares the pod's claim there; a claim not allocated yet is refused
+    // with the reason.
+    let endpoint = plugins.join("hugepages.hugepool.dev/dra.sock");
     let mut kubelet = DraPluginClient::new(unix_channel(&endpoint).await);
     let first_uid = claim_uid(&client, "first").await;
     let second_uid = claim_uid(&client, "second").await;

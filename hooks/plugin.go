@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/containerd/nri/pkg/api"
 )
@@ -109,6 +110,8 @@ type plugin struct {
 	cgroups cgroups
 	mu      sync.Mutex
 	pods    map[string]*podState
+	// ready: synchronised with the runtime, and not disconnected since.
+	ready atomic.Bool
 }
 
 func newPlugin(c cgroups) *plugin {
@@ -227,6 +230,7 @@ func (p *plugin) Synchronize(_ context.Context, pods []*api.PodSandbox, ctrs []*
 		p.pods[pod.GetUid()] = state
 	}
 	log.Printf("synchronised: %d pods use claimed pages", len(p.pods))
+	p.ready.Store(true)
 	return nil, nil
 }
 

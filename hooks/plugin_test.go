@@ -128,9 +128,15 @@ func TestAContainerGetsItsClaimsOnTopOfTheKubeletsLimitsAndThePodIsRaised(t *tes
 			// Restarted: synchronised from the running containers, the
 			// kubelet's share is known again and nothing is added twice.
 			again := newPlugin(cgroups{root: root})
+			if again.ready.Load() {
+				t.Fatal("ready before synchronising")
+			}
 			if _, err := again.Synchronize(context.Background(), []*api.PodSandbox{sandbox},
 				[]*api.Container{container("app", sandbox.Id, env, 4*mib, ""), container("side", sandbox.Id, env2, 0, "")}); err != nil {
 				t.Fatal(err)
+			}
+			if !again.ready.Load() {
+				t.Fatal("not ready once synchronised")
 			}
 			if _, _, err := again.CreateContainer(context.Background(), sandbox, container("app", sandbox.Id, env, 4*mib, "")); err != nil {
 				t.Fatal(err)
