@@ -1389,6 +1389,119 @@ async fn api_server_down_mid_resize_the_kernel_still_reaches_the_target() {
     drop(real);
 }
 
+/// The apiserver down while a DRA pool grows: the agent keeps growing, its
+/// slice writes fail and are counted, and once the apiserver is back the
+/// slice shows the pages the kernel reached (a newer pool generation),
+/// nothing lost.
+#[tokio::test]
+async fn api_server_down_mid_dra_grow_the_slice_catches_up_when_it_is_back() {
+    let Some(_shared) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(4 * GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let dir = std::env::temp_dir().join(unique_name("dra-outage"));
+    let mut own = OwnedControlPlane::start(&dir).expect("a private control plane");
+    let client = own.control_plane.client().await.expect("client");
+    install_crds(client.clone()).await.expect("CRDs");
+    let (minor, _) = hugepool_e2e::server_minor(&client).await;
+    if minor < hugepool_e2e::DRA_MINOR {
+        eprintln!("1.{minor} has no consumable capacity: the outage is tested from 1.36");
+        return;
+    }
+    // As the outage test above: small steps two seconds apart, so the grow
+    // outlasts the outage's start.
+    let mut slow = slow_entry(1600);
+    slow.resize.max_step_duration = "5ms".into();
+    slow.resize.step_pause = "2s".into();
+    slow.consumption = Some(Consumption::DynamicResourceAllocation);
+    let name = unique_name("agent-dra-outage");
+    create_node(&client, &name, "0", vec![slow]).await;
+    let agent = AgentProcess::start(&own.control_plane.kubeconfig, &name, &["--resource-slices"]);
+    let slices: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &resource_slices());
+    // A first slice, mid-grow.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let before = loop {
+        if let Some((devices, generation)) = slice_devices(&slices, &name).await
+            && !devices.is_empty()
+        {
+            break generation;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no slice while the pool grows:\n{}",
+            agent.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let errors_before = agent
+        .metric(r#"hugepool_resource_slice_writes_total{result="error"}"#)
+        .unwrap_or(0.0);
+
+    let down_at = sysfs("nr_hugepages");
+    own.kill();
+    assert!(down_at < 1600, "the grow had finished before the outage");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while sysfs("nr_hugepages") != 1600 {
+        assert!(
+            Instant::now() < deadline,
+            "the kernel did not reach the target while the API was down:\n{}",
+            agent.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The slice changed while nobody could take it: its writes failed.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while agent
+        .metric(r#"hugepool_resource_slice_writes_total{result="error"}"#)
+        .unwrap_or(0.0)
+        <= errors_before
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no failed slice write while the apiserver was down:\n{}",
+            agent.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    own.restart().expect("control plane back");
+    let client = own
+        .control_plane
+        .client()
+        .await
+        .expect("client after restart");
+    let slices: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &resource_slices());
+    // The agent's backoff is at most 30 s (jittered): room for a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let after = loop {
+        let seen = slice_devices(&slices, &name).await;
+        if let Some((devices, generation)) = &seen
+            && devices.as_slice() == [("hugepages-2mi-numa0".to_string(), 1600 * MI2.bytes())]
+        {
+            break *generation;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the slice is {seen:?} after the outage, not the 1600 pages the kernel has:\n{}",
+            agent.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        after > before,
+        "a newer pool generation ({after} after {before})"
+    );
+    assert_eq!(
+        agent.metric(r#"hugepool_claimable_pages{size="2Mi",numa="0"}"#),
+        Some(1600.0)
+    );
+    drop(agent);
+    cleanup(&client, &name).await;
+    drop(own);
+    drop(real);
+}
+
 /// Reasons of the Events recorded about `name` (events.k8s.io, seen as core Events).
 async fn event_reasons(client: &Client, name: &str) -> Vec<String> {
     let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(client.clone(), "default");
