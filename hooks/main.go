@@ -54,7 +54,7 @@ func main() {
 		if *registry == "" {
 			return
 		}
-		if err := serveRegistration(ctx, *registry, *endpoint); err != nil {
+		if err := serveRegistration(ctx, *registry, *endpoint, plugin.ready.Load); err != nil {
 			log.Fatalf("hugepool-hooks: %v", err)
 		}
 	}()

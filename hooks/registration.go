@@ -51,24 +51,47 @@ func registrationSocket(registry string) string {
 	return filepath.Join(registry, driver+"-reg.sock")
 }
 
-// serveRegistration waits until the agent's DRA socket accepts connections
-// (the kubelet never registers an endpoint that is not there), then serves
-// the registration socket until ctx ends, and removes it so the kubelet
-// drops the plugin.
-func serveRegistration(ctx context.Context, registry, endpoint string) error {
-	for {
-		conn, err := net.DialTimeout("unix", endpoint, time.Second)
-		if err == nil {
-			conn.Close()
-			break
-		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-time.After(time.Second):
-		}
-	}
+// serveRegistration serves the registration socket while the agent's DRA
+// socket accepts connections and ready() holds (the NRI plugin is
+// synchronised with the runtime), until ctx ends: the kubelet sees the
+// driver only while both halves can do their part, so a claim's pod waits
+// (the kubelet retries "not registered") rather than start without its
+// hugetlb limits. Between those times the socket is removed, which makes
+// the kubelet drop the plugin.
+func serveRegistration(ctx context.Context, registry, endpoint string, ready func() bool) error {
 	socket := registrationSocket(registry)
+	up := func() bool {
+		if !ready() {
+			return false
+		}
+		conn, err := net.DialTimeout("unix", endpoint, time.Second)
+		if err != nil {
+			return false
+		}
+		conn.Close()
+		return true
+	}
+	for {
+		for !up() {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(time.Second):
+			}
+		}
+		if err := serveWhile(ctx, socket, endpoint, up); err != nil {
+			return err
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		log.Printf("registration of %s withdrawn: the DRA socket or the NRI connection is gone", driver)
+	}
+}
+
+// serveWhile serves the registration on socket until ctx ends or up()
+// fails, then removes the socket.
+func serveWhile(ctx context.Context, socket, endpoint string, up func() bool) error {
 	if err := os.Remove(socket); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
@@ -78,14 +101,27 @@ func serveRegistration(ctx context.Context, registry, endpoint string) error {
 	}
 	server := grpc.NewServer()
 	registration.RegisterRegistrationServer(server, registrar{endpoint: endpoint})
+	stop := make(chan struct{})
 	go func() {
-		<-ctx.Done()
-		server.Stop()
+		defer server.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-stop:
+				return
+			case <-time.After(time.Second):
+				if !up() {
+					return
+				}
+			}
+		}
 	}()
 	log.Printf("registration of %s served on %s (DRA endpoint %s)", driver, socket, endpoint)
 	err = server.Serve(listener)
+	close(stop)
 	_ = os.Remove(socket)
-	if ctx.Err() != nil {
+	if errors.Is(err, grpc.ErrServerStopped) {
 		return nil
 	}
 	return err

@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,8 +17,9 @@ import (
 // The kubelet's plugin watcher dials the registration socket by its bare
 // path (pkg/kubelet/pluginmanager/operationexecutor, v1.37.2), so its
 // :authority is the path: dialled the same way, GetInfo names the agent's
-// DRA socket, and only once that socket listens.
-func TestTheKubeletLearnsTheAgentsDRASocketOnceItListens(t *testing.T) {
+// DRA socket. The socket is there only while the DRA socket listens and
+// the NRI plugin is synchronised.
+func TestTheKubeletLearnsTheAgentsDRASocketWhileBothHalvesAreUp(t *testing.T) {
 	dir, err := os.MkdirTemp("/tmp", "reg")
 	if err != nil {
 		t.Fatal(err)
@@ -25,8 +27,9 @@ func TestTheKubeletLearnsTheAgentsDRASocketOnceItListens(t *testing.T) {
 	defer os.RemoveAll(dir)
 	endpoint := filepath.Join(dir, "dra.sock")
 	ctx, cancel := context.WithCancel(context.Background())
+	var nri atomic.Bool
 	done := make(chan error, 1)
-	go func() { done <- serveRegistration(ctx, dir, endpoint) }()
+	go func() { done <- serveRegistration(ctx, dir, endpoint, nri.Load) }()
 
 	time.Sleep(1500 * time.Millisecond)
 	if _, err := os.Stat(registrationSocket(dir)); !os.IsNotExist(err) {
@@ -37,18 +40,16 @@ func TestTheKubeletLearnsTheAgentsDRASocketOnceItListens(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer agent.Close()
-
 	socket := registrationSocket(dir)
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		if _, err := os.Stat(socket); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no registration socket once the DRA socket listens")
-		}
-		time.Sleep(100 * time.Millisecond)
+	time.Sleep(1500 * time.Millisecond)
+	if _, err := os.Stat(socket); !os.IsNotExist(err) {
+		t.Fatalf("registration served before the NRI plugin is synchronised: %v", err)
 	}
+	nri.Store(true)
+	waitFor(t, "a registration socket once both halves are up", func() bool {
+		_, err := os.Stat(socket)
+		return err == nil
+	})
 	dialCtx, dialCancel := context.WithTimeout(ctx, 30*time.Second)
 	defer dialCancel()
 	conn, err := grpc.DialContext(dialCtx, socket,
@@ -73,11 +74,35 @@ func TestTheKubeletLearnsTheAgentsDRASocketOnceItListens(t *testing.T) {
 	if _, err := client.NotifyRegistrationStatus(dialCtx, &registration.RegistrationStatus{PluginRegistered: true}); err != nil {
 		t.Fatal(err)
 	}
+
+	// The runtime's NRI connection lost: withdrawn; back: served again.
+	nri.Store(false)
+	waitFor(t, "the registration withdrawn", func() bool {
+		_, err := os.Stat(socket)
+		return os.IsNotExist(err)
+	})
+	nri.Store(true)
+	waitFor(t, "the registration served again", func() bool {
+		_, err := os.Stat(socket)
+		return err == nil
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(socket); !os.IsNotExist(err) {
 		t.Fatalf("registration socket left behind: %v", err)
+	}
+}
+
+// waitFor polls until ok() holds, failing after a minute.
+func waitFor(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !ok() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within 60s: %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

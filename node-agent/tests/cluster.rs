@@ -1911,6 +1911,15 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         node_uid.unwrap(),
         "the slice goes with its Node"
     );
+    // The kubelet deletes its node's slices when it starts, and a driver's
+    // while the driver is unregistered: the agent publishes it again.
+    slices
+        .delete(&slice_name(&name), &Default::default())
+        .await
+        .expect("delete the slice as the kubelet does");
+    let again = wait_for_slice(&slices, &name, &agent, Some(&[(device, 22 * MI2.bytes())])).await;
+    assert!(again > first, "republished with a newer generation");
+    let first = again;
     assert_eq!(
         agent.metric(r#"hugepool_claimable_pages{size="2Mi",numa="0"}"#),
         Some(22.0)

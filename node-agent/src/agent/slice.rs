@@ -206,6 +206,7 @@ pub(super) async fn publish_slice(
     let mut generation: Option<i64> = None;
     let mut written: Option<Desired> = None;
     let mut backoff = Duration::from_millis(250);
+    let mut gone = slice_gone(api.clone(), &node);
     loop {
         let want = desired_rx.borrow_and_update().clone();
         let uid = shared.memory().kubelet.node_uid.clone();
@@ -242,10 +243,55 @@ pub(super) async fn publish_slice(
                 }
             }
         }
-        if desired_rx.changed().await.is_err() {
-            return;
+        tokio::select! {
+            changed = desired_rx.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            Some(()) = gone.next() => {
+                if matches!(written, Some(Desired::Devices(_))) {
+                    // The kubelet deletes its node's slices when it starts
+                    // and a driver's while the driver is not registered.
+                    warn!(slice = %slice_name(&node), "the node's resource slice was deleted: publishing it again");
+                    written = None;
+                }
+            }
         }
     }
+}
+
+/// Yields each time the node's slice is found missing: deleted, or absent
+/// when the watch (re)lists.
+fn slice_gone(
+    api: Api<DynamicObject>,
+    node: &str,
+) -> impl futures::Stream<Item = ()> + Send + Unpin + 'static {
+    let config = watcher::Config::default().fields(&format!("metadata.name={}", slice_name(node)));
+    let mut listed = false;
+    watcher(api, config)
+        .default_backoff()
+        .filter_map(move |event| {
+            let gone = match event {
+                Ok(watcher::Event::Init) => {
+                    listed = false;
+                    None
+                }
+                Ok(watcher::Event::InitApply(_)) => {
+                    listed = true;
+                    None
+                }
+                Ok(watcher::Event::InitDone) => (!listed).then_some(()),
+                Ok(watcher::Event::Delete(_)) => Some(()),
+                Ok(watcher::Event::Apply(_)) => None,
+                Err(err) => {
+                    debug!(error = %err, "watch of the node's resource slice failed; retrying with backoff");
+                    None
+                }
+            };
+            std::future::ready(gone)
+        })
+        .boxed()
 }
 
 async fn apply_slice(
