@@ -1718,6 +1718,27 @@ async fn claim_and_pod(client: &Client, name: &str, memory: &str) {
         .expect("create Pod");
 }
 
+/// A pod that requests `memory` of hugepages-2Mi the classic way
+/// (tolerating every taint: the Node has no kubelet).
+async fn classic_pod(client: &Client, name: &str, memory: &str) {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let pod = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [{"name": "c", "image": "pause", "resources": {
+                "limits": {"hugepages-2Mi": memory, "memory": "64Mi", "cpu": "100m"},
+            }}],
+            "tolerations": [{"operator": "Exists"}],
+        },
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("create Pod");
+}
+
 /// The claim's allocation: (device, consumed memory in bytes), once the
 /// scheduler made one.
 async fn allocation(client: &Client, claim: &str) -> Option<(String, u64)> {
@@ -1969,6 +1990,28 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     let why = wait_unschedulable(&client, "second").await;
     assert!(!why.is_empty());
     assert!(allocation(&client, "second").await.is_none());
+    // ... and nothing is counted twice: a pod that requests hugepages-2Mi
+    // gets the 10 pages the kubelet advertises and no more, whatever the
+    // claims left (11 refused, 10 placed): 20 claimed + 10 requested of 32.
+    classic_pod(&client, "classic-11", "22Mi").await;
+    let why = wait_unschedulable(&client, "classic-11").await;
+    assert!(why.contains("Insufficient hugepages-2Mi"), "{why}");
+    classic_pod(&client, "classic-10", "20Mi").await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while pods
+        .get("classic-10")
+        .await
+        .ok()
+        .and_then(|p| p.spec?.node_name)
+        .is_none_or(|n| n != name)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "classic-10 not scheduled on {name} within 120s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     // The kubelet's side of the plugin: it dials the DRA socket
     // (hugepool-hooks registers it: hooks/registration_test.go) and
