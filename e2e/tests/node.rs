@@ -2125,6 +2125,92 @@ spec:
     // No kubelet restart, its allocatable untouched.
     assert_eq!(node.kubelet_run(), run, "the kubelet was not restarted");
     assert_eq!(allocatable().await, allocatable_before);
+
+    // A claim prepared but not faulted yet holds its pages against a
+    // shrink: the pool stops at them and says why, and goes on once the
+    // pod is gone and the kubelet has let the claim go.
+    node.kubectl(&["delete", "pod", "claimer", "--wait=true"]);
+    node.apply(&format!(
+        r#"
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: pages-40, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: pages
+        exactly:
+          deviceClassName: hugepages-2mi.hugepool.dev
+          capacity: {{requests: {{memory: 80Mi}}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: sleeper, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 5
+  resourceClaims:
+  - {{name: pages, resourceClaimTemplateName: pages-40}}
+  containers:
+  - name: idle
+    image: localhost/hugepool-e2e:{version}
+    command: ["/pause"]
+    resources:
+      claims: [{{name: pages}}]
+      limits: {{memory: 64Mi, cpu: 100m}}
+"#,
+        version = env!("CARGO_PKG_VERSION"),
+    ));
+    wait_for("the sleeper runs", Duration::from_secs(300), || async {
+        let phase = pods
+            .get("sleeper")
+            .await
+            .map_err(|e| e.to_string())?
+            .status
+            .and_then(|s| s.phase);
+        match phase.as_deref() {
+            Some("Running") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "claims-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"pages":20}}"#,
+    ]);
+    wait_for(
+        "the shrink held at the claim's 40 pages",
+        Duration::from_secs(300),
+        || async {
+            let blocked = node_condition(&client, &node.name, "ShrinkBlocked").await;
+            match (read_sys("nr_hugepages"), &blocked) {
+                (40, Some((status, _, message)))
+                    if status == "True" && message.contains("40 pages prepared claims hold") =>
+                {
+                    Ok(())
+                }
+                (nr, _) => Err(format!("pool {nr}, ShrinkBlocked {blocked:?}")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(read_sys("free_hugepages"), 40, "held, not in use");
+    node.kubectl(&["delete", "pod", "sleeper", "--wait=true"]);
+    wait_for(
+        "the shrink done once the claim is let go",
+        Duration::from_secs(300),
+        || async {
+            match read_sys("nr_hugepages") {
+                20 => Ok(()),
+                nr => Err(format!("pool {nr}")),
+            }
+        },
+    )
+    .await;
 }
 
 /// A file of NUMA node 0's 2Mi pool.

@@ -558,6 +558,7 @@ fn describe_outcome(outcome: &Outcome) -> String {
             reserved,
             surplus,
             floor,
+            ..
         } => format!(
             "blocked by pages in use: pool stays at {current} (target {target}; in use {in_use}, reserved {reserved}, surplus {surplus}, floor {floor})"
         ),

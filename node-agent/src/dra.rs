@@ -169,6 +169,18 @@ pub struct PreparedClaim {
 /// Prepared claims by uid.
 pub type Prepared = BTreeMap<String, PreparedClaim>;
 
+/// Pages prepared claims hold, by page size and NUMA node.
+pub type Claimed = BTreeMap<(PageSize, u32), u64>;
+
+/// What `prepared` holds, by page size and NUMA node.
+pub fn claimed(prepared: &Prepared) -> Claimed {
+    let mut held = Claimed::new();
+    for pages in prepared.values().flat_map(|claim| &claim.pages) {
+        *held.entry((pages.size, pages.numa)).or_default() += pages.pages;
+    }
+    held
+}
+
 /// What `claim` (a ResourceClaim as JSON) holds on `node` from this driver,
 /// or why it cannot be prepared here. Pure: the DRA service calls it on
 /// the claim it read.
@@ -252,6 +264,8 @@ pub struct KubeletPlugin {
     prepared: Mutex<Prepared>,
     /// Where `prepared` is kept across restarts.
     file: Option<PathBuf>,
+    /// Told what the prepared claims hold after each change.
+    on_change: Option<Box<dyn Fn(Claimed) + Send + Sync>>,
 }
 
 impl KubeletPlugin {
@@ -270,7 +284,16 @@ impl KubeletPlugin {
             dirs,
             prepared: Mutex::new(prepared),
             file,
+            on_change: None,
         }
+    }
+
+    /// Calls `tell` with what the prepared claims hold now and after every
+    /// change.
+    pub fn on_change(mut self, tell: impl Fn(Claimed) + Send + Sync + 'static) -> Self {
+        tell(claimed(&self.lock()));
+        self.on_change = Some(Box::new(tell));
+        self
     }
 
     /// The claims prepared now.
@@ -289,6 +312,9 @@ impl KubeletPlugin {
     fn update(&self, change: impl FnOnce(&mut Prepared)) -> Result<(), String> {
         let mut prepared = self.lock();
         change(&mut prepared);
+        if let Some(tell) = &self.on_change {
+            tell(claimed(&prepared));
+        }
         if let Some(path) = &self.file {
             save(path, &prepared).map_err(|err| {
                 format!(
@@ -570,6 +596,35 @@ mod tests {
         assert_eq!(
             dirs.cdi_spec(uid),
             Path::new("/var/run/cdi/hugepool.dev-hugepages-6d1e-42.json")
+        );
+    }
+
+    #[test]
+    fn claimed_pages_add_up_by_size_and_numa_node() {
+        let claim = |uid: &str, device: &str, memory: &str| {
+            (
+                uid.to_string(),
+                claimed_pages(
+                    &claim(json!([{"request": "pages", "driver": DRIVER, "pool": "w-1",
+                                   "device": device, "consumedCapacity": {"memory": memory}}])),
+                    "w-1",
+                )
+                .unwrap(),
+            )
+        };
+        let prepared = Prepared::from([
+            claim("a", "hugepages-2mi-numa0", "20Mi"),
+            claim("b", "hugepages-2mi-numa0", "4Mi"),
+            claim("c", "hugepages-2mi-numa1", "2Mi"),
+            claim("d", "hugepages-1gi-numa0", "1Gi"),
+        ]);
+        assert_eq!(
+            claimed(&prepared),
+            Claimed::from([
+                ((PageSize::SIZE_2MI, 0), 12),
+                ((PageSize::SIZE_2MI, 1), 1),
+                ((PageSize::SIZE_1GI, 0), 1),
+            ])
         );
     }
 

@@ -311,6 +311,7 @@ async fn shrink_below_pages_in_use_blocks_without_surplus_then_completes_when_re
             reserved: 100,
             surplus: 0,
             floor: 300,
+            claimed: 0,
         }
     );
     assert_eq!(real.pool().total, 300);

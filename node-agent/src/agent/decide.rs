@@ -31,11 +31,13 @@ pub enum Action {
     OtherWriter,
 }
 
-/// Decides for a file whose target is `target` pages, as `observed` now;
-/// `last` is how the agent's last resize of this file ended and for which
-/// target; `retry_due` whether a short grow may be tried again.
+/// Decides for a file whose target is `target` pages, as `observed` now,
+/// where prepared DRA claims hold `hold` pages; `last` is how the agent's
+/// last resize of this file ended and for which target; `retry_due` whether
+/// a short grow may be tried again.
 pub fn decide(
     target: u64,
+    hold: u64,
     observed: &Observation,
     last: Option<&(u64, Outcome)>,
     retry_due: bool,
@@ -49,10 +51,10 @@ pub fn decide(
     };
     match outcome {
         Outcome::Reached => Action::OtherWriter,
-        Outcome::Blocked { .. } if observed.shrink_floor() >= observed.persistent() => {
+        Outcome::Blocked { .. } if observed.shrink_floor().max(hold) >= observed.persistent() => {
             Action::WaitBlocked
         }
-        // Pages in use were let go: the shrink can go on.
+        // Pages in use or claims were let go: the shrink can go on.
         Outcome::Blocked { .. } => Action::Resize,
         Outcome::Shortfall { .. } if retry_due => Action::Resize,
         Outcome::Shortfall { .. } => Action::WaitRetry,
@@ -184,6 +186,7 @@ mod tests {
             reserved: 0,
             surplus: 0,
             floor: 0,
+            claimed: 0,
         }
     }
 
@@ -200,37 +203,51 @@ mod tests {
     fn each_outcome_for_the_same_target_decides_what_comes_next() {
         let away = global(100, 100, 0, 0);
         assert_eq!(
-            decide(100, &away, Some(&(64, blocked())), false),
+            decide(100, 0, &away, Some(&(64, blocked())), false),
             Action::Idle
         );
-        assert_eq!(decide(64, &away, None, false), Action::Resize);
+        assert_eq!(decide(64, 0, &away, None, false), Action::Resize);
         assert_eq!(
-            decide(64, &away, Some(&(64, Outcome::Reached)), false),
+            decide(64, 0, &away, Some(&(64, Outcome::Reached)), false),
             Action::OtherWriter
         );
         assert_eq!(
-            decide(64, &away, Some(&(64, short())), false),
+            decide(64, 0, &away, Some(&(64, short())), false),
             Action::WaitRetry
         );
         assert_eq!(
-            decide(64, &away, Some(&(64, short())), true),
+            decide(64, 0, &away, Some(&(64, short())), true),
             Action::Resize
         );
         // A shrink to 10 stopped at the 60 pages in use stays blocked; once
         // they are let go it goes on.
         let held = global(60, 0, 0, 0);
         assert_eq!(
-            decide(10, &held, Some(&(10, blocked())), false),
+            decide(10, 0, &held, Some(&(10, blocked())), false),
             Action::WaitBlocked
         );
         let freed = global(60, 60, 0, 0);
         assert_eq!(
-            decide(10, &freed, Some(&(10, blocked())), false),
+            decide(10, 0, &freed, Some(&(10, blocked())), false),
             Action::Resize
         );
         // Surplus at the target is not at target.
         assert_eq!(
-            decide(10, &global(60, 0, 0, 50), None, false),
+            decide(10, 0, &global(60, 0, 0, 50), None, false),
+            Action::Resize
+        );
+    }
+
+    #[test]
+    fn a_shrink_held_by_claims_waits_until_they_are_let_go() {
+        // 100 free pages, target 10, the last shrink stopped at the claims.
+        let free = global(100, 100, 0, 0);
+        assert_eq!(
+            decide(10, 100, &free, Some(&(10, blocked())), false),
+            Action::WaitBlocked
+        );
+        assert_eq!(
+            decide(10, 0, &free, Some(&(10, blocked())), false),
             Action::Resize
         );
     }
@@ -254,8 +271,8 @@ mod tests {
             hvo: false,
             estimate: None,
         };
-        assert_eq!(decide(512, &observed, None, false), Action::Idle);
-        assert_eq!(decide(1024, &observed, None, false), Action::Resize);
+        assert_eq!(decide(512, 0, &observed, None, false), Action::Idle);
+        assert_eq!(decide(1024, 0, &observed, None, false), Action::Resize);
     }
 
     fn outcome() -> impl Strategy<Value = Outcome> {
@@ -276,7 +293,7 @@ mod tests {
             let surplus = surplus.min(total);
             let free = total - used.min(total);
             let observed = global(total, free, 0, surplus);
-            let action = decide(target, &observed, Some(&(last_target, last.clone())), retry_due);
+            let action = decide(target, 0, &observed, Some(&(last_target, last.clone())), retry_due);
             let at_target = observed.persistent() == target && surplus == 0;
             prop_assert_eq!(action == Action::Idle, at_target);
             if last_target != target && !at_target {
@@ -518,7 +535,7 @@ mod tests {
         ) {
             let observed = numa_observation(id, own, other, reserved);
             let last = last.map(|o| (target, o));
-            let action = decide(target, &observed, last.as_ref(), retry_due);
+            let action = decide(target, 0, &observed, last.as_ref(), retry_due);
             let at_target = own.0 - own.2 == target && own.2 == 0;
             prop_assert_eq!(action == Action::Idle, at_target);
             if action == Action::WaitBlocked {

@@ -147,6 +147,9 @@ pub struct Shared {
     /// What the node's ResourceSlice should hold, as the status writer last
     /// read the kernel (slice.rs publishes it).
     slice: watch::Sender<slice::Desired>,
+    /// Pages the kubelet plugin's prepared claims hold (dra.rs): shrinks
+    /// leave them.
+    pub claimed: watch::Sender<crate::dra::Claimed>,
 }
 
 impl Shared {
@@ -166,6 +169,7 @@ impl Shared {
             reports: AtomicU64::new(0),
             liveness: Arc::new(liveness::Liveness::new(timeout)),
             slice: watch::Sender::new(slice::Desired::Unknown),
+            claimed: watch::Sender::new(crate::dra::Claimed::new()),
         })
     }
 
@@ -224,12 +228,20 @@ pub async fn run(
             .plugins
             .join(slice::DRIVER)
             .join("prepared-claims.json");
-        let plugin = Arc::new(crate::dra::KubeletPlugin::new(
-            client.clone(),
-            config.node_name.clone(),
-            dirs,
-            Some(file),
-        ));
+        let claimed = Arc::clone(&shared);
+        let plugin = Arc::new(
+            crate::dra::KubeletPlugin::new(
+                client.clone(),
+                config.node_name.clone(),
+                dirs,
+                Some(file),
+            )
+            .on_change(move |held| {
+                claimed.memory().claimed = held.clone();
+                claimed.claimed.send_replace(held);
+                claimed.touch(true);
+            }),
+        );
         let mut stop = shutdown.clone();
         tokio::spawn(async move {
             let stopped = async move {

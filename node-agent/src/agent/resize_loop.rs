@@ -3,6 +3,7 @@
 
 use super::decide::{Action, Restart, Waits, Wake, decide, kubelet_restart, next_wake};
 use super::*;
+use crate::resize::Settings;
 
 /// What the resize loop works with; `run` builds it.
 pub(super) struct ResizeLoop {
@@ -26,6 +27,24 @@ pub(super) fn find_goal(
 }
 
 impl ResizeLoop {
+    /// Pages the kubelet plugin's prepared claims hold in `target`'s scope:
+    /// a shrink leaves them.
+    fn hold(&self, target: Target) -> u64 {
+        self.shared
+            .claimed
+            .borrow()
+            .iter()
+            .filter(|((size, numa), _)| {
+                *size == target.size
+                    && match target.scope {
+                        PoolScope::Global => true,
+                        PoolScope::Node(node) => *numa == node,
+                    }
+            })
+            .map(|(_, pages)| pages)
+            .sum()
+    }
+
     /// One pass over every target; returns when to look again.
     pub(super) async fn converge(
         &mut self,
@@ -93,7 +112,13 @@ impl ResizeLoop {
                     .and_then(|r| r.outcomes.get(&target.scope).cloned());
                 let retry_due =
                     self.retry_due(size) || self.settings_changed(size, target.scope, entry);
-                match decide(target.pages, &observed, last.as_ref(), retry_due) {
+                match decide(
+                    target.pages,
+                    self.hold(target),
+                    &observed,
+                    last.as_ref(),
+                    retry_due,
+                ) {
                     Action::Idle => continue,
                     Action::WaitBlocked => {
                         waiting.push(Wake::Blocked);
@@ -272,8 +297,12 @@ impl ResizeLoop {
         let span = info_span!("resize", node = %self.config.node_name, size = %size_label, scope = %target.scope, from, target = target.pages, direction = direction.as_str());
         let (goal_tx, mut goal_rx) = watch::channel(Goal {
             target,
-            settings: settings_for(entry),
+            settings: Settings {
+                hold: self.hold(target),
+                ..settings_for(entry)
+            },
         });
+        let mut claimed_rx = self.shared.claimed.subscribe();
         let stopping = Arc::new(AtomicBool::new(false));
         let options = resize::Options::default();
         let on_event = {
@@ -317,6 +346,10 @@ impl ResizeLoop {
                                 running.target = new_goal.target.pages;
                             }
                             drop(memory);
+                            let new_goal = Goal {
+                                settings: Settings { hold: self.hold(target), ..new_goal.settings },
+                                ..new_goal
+                            };
                             goal_tx.send_if_modified(|goal| {
                                 let modified = *goal != new_goal;
                                 *goal = new_goal;
@@ -330,6 +363,16 @@ impl ResizeLoop {
                         }
                     }
                 }
+                // A claim prepared or let go mid-resize: a shrink leaves
+                // its pages from the next write on.
+                Ok(()) = claimed_rx.changed() => {
+                    let hold = self.hold(target);
+                    goal_tx.send_if_modified(|goal| {
+                        let modified = goal.settings.hold != hold;
+                        goal.settings.hold = hold;
+                        modified
+                    });
+                }
                 _ = shutdown.changed(), if !stopping.load(Ordering::Relaxed) => {
                     span.in_scope(|| info!("shutdown requested; stopping at the next step boundary"));
                     stopping.store(true, Ordering::Relaxed);
@@ -339,7 +382,12 @@ impl ResizeLoop {
         let outcome = match result {
             Ok(summary) => {
                 self.record_summary(&summary, target.scope, &span);
-                let settings = goal_tx.borrow().settings.clone();
+                // The entry's settings, not the claims' hold, which
+                // changes on its own (settings_changed compares these).
+                let settings = Settings {
+                    hold: 0,
+                    ..goal_tx.borrow().settings.clone()
+                };
                 if let Some(record) = self.shared.memory().sizes.get_mut(&size) {
                     record.ended_with.insert(target.scope, settings);
                 }
@@ -507,10 +555,9 @@ impl ResizeLoop {
                 memory.kubelet.memory_manager = memory_manager;
                 self.shared.touch(true);
             }
-            let converged = memory
-                .targets
-                .iter()
-                .all(|e| status::progress(e, &snapshot) == status::Progress::AtTarget);
+            let converged = memory.targets.iter().all(|e| {
+                status::progress(e, &snapshot, &memory.claimed) == status::Progress::AtTarget
+            });
             let pools = status::kubelet_pools(&snapshot, &memory);
             let decision =
                 kubelet_restart(wanted, converged, &pools, &memory.kubelet, Instant::now());

@@ -162,6 +162,9 @@ pub struct RestartFailure {
 /// Everything besides the kernel that the status is built from.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AgentMemory {
+    /// Pages the kubelet plugin's prepared claims hold (DRA): shrinks leave
+    /// them, and a target below them is blocked.
+    pub claimed: crate::dra::Claimed,
     pub generation: Option<i64>,
     pub targets: Vec<PageSizeTarget>,
     pub sizes: BTreeMap<PageSize, SizeRecord>,
@@ -216,6 +219,8 @@ pub enum Progress {
         in_use: u64,
         reserved: u64,
         surplus: u64,
+        /// Pages prepared claims hold there.
+        claimed: u64,
     },
     Away {
         target: u64,
@@ -253,8 +258,12 @@ pub fn out_of_range(entry: &PageSizeTarget) -> Option<String> {
     None
 }
 
-/// Compares one target entry with the kernel.
-pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
+/// Compares one target entry with the kernel and what prepared claims hold.
+pub fn progress(
+    entry: &PageSizeTarget,
+    snapshot: &KernelSnapshot,
+    claimed: &crate::dra::Claimed,
+) -> Progress {
     let size = entry.size;
     if let Some(why) = out_of_range(entry) {
         return Progress::Invalid(why);
@@ -295,7 +304,14 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
     if entry.reached_by(&size_status(sizes, Some(entry), None, &BTreeMap::new())) {
         return Progress::AtTarget;
     }
-    let floor = pool.in_use() + pool.reserved;
+    let held = |numa: Option<u32>| -> u64 {
+        claimed
+            .iter()
+            .filter(|((s, n), _)| *s == size && numa.is_none_or(|numa| *n == numa))
+            .map(|(_, pages)| pages)
+            .sum()
+    };
+    let floor = (pool.in_use() + pool.reserved).max(held(None));
     if target < floor && (pool.persistent() > target || pool.surplus > 0) {
         return Progress::Blocked {
             numa: None,
@@ -304,6 +320,7 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
             in_use: pool.in_use(),
             reserved: pool.reserved,
             surplus: pool.surplus,
+            claimed: held(None),
         };
     }
     // A NUMA node's own floor: its pages in use (sysfs keeps no per-node
@@ -317,7 +334,8 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
         else {
             continue;
         };
-        if want < node.in_use() && (node.persistent() > want || node.surplus > 0) {
+        let node_floor = node.in_use().max(held(Some(node.node)));
+        if want < node_floor && (node.persistent() > want || node.surplus > 0) {
             return Progress::Blocked {
                 numa: Some(node.node),
                 target: want,
@@ -325,6 +343,7 @@ pub fn progress(entry: &PageSizeTarget, snapshot: &KernelSnapshot) -> Progress {
                 in_use: node.in_use(),
                 reserved: 0,
                 surplus: node.surplus,
+                claimed: held(Some(node.node)),
             };
         }
     }
@@ -400,16 +419,36 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
     let mut stalls = Vec::new();
     for entry in &memory.targets {
         let record = memory.sizes.get(&entry.size);
-        match progress(entry, snapshot) {
-            Progress::AtTarget => converged_parts.push(format!("{}: {}/{} pages", entry.size, entry.pages, entry.pages)),
+        match progress(entry, snapshot, &memory.claimed) {
+            Progress::AtTarget => converged_parts.push(format!(
+                "{}: {}/{} pages",
+                entry.size, entry.pages, entry.pages
+            )),
             Progress::Unsupported(why) => unsupported.push(why),
             Progress::Invalid(why) => invalid.push(why),
-            Progress::Blocked { numa, target, persistent, in_use, reserved, surplus } => blocked.push(format!(
-                "{}{}: target {target} is below {in_use} pages in use + {reserved} reserved; pool is {persistent} with {surplus} surplus",
+            Progress::Blocked {
+                numa,
+                target,
+                persistent,
+                in_use,
+                reserved,
+                surplus,
+                claimed,
+            } => blocked.push(format!(
+                "{}{}: target {target} is below {}; pool is {persistent} with {surplus} surplus",
                 entry.size,
-                scope_label(numa.map_or(PoolScope::Global, PoolScope::Node))
+                scope_label(numa.map_or(PoolScope::Global, PoolScope::Node)),
+                if claimed > in_use + reserved {
+                    format!("the {claimed} pages prepared claims hold (DRA; {in_use} in use)")
+                } else {
+                    format!("{in_use} pages in use + {reserved} reserved")
+                }
             )),
-            Progress::Away { target, persistent, surplus } => {
+            Progress::Away {
+                target,
+                persistent,
+                surplus,
+            } => {
                 let mut part = format!("{}: {persistent}/{target} pages", entry.size);
                 if surplus > 0 {
                     part.push_str(&format!(", {surplus} surplus"));
@@ -1250,6 +1289,32 @@ mod tests {
     }
 
     #[test]
+    fn pages_prepared_claims_hold_block_the_shrink_and_are_named() {
+        // 60 free pages, target 10, 50 held by prepared DRA claims.
+        let mut held = memory(vec![target("2Mi", 10)]);
+        held.claimed = crate::dra::Claimed::from([((PageSize::SIZE_2MI, 0), 50)]);
+        let status = built(&snapshot(60, 60, 0, 0), &held);
+        let blocked = cond(&status, NodeConditionType::ShrinkBlocked);
+        assert_eq!(
+            (blocked.status.as_str(), blocked.reason.as_str()),
+            ("True", "PagesInUse")
+        );
+        assert!(
+            blocked
+                .message
+                .contains("target 10 is below the 50 pages prepared claims hold"),
+            "{}",
+            blocked.message
+        );
+        // Without the claims the same node is merely away from its target.
+        let status = built(&snapshot(60, 60, 0, 0), &memory(vec![target("2Mi", 10)]));
+        assert_eq!(
+            cond(&status, NodeConditionType::ShrinkBlocked).status,
+            "False"
+        );
+    }
+
+    #[test]
     fn pages_in_use_above_target_block_the_shrink_with_counts() {
         // 60 pages in use, target 10: the engine stopped at the floor of 60.
         let status = built(&snapshot(60, 0, 0, 0), &memory(vec![target("2Mi", 10)]));
@@ -1726,12 +1791,12 @@ mod tests {
         let snapshot = snapshot(64, 64, 0, 0);
         let mut negative = target("2Mi", -1);
         assert_eq!(
-            progress(&negative, &snapshot),
+            progress(&negative, &snapshot, &Default::default()),
             Progress::Invalid("2Mi: -1 pages is out of range (0 to 16777216)".into())
         );
         negative.pages = MAX_PAGES + 1;
         assert!(matches!(
-            progress(&negative, &snapshot),
+            progress(&negative, &snapshot, &Default::default()),
             Progress::Invalid(_)
         ));
         let mut numa = target("2Mi", 64);
@@ -1740,7 +1805,7 @@ mod tests {
             pages: 64,
         }]);
         assert_eq!(
-            progress(&numa, &snapshot),
+            progress(&numa, &snapshot, &Default::default()),
             Progress::Invalid("2Mi: NUMA node -1 is out of range".into())
         );
         numa.numa = Some(vec![hugepool_crds::settings::NumaTarget {

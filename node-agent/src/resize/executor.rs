@@ -919,7 +919,8 @@ mod tests {
                 in_use: 60,
                 reserved: 0,
                 surplus: 0,
-                floor: 60
+                floor: 60,
+                claimed: 0,
             }
         );
         assert_eq!(summary.achieved, 60);

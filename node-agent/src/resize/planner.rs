@@ -79,6 +79,10 @@ pub struct Settings {
     /// Read the free lists before a grow: compact first where they cannot
     /// cover it, and foresee a shortfall (off: only after a short write).
     pub free_lists: bool,
+    /// Pages a shrink leaves in the target's scope whatever its target:
+    /// those prepared DRA claims hold there, faulted or not (docs/design.md,
+    /// "Pools claimed through DRA").
+    pub hold: u64,
 }
 
 impl Default for Settings {
@@ -92,6 +96,7 @@ impl Default for Settings {
             compact: true,
             budget_fraction: 0.85,
             free_lists: true,
+            hold: 0,
         }
     }
 }
@@ -207,6 +212,9 @@ pub enum Outcome {
         reserved: u64,
         surplus: u64,
         floor: u64,
+        /// Pages prepared DRA claims hold in the scope.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        claimed: u64,
     },
     /// Growth stopped short of the target.
     #[serde(rename_all = "camelCase")]
@@ -217,6 +225,10 @@ pub enum Outcome {
         #[serde(skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
     },
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// One planned kernel write.
@@ -507,7 +519,7 @@ impl Planner {
             });
         }
         if target < current {
-            let floor = observed.shrink_floor();
+            let floor = self.floor(observed);
             if current <= floor {
                 return Decision::Finish(self.blocked(observed));
             }
@@ -632,6 +644,12 @@ impl Planner {
         }
     }
 
+    /// Where a shrink stops: the kernel's floor (pages in use and reserved)
+    /// or what claims hold, the higher.
+    fn floor(&self, observed: &Observation) -> u64 {
+        observed.shrink_floor().max(self.settings.hold)
+    }
+
     fn blocked(&self, observed: &Observation) -> Outcome {
         Outcome::Blocked {
             target: self.target.pages,
@@ -639,7 +657,8 @@ impl Planner {
             in_use: observed.in_use(),
             reserved: observed.pool.reserved,
             surplus: observed.surplus(),
-            floor: observed.shrink_floor(),
+            floor: self.floor(observed),
+            claimed: self.settings.hold,
         }
     }
 
@@ -1274,6 +1293,7 @@ mod tests {
                 reserved: 10,
                 surplus: 0,
                 floor: 70,
+                claimed: 0,
             })
         );
     }
@@ -1449,6 +1469,43 @@ mod tests {
         );
         before.estimate = estimate(10, 200);
         assert!(matches!(planner.next(&before, &models), Decision::Write(_)));
+    }
+
+    #[test]
+    fn a_shrink_leaves_the_pages_claims_hold_and_says_so() {
+        let models = CostModels::default();
+        let settings = Settings {
+            hold: 60,
+            ..Settings::default()
+        };
+        let mut planner = Planner::new(target(10), settings);
+        // 100 pages, all free: the kernel's floor is 0, the claims' 60.
+        let Decision::Write(write) = planner.next(&observed(100, 100, 0, 0), &models) else {
+            panic!("a shrink write");
+        };
+        assert!(
+            write.value >= 60,
+            "wrote {} below the claims' 60",
+            write.value
+        );
+        assert_eq!(
+            planner.next(&observed(60, 60, 0, 0), &models),
+            Decision::Finish(Outcome::Blocked {
+                target: 10,
+                current: 60,
+                in_use: 0,
+                reserved: 0,
+                surplus: 0,
+                floor: 60,
+                claimed: 60,
+            })
+        );
+        // The claims let go: the same planner goes on to the target.
+        planner.set_settings(Settings::default());
+        assert!(matches!(
+            planner.next(&observed(60, 60, 0, 0), &models),
+            Decision::Write(PlannedWrite { value, .. }) if value < 60
+        ));
     }
 
     #[test]
