@@ -177,7 +177,7 @@ fn the_operator_image_is_its_static_binary_and_ca_certificates_run_as_65532() {
 }
 
 #[test]
-fn the_agent_image_is_its_static_binary_certificates_and_a_static_nsenter() {
+fn the_agent_image_is_its_static_binaries_certificates_and_a_static_nsenter() {
     let Some(image) = Archive::open("hugepool-agent") else {
         return;
     };
@@ -189,15 +189,17 @@ fn the_agent_image_is_its_static_binary_certificates_and_a_static_nsenter() {
     );
     let (files, layers) = image.files();
     assert_eq!(layers, 1, "one layer on an empty base");
+    // The agent, and its node hooks for DRA pools (hugepool-hooks, Go).
     let expected: BTreeSet<String> = [
         "etc/ssl/certs/ca-certificates.crt",
         "hugepool-agent",
+        "hugepool-hooks",
         "usr/bin/nsenter",
     ]
     .map(String::from)
     .into();
     assert_eq!(files, expected);
-    for binary in ["hugepool-agent", "usr/bin/nsenter"] {
+    for binary in ["hugepool-agent", "hugepool-hooks", "usr/bin/nsenter"] {
         assert!(!is_dynamic(&image.extract(binary)), "{binary} is static");
     }
 }
