@@ -2467,15 +2467,22 @@ spec:
         pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
             && pod.metadata.deletion_timestamp.is_none()
     };
-    let first = pods
-        .list(&app)
-        .await
-        .expect("pods")
-        .items
-        .into_iter()
-        .find(running)
-        .and_then(|p| p.metadata.uid)
-        .expect("the Deployment's pod runs");
+    // Its pages faulted is not yet its status written: wait for Running.
+    let first = wait_for(
+        "the Deployment's pod runs",
+        Duration::from_secs(120),
+        || async {
+            pods.list(&app)
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .into_iter()
+                .find(running)
+                .and_then(|p| p.metadata.uid)
+                .ok_or_else(|| "no running pod yet".to_string())
+        },
+    )
+    .await;
     let kubelet_before = node.kubelet_run();
 
     // Every version of the Node from here on: (draining taint, capacity).
