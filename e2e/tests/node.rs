@@ -663,6 +663,44 @@ spec:
         ));
     }
 
+    /// A pod running `command` in the test image that claims `pages` x 2Mi
+    /// through a ResourceClaimTemplate of the chart's 2Mi DeviceClass and
+    /// requests no hugepages-2Mi.
+    fn claim_pod(&self, name: &str, pages: u32, command: &[&str]) {
+        self.apply(&format!(
+            r#"
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}-pages, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: pages
+        exactly:
+          deviceClassName: hugepages-2mi.hugepool.dev
+          capacity: {{requests: {{memory: {bytes}Mi}}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 5
+  resourceClaims:
+  - {{name: pages, resourceClaimTemplateName: {name}-pages}}
+  containers:
+  - name: main
+    image: localhost/hugepool-e2e:{version}
+    command: {command:?}
+    resources:
+      claims: [{{name: pages}}]
+      limits: {{memory: 64Mi, cpu: 100m}}
+"#,
+            version = env!("CARGO_PKG_VERSION"),
+            bytes = pages * 2,
+        ));
+    }
+
     /// A 2Mi hugetlb file of the cgroup `cgroup` (relative to the node's
     /// hugetlb hierarchy, e.g. `kubepods`), e.g. `limit_in_bytes`; `None`
     /// when the file is not there (`rsvd.*` on older kernels).
@@ -2015,37 +2053,7 @@ spec:
     assert_eq!(read_sys("nr_hugepages"), 96);
 
     // 80 pages claimed: more than the pool had before the grow.
-    node.apply(&format!(
-        r#"
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {{name: pages-80, namespace: default}}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: pages
-        exactly:
-          deviceClassName: hugepages-2mi.hugepool.dev
-          capacity: {{requests: {{memory: 160Mi}}}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: claimer, namespace: default}}
-spec:
-  terminationGracePeriodSeconds: 5
-  resourceClaims:
-  - {{name: pages, resourceClaimTemplateName: pages-80}}
-  containers:
-  - name: holder
-    image: localhost/hugepool-e2e:{version}
-    command: ["/hugepage-holder", "80", "--and-one-more"]
-    resources:
-      claims: [{{name: pages}}]
-      limits: {{memory: 64Mi, cpu: 100m}}
-"#,
-        version = env!("CARGO_PKG_VERSION"),
-    ));
+    node.claim_pod("claimer", 80, &["/hugepage-holder", "80", "--and-one-more"]);
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     wait_for("the claimer runs", Duration::from_secs(300), || async {
         let pod = pods.get("claimer").await.map_err(|e| e.to_string())?;
@@ -2130,37 +2138,7 @@ spec:
     // shrink: the pool stops at them and says why, and goes on once the
     // pod is gone and the kubelet has let the claim go.
     node.kubectl(&["delete", "pod", "claimer", "--wait=true"]);
-    node.apply(&format!(
-        r#"
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {{name: pages-40, namespace: default}}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: pages
-        exactly:
-          deviceClassName: hugepages-2mi.hugepool.dev
-          capacity: {{requests: {{memory: 80Mi}}}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: sleeper, namespace: default}}
-spec:
-  terminationGracePeriodSeconds: 5
-  resourceClaims:
-  - {{name: pages, resourceClaimTemplateName: pages-40}}
-  containers:
-  - name: idle
-    image: localhost/hugepool-e2e:{version}
-    command: ["/pause"]
-    resources:
-      claims: [{{name: pages}}]
-      limits: {{memory: 64Mi, cpu: 100m}}
-"#,
-        version = env!("CARGO_PKG_VERSION"),
-    ));
+    node.claim_pod("sleeper", 40, &["/pause"]);
     wait_for("the sleeper runs", Duration::from_secs(300), || async {
         let phase = pods
             .get("sleeper")
