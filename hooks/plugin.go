@@ -101,9 +101,8 @@ func bytesBySize(claims map[string]claimed) map[string]uint64 {
 // podState is what the plugin added to one pod's cgroup: the limits the
 // kubelet gave it, by label, and the claims seen in its containers.
 type podState struct {
-	cgroupParent string
-	kubelet      map[string]uint64
-	claims       map[string]claimed
+	kubelet map[string]uint64
+	claims  map[string]claimed
 }
 
 type plugin struct {
@@ -172,7 +171,7 @@ func (p *plugin) raisePod(pod *api.PodSandbox, claims map[string]claimed) error 
 			}
 			kubelet[label] = limit
 		}
-		state = &podState{cgroupParent: parent, kubelet: kubelet, claims: map[string]claimed{}}
+		state = &podState{kubelet: kubelet, claims: map[string]claimed{}}
 		p.pods[pod.GetUid()] = state
 	}
 	for name, c := range claims {
@@ -218,7 +217,7 @@ func (p *plugin) Synchronize(_ context.Context, pods []*api.PodSandbox, ctrs []*
 			continue
 		}
 		parent := pod.GetLinux().GetCgroupParent()
-		state := &podState{cgroupParent: parent, kubelet: map[string]uint64{}, claims: claims}
+		state := &podState{kubelet: map[string]uint64{}, claims: claims}
 		for label, bytes := range bytesBySize(claims) {
 			limit, err := p.cgroups.podLimit(parent, label)
 			if err != nil {
