@@ -5,6 +5,7 @@
 pub mod conditions;
 #[cfg(feature = "crdgen")]
 pub mod crdgen;
+pub mod dra;
 pub mod duration;
 pub mod kubelet;
 pub mod node;

@@ -219,6 +219,11 @@ pub struct PageSizeStatus {
     /// `total` less this is memory reserved that no pod asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requested: Option<i64>,
+    /// Pages of this size that DRA claims hold on the node, faulted or not
+    /// (claims the agent's kubelet plugin has prepared); a shrink stops at
+    /// them. Absent when none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claimed: Option<i64>,
     /// The same counts per NUMA node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
@@ -244,6 +249,7 @@ impl PageSizeStatus {
             surplus: 0,
             in_use: 0,
             requested: None,
+            claimed: None,
             numa: Vec::new(),
             obtainable: None,
             last_resize: None,
@@ -262,6 +268,9 @@ pub struct NumaStatus {
     pub free: i64,
     /// Its `surplus_hugepages`.
     pub surplus: i64,
+    /// Pages of this size DRA claims hold on this NUMA node (absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claimed: Option<i64>,
     /// Pages of this size a grow on this NUMA node could add.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub obtainable: Option<ObtainablePages>,

@@ -375,6 +375,24 @@ fn rbac_is_the_designs_list() {
             rule("events.k8s.io", "events", &["create", "patch"]),
         ])
     );
+    // With DRA the operator lists ResourceClaims, to drain the pods whose
+    // claims hold a shrinking pool's pages; without it, none.
+    if let Some(helm) = helm() {
+        let dra = documents(&helm_template(
+            &helm,
+            &["--set", "dra.enabled=true", "--kube-version", "1.36.0"],
+        ));
+        let mut rules = find(&docs, "ClusterRole", "hugepool-operator")["rules"].clone();
+        rules.as_array_mut().expect("rules").push(rule(
+            "resource.k8s.io",
+            "resourceclaims",
+            &["list"],
+        ));
+        assert_eq!(
+            find(&dra, "ClusterRole", "hugepool-operator")["rules"],
+            rules
+        );
+    }
     for (kind, name, account) in [
         (
             "ClusterRoleBinding",

@@ -1995,7 +1995,7 @@ spec:
   pageSize: 2Mi
   pages: 32
   consumption: DynamicResourceAllocation
-  drain: {policy: IfNeeded, timeout: 2m}
+  drain: {policy: Never}
   deletionPolicy: Release
 "#,
     );
@@ -2135,8 +2135,9 @@ spec:
     assert_eq!(allocatable().await, allocatable_before);
 
     // A claim prepared but not faulted yet holds its pages against a
-    // shrink: the pool stops at them and says why, and goes on once the
-    // pod is gone and the kubelet has let the claim go.
+    // shrink: the pool stops at them and says why; with drain IfNeeded the
+    // operator evicts the claim's pod, and the shrink goes on once the
+    // kubelet has let the claim go.
     node.kubectl(&["delete", "pod", "claimer", "--wait=true"]);
     node.claim_pod("sleeper", 40, &["/pause"]);
     wait_for("the sleeper runs", Duration::from_secs(300), || async {
@@ -2177,9 +2178,23 @@ spec:
     )
     .await;
     assert_eq!(read_sys("free_hugepages"), 40, "held, not in use");
-    node.kubectl(&["delete", "pod", "sleeper", "--wait=true"]);
+    let sleeper_uid = pods
+        .get("sleeper")
+        .await
+        .expect("sleeper")
+        .metadata
+        .uid
+        .expect("uid");
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "claims-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"drain":{"policy":"IfNeeded","timeout":"5m"}}}"#,
+    ]);
     wait_for(
-        "the shrink done once the claim is let go",
+        "the shrink done once the claim's pod is evicted",
         Duration::from_secs(300),
         || async {
             match read_sys("nr_hugepages") {
@@ -2188,6 +2203,35 @@ spec:
             }
         },
     )
+    .await;
+    assert!(
+        pods.get_opt("sleeper")
+            .await
+            .expect("get sleeper")
+            .is_none_or(|p| p.metadata.uid.as_ref() != Some(&sleeper_uid)),
+        "the operator evicted the claim's pod"
+    );
+    let pool: Api<HugePagePool> = Api::all(client.clone());
+    let evicted = pool
+        .get("claims-2mi")
+        .await
+        .expect("pool")
+        .status
+        .map(|s| s.evicted_pods)
+        .unwrap_or_default();
+    assert!(
+        evicted.iter().any(|e| e.pod == "default/sleeper"
+            && e.uid == sleeper_uid
+            && e.pages == 40
+            && e.reason.contains("held 40 pages")),
+        "the pool records the eviction, its pages and why: {evicted:?}"
+    );
+    wait_for("the drain ends", Duration::from_secs(120), || async {
+        match node_condition(&client, &node.name, "Draining").await {
+            Some((status, reason, _)) if status == "False" && reason == "DrainComplete" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
     .await;
 }
 

@@ -23,13 +23,14 @@ use std::sync::{Arc, Mutex};
 use hugepool_crds::PageSize;
 use kube::Client;
 use kube::api::{Api, DynamicObject};
-use serde::{Deserialize, Serialize};
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use crate::agent::slice::{DRIVER, Device};
+pub use hugepool_crds::dra::{
+    ClaimedPages, DRIVER, HugepageClaim as PreparedClaim, claimed_pages, resource_claims,
+};
 
 /// The generated services and messages.
 pub mod proto {
@@ -46,14 +47,6 @@ use proto::v1::{
 
 /// The DRA service version this plugin serves, as the kubelet names it.
 pub const DRA_SERVICE: &str = "v1.DRAPlugin";
-
-/// `resource.k8s.io/v1` ResourceClaim.
-pub fn resource_claims() -> kube::api::ApiResource {
-    kube::api::ApiResource::from_gvk_with_plural(
-        &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceClaim"),
-        "resourceclaims",
-    )
-}
 
 /// Where the plugin's files go: the kubelet's plugins directory (the DRA
 /// socket, `<plugins>/<driver>/dra.sock`, and the prepared claims) and the
@@ -140,32 +133,6 @@ fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&temporary, path)
 }
 
-/// The pages one allocation result of a claim holds.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ClaimedPages {
-    /// The claim's request this result serves.
-    pub request: String,
-    pub device: String,
-    pub size: PageSize,
-    pub numa: u32,
-    pub pages: u64,
-    /// The allocation's share of the device, when it has one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub share_id: Option<String>,
-}
-
-/// One prepared claim.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PreparedClaim {
-    pub namespace: String,
-    pub name: String,
-    /// The uids of the pods the claim is reserved for.
-    pub pods: Vec<String>,
-    pub pages: Vec<ClaimedPages>,
-}
-
 /// Prepared claims by uid.
 pub type Prepared = BTreeMap<String, PreparedClaim>;
 
@@ -179,65 +146,6 @@ pub fn claimed(prepared: &Prepared) -> Claimed {
         *held.entry((pages.size, pages.numa)).or_default() += pages.pages;
     }
     held
-}
-
-/// What `claim` (a ResourceClaim as JSON) holds on `node` from this driver,
-/// or why it cannot be prepared here. Pure: the DRA service calls it on
-/// the claim it read.
-pub fn claimed_pages(claim: &serde_json::Value, node: &str) -> Result<PreparedClaim, String> {
-    let metadata = &claim["metadata"];
-    let results = claim["status"]["allocation"]["devices"]["results"]
-        .as_array()
-        .ok_or("the claim is not allocated")?;
-    let mut pages = Vec::new();
-    for result in results.iter().filter(|r| r["driver"] == DRIVER) {
-        let device = result["device"].as_str().unwrap_or_default();
-        let pool = result["pool"].as_str().unwrap_or_default();
-        if pool != node {
-            return Err(format!(
-                "device {device} is allocated from node {pool}'s pool, not {node}'s"
-            ));
-        }
-        let (size, numa) =
-            Device::parse_name(device).ok_or_else(|| format!("no such device: {device}"))?;
-        let bytes = match result["consumedCapacity"]["memory"].as_str() {
-            Some(quantity) => hugepool_crds::quantity::parse_bytes(quantity)
-                .map_err(|err| format!("device {device}: consumed memory {quantity}: {err}"))?,
-            None => return Err(format!("device {device}: no consumed memory capacity")),
-        };
-        if bytes % size.bytes() != 0 {
-            return Err(format!(
-                "device {device}: {bytes} bytes is not a whole number of {size} pages"
-            ));
-        }
-        pages.push(ClaimedPages {
-            request: result["request"].as_str().unwrap_or_default().to_string(),
-            device: device.to_string(),
-            size,
-            numa,
-            pages: bytes / size.bytes(),
-            share_id: result["shareID"].as_str().map(str::to_string),
-        });
-    }
-    if pages.is_empty() {
-        return Err(format!("the claim has no device of driver {DRIVER}"));
-    }
-    let pods = claim["status"]["reservedFor"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|r| r["resource"] == "pods")
-        .filter_map(|r| r["uid"].as_str().map(str::to_string))
-        .collect();
-    Ok(PreparedClaim {
-        namespace: metadata["namespace"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string(),
-        name: metadata["name"].as_str().unwrap_or_default().to_string(),
-        pods,
-        pages,
-    })
 }
 
 /// Reads the prepared claims kept in `path` (none when it does not exist).
@@ -484,70 +392,6 @@ mod tests {
                 "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-1"}],
             },
         })
-    }
-
-    #[test]
-    fn a_claim_holds_the_pages_its_allocation_consumed_on_this_node() {
-        let allocated = claim(json!([{
-            "request": "pages", "driver": DRIVER, "pool": "w-1",
-            "device": "hugepages-2mi-numa1", "consumedCapacity": {"memory": "40Mi"},
-            "shareID": "9f3c",
-        }, {
-            "request": "gpu", "driver": "gpu.example.com", "pool": "w-1", "device": "gpu-0",
-        }]));
-        let prepared = claimed_pages(&allocated, "w-1").unwrap();
-        assert_eq!(prepared.namespace, "apps");
-        assert_eq!(prepared.name, "pages");
-        assert_eq!(prepared.pods, ["pod-1"]);
-        assert_eq!(
-            prepared.pages,
-            [ClaimedPages {
-                request: "pages".into(),
-                device: "hugepages-2mi-numa1".into(),
-                size: PageSize::SIZE_2MI,
-                numa: 1,
-                pages: 20,
-                share_id: Some("9f3c".into()),
-            }]
-        );
-    }
-
-    #[test]
-    fn claims_that_cannot_be_prepared_here_say_why() {
-        let cases = [
-            (json!({"metadata": {}}), "not allocated"),
-            (
-                claim(
-                    json!([{"driver": DRIVER, "pool": "w-2", "device": "hugepages-2mi-numa0",
-                               "consumedCapacity": {"memory": "2Mi"}}]),
-                ),
-                "node w-2's pool, not w-1's",
-            ),
-            (
-                claim(json!([{"driver": DRIVER, "pool": "w-1", "device": "gpu-0",
-                               "consumedCapacity": {"memory": "2Mi"}}])),
-                "no such device: gpu-0",
-            ),
-            (
-                claim(json!([{"driver": DRIVER, "pool": "w-1", "device": "hugepages-2mi-numa0"}])),
-                "no consumed memory capacity",
-            ),
-            (
-                claim(
-                    json!([{"driver": DRIVER, "pool": "w-1", "device": "hugepages-2mi-numa0",
-                               "consumedCapacity": {"memory": "3Mi"}}]),
-                ),
-                "not a whole number of 2Mi pages",
-            ),
-            (
-                claim(json!([{"driver": "gpu.example.com", "pool": "w-1", "device": "gpu-0"}])),
-                "no device of driver",
-            ),
-        ];
-        for (claim, why) in cases {
-            let error = claimed_pages(&claim, "w-1").unwrap_err();
-            assert!(error.contains(why), "{error} (wanted {why})");
-        }
     }
 
     #[test]

@@ -77,21 +77,101 @@ impl Unevictable {
     }
 }
 
-/// Pods that hold one of `sizes` now: they request it, are not already going
-/// and not finished (a finished pod's pages are already free).
-pub fn holders<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> impl Iterator<Item = &'a Pod> {
+/// Pages that DRA claims (driver `hugepages.hugepool.dev`) hold on a node,
+/// per pod UID and page size: a pod that consumes a pool through DRA
+/// requests no `hugepages-<size>`, its claims hold the pages. A claim
+/// reserved for several pods counts for each (its pages come back when the
+/// last one goes: a drain evicts on until the agent reports them free).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Claims(BTreeMap<String, BTreeMap<PageSize, u64>>);
+
+impl Claims {
+    /// What `claims` (ResourceClaims as JSON) hold from `node`'s pool.
+    /// Claims that hold nothing there (not allocated, another driver's,
+    /// another node's) are left out.
+    pub fn on_node(claims: &[serde_json::Value], node: &str) -> Self {
+        let mut held: BTreeMap<String, BTreeMap<PageSize, u64>> = BTreeMap::new();
+        for claim in claims {
+            let Ok(holding) = hugepool_crds::dra::claimed_pages(claim, node) else {
+                continue;
+            };
+            for pod in &holding.pods {
+                let sizes = held.entry(pod.clone()).or_default();
+                for pages in &holding.pages {
+                    *sizes.entry(pages.size).or_default() += pages.pages;
+                }
+            }
+        }
+        Self(held)
+    }
+
+    /// Pages of `size` the pod's claims hold.
+    pub fn pages(&self, pod: &Pod, size: PageSize) -> u64 {
+        pod.metadata
+            .uid
+            .as_ref()
+            .and_then(|uid| self.0.get(uid))
+            .and_then(|sizes| sizes.get(&size))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn hold_any(&self, pod: &Pod, sizes: &[PageSize]) -> bool {
+        sizes.iter().any(|&size| self.pages(pod, size) > 0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// The namespaces whose ResourceClaims the pods use (from their status),
+/// sorted: where a drain looks for the claims of a node's pods.
+pub fn claim_namespaces(pods: &[Pod]) -> Vec<String> {
+    let mut namespaces: Vec<String> = pods
+        .iter()
+        .filter(|pod| {
+            pod.status
+                .as_ref()
+                .and_then(|s| s.resource_claim_statuses.as_ref())
+                .is_some_and(|claims| !claims.is_empty())
+        })
+        .filter_map(|pod| pod.namespace())
+        .collect();
+    namespaces.sort();
+    namespaces.dedup();
+    namespaces
+}
+
+/// Whether the pod requests one of `sizes` or its claims hold one.
+fn holds(pod: &Pod, claims: &Claims, sizes: &[PageSize]) -> bool {
+    requests_hugepages(pod, sizes) || claims.hold_any(pod, sizes)
+}
+
+/// Pods that hold one of `sizes` now: they request it or their claims hold
+/// it, are not already going and not finished (a finished pod's pages are
+/// already free).
+pub fn holders<'p: 'c, 'c>(
+    pods: &'p [Pod],
+    claims: &'c Claims,
+    sizes: &'c [PageSize],
+) -> impl Iterator<Item = &'p Pod> + 'c {
     pods.iter()
         .filter(|pod| pod.metadata.deletion_timestamp.is_none())
         .filter(|pod| {
             let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
             !matches!(phase, Some("Succeeded" | "Failed"))
         })
-        .filter(move |pod| requests_hugepages(pod, sizes))
+        .filter(move |pod| holds(pod, claims, sizes))
 }
 
 /// Pods to evict: the holders of `sizes` that eviction can move.
-pub fn hugepage_consumers<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> Vec<&'a Pod> {
-    let mut consumers: Vec<&Pod> = holders(pods, sizes)
+pub fn hugepage_consumers<'a>(
+    pods: &'a [Pod],
+    claims: &Claims,
+    sizes: &[PageSize],
+) -> Vec<&'a Pod> {
+    let mut consumers: Vec<&Pod> = holders(pods, claims, sizes)
         .filter(|pod| Unevictable::of(pod).is_none())
         .collect();
     consumers.sort_by_key(|pod| (pod.namespace(), pod.name_any()));
@@ -100,9 +180,10 @@ pub fn hugepage_consumers<'a>(pods: &'a [Pod], sizes: &[PageSize]) -> Vec<&'a Po
 
 /// Pages of `size` the pod may hold: what it requests, as the kubelet
 /// sizes a pod (init containers, sidecars and overhead included; the one
-/// definition the agent's report of requested pages uses too).
-pub fn pages_held(pod: &Pod, size: PageSize) -> u64 {
-    hugepool_crds::pod::requested_pages(pod, size)
+/// definition the agent's report of requested pages uses too), and what
+/// its DRA claims hold.
+pub fn pages_held(pod: &Pod, claims: &Claims, size: PageSize) -> u64 {
+    hugepool_crds::pod::requested_pages(pod, size) + claims.pages(pod, size)
 }
 
 /// Which pods a drain of `size` evicts, when `must_free` pages of it have
@@ -114,35 +195,43 @@ pub struct Selection<'a> {
     pub unexplained: Option<String>,
 }
 
-/// The fewest pods whose requests free `must_free` pages of `size`: the
+/// The fewest pods whose requests or claims free `must_free` pages of `size`: the
 /// agent's word alone (its reported pages in use) never evicts anything
 /// the pods' own requests cannot explain. Lower priority first, then the
 /// larger holders (fewest pods), then by name; pods already terminating
 /// count as freeing their pages; DaemonSet-owned and static pods are never
 /// chosen.
-pub fn choose(pods: &[Pod], size: PageSize, must_free: u64) -> Selection<'_> {
+pub fn choose<'a>(
+    pods: &'a [Pod],
+    claims: &Claims,
+    size: PageSize,
+    must_free: u64,
+) -> Selection<'a> {
+    let sizes = [size];
     let going: u64 = pods
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_some())
-        .filter(|p| requests_hugepages(p, &[size]))
-        .map(|p| pages_held(p, size))
+        .filter(|p| holds(p, claims, &sizes))
+        .map(|p| pages_held(p, claims, size))
         .sum();
-    let held: u64 = holders(pods, &[size]).map(|p| pages_held(p, size)).sum();
+    let held: u64 = holders(pods, claims, &sizes)
+        .map(|p| pages_held(p, claims, size))
+        .sum();
     if held + going < must_free {
         return Selection {
             evict: Vec::new(),
             unexplained: Some(format!(
-                "not evicting: pods on the node request {} pages of {size}, but {must_free} \
-                 must be freed (pages held outside pods cannot be drained)",
+                "not evicting: pods on the node request or claim {} pages of {size}, but \
+                 {must_free} must be freed (pages held outside pods cannot be drained)",
                 held + going
             )),
         };
     }
-    let mut candidates = hugepage_consumers(pods, &[size]);
+    let mut candidates = hugepage_consumers(pods, claims, &sizes);
     // Only what eviction can move counts: when DaemonSet-owned or static
     // pods hold the rest, evicting every other consumer would not let the
     // shrink finish, so nobody is evicted.
-    let movable: u64 = candidates.iter().map(|p| pages_held(p, size)).sum();
+    let movable: u64 = candidates.iter().map(|p| pages_held(p, claims, size)).sum();
     if movable + going < must_free {
         return Selection {
             evict: Vec::new(),
@@ -158,7 +247,7 @@ pub fn choose(pods: &[Pod], size: PageSize, must_free: u64) -> Selection<'_> {
         let priority = p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
         (
             priority,
-            std::cmp::Reverse(pages_held(p, size)),
+            std::cmp::Reverse(pages_held(p, claims, size)),
             p.namespace(),
             p.name_any(),
         )
@@ -169,7 +258,7 @@ pub fn choose(pods: &[Pod], size: PageSize, must_free: u64) -> Selection<'_> {
         if freed >= must_free {
             break;
         }
-        freed += pages_held(pod, size);
+        freed += pages_held(pod, claims, size);
         evict.push(pod);
     }
     Selection {
@@ -180,8 +269,8 @@ pub fn choose(pods: &[Pod], size: PageSize, must_free: u64) -> Selection<'_> {
 
 /// The holders of `sizes` that are never evicted, as `namespace/name (why)`,
 /// for the node's Draining condition.
-pub fn unevictable_consumers(pods: &[Pod], sizes: &[PageSize]) -> Vec<String> {
-    let mut found: Vec<String> = holders(pods, sizes)
+pub fn unevictable_consumers(pods: &[Pod], claims: &Claims, sizes: &[PageSize]) -> Vec<String> {
+    let mut found: Vec<String> = holders(pods, claims, sizes)
         .filter_map(|pod| {
             let why = Unevictable::of(pod)?;
             Some(format!(
@@ -362,6 +451,8 @@ mod tests {
 
     use super::*;
 
+    const NONE: Claims = Claims(BTreeMap::new());
+
     fn pod(name: &str, resources: &[(&str, &str)]) -> Pod {
         let amounts: BTreeMap<String, Quantity> = resources
             .iter()
@@ -406,12 +497,12 @@ mod tests {
             terminating,
             finished,
         ];
-        let names: Vec<String> = hugepage_consumers(&pods, &[PageSize::SIZE_2MI])
+        let names: Vec<String> = hugepage_consumers(&pods, &NONE, &[PageSize::SIZE_2MI])
             .iter()
             .map(|p| p.name_any())
             .collect();
         assert_eq!(names, ["dpdk"]);
-        let both = hugepage_consumers(&pods, &[PageSize::SIZE_2MI, PageSize::SIZE_1GI]);
+        let both = hugepage_consumers(&pods, &NONE, &[PageSize::SIZE_2MI, PageSize::SIZE_1GI]);
         assert_eq!(both.len(), 2);
     }
 
@@ -436,13 +527,13 @@ mod tests {
         let mut replica = pod("dpdk-7f9", &[("hugepages-2Mi", "4Mi")]);
         replica.metadata.owner_references = controlled_by("ReplicaSet", "dpdk-7f");
         let pods = vec![daemon, mirror, replica];
-        let evict: Vec<String> = hugepage_consumers(&pods, &[PageSize::SIZE_2MI])
+        let evict: Vec<String> = hugepage_consumers(&pods, &NONE, &[PageSize::SIZE_2MI])
             .iter()
             .map(|p| p.name_any())
             .collect();
         assert_eq!(evict, ["dpdk-7f9"]);
         assert_eq!(
-            unevictable_consumers(&pods, &[PageSize::SIZE_2MI]),
+            unevictable_consumers(&pods, &NONE, &[PageSize::SIZE_2MI]),
             [
                 "apps/agent-x (DaemonSet-owned)",
                 "apps/holder-vm (static pod)"
@@ -510,20 +601,26 @@ mod tests {
             pod("medium", &[("hugepages-2Mi", "32Mi")]), // 16 pages
             pod("web", &[("memory", "1Gi")]),
         ];
-        assert_eq!(pages_held(&pods[1], two_mi), 32);
+        assert_eq!(pages_held(&pods[1], &NONE, two_mi), 32);
         // 20 pages: the large one alone.
-        assert_eq!(names(&choose(&pods, two_mi, 20)), ["large"]);
+        assert_eq!(names(&choose(&pods, &NONE, two_mi, 20)), ["large"]);
         // 40: large and medium, not all three.
-        assert_eq!(names(&choose(&pods, two_mi, 40)), ["large", "medium"]);
+        assert_eq!(
+            names(&choose(&pods, &NONE, two_mi, 40)),
+            ["large", "medium"]
+        );
         // Nothing to free: nobody goes.
-        assert!(choose(&pods, two_mi, 0).evict.is_empty());
+        assert!(choose(&pods, &NONE, two_mi, 0).evict.is_empty());
         // Lower priority goes first, even when smaller.
         let ranked = vec![
             with_priority(pod("important", &[("hugepages-2Mi", "64Mi")]), 1000),
             with_priority(pod("batch", &[("hugepages-2Mi", "16Mi")]), 0),
         ];
-        assert_eq!(names(&choose(&ranked, two_mi, 8)), ["batch"]);
-        assert_eq!(names(&choose(&ranked, two_mi, 9)), ["batch", "important"]);
+        assert_eq!(names(&choose(&ranked, &NONE, two_mi, 8)), ["batch"]);
+        assert_eq!(
+            names(&choose(&ranked, &NONE, two_mi, 9)),
+            ["batch", "important"]
+        );
     }
 
     #[test]
@@ -556,13 +653,124 @@ mod tests {
     #[test]
     fn pages_the_pods_cannot_explain_evict_nothing() {
         let pods = vec![pod("dpdk", &[("hugepages-2Mi", "16Mi")])];
-        let selection = choose(&pods, PageSize::SIZE_2MI, 100);
+        let selection = choose(&pods, &NONE, PageSize::SIZE_2MI, 100);
         assert!(selection.evict.is_empty());
         let why = selection.unexplained.expect("a reason");
         assert!(
-            why.contains("request 8 pages of 2Mi, but 100 must be freed"),
+            why.contains("request or claim 8 pages of 2Mi, but 100 must be freed"),
             "{why}"
         );
+    }
+
+    /// A ResourceClaim of this driver reserved for `pods`, allocated from
+    /// `pool` (the node) on `device`, consuming `memory`.
+    fn claim(pods: &[&str], pool: &str, device: &str, memory: &str) -> serde_json::Value {
+        let reserved: Vec<_> = pods
+            .iter()
+            .map(|uid| serde_json::json!({"resource": "pods", "name": uid, "uid": uid}))
+            .collect();
+        serde_json::json!({
+            "metadata": {"namespace": "apps", "name": format!("{device}-{}", pods.join("-"))},
+            "status": {
+                "allocation": {"devices": {"results": [{
+                    "request": "pages", "driver": hugepool_crds::dra::DRIVER, "pool": pool,
+                    "device": device, "consumedCapacity": {"memory": memory},
+                }]}},
+                "reservedFor": reserved,
+            },
+        })
+    }
+
+    fn with_uid(mut pod: Pod, uid: &str) -> Pod {
+        pod.metadata.uid = Some(uid.into());
+        pod
+    }
+
+    #[test]
+    fn pods_holding_pages_through_dra_claims_are_drained_by_them() {
+        let two_mi = PageSize::SIZE_2MI;
+        // No pod requests hugepages-2Mi: their claims hold the pages.
+        let pods = vec![
+            with_uid(pod("small", &[("cpu", "1")]), "u-small"),
+            with_uid(pod("large", &[("cpu", "1")]), "u-large"),
+            with_uid(pod("classic", &[("hugepages-2Mi", "8Mi")]), "u-classic"),
+            with_uid(pod("elsewhere", &[("cpu", "1")]), "u-elsewhere"),
+            with_uid(pod("gpu", &[("cpu", "1")]), "u-gpu"),
+        ];
+        let mut gpu = claim(&["u-gpu"], "w-1", "gpu-0", "1Gi");
+        gpu["status"]["allocation"]["devices"]["results"][0]["driver"] = "gpu.example.com".into();
+        let claims = Claims::on_node(
+            &[
+                claim(&["u-small"], "w-1", "hugepages-2mi-numa0", "8Mi"),
+                claim(&["u-large"], "w-1", "hugepages-2mi-numa0", "40Mi"),
+                claim(&["u-large"], "w-1", "hugepages-1gi-numa0", "1Gi"),
+                // Another node's pool, another driver, not allocated: nothing here.
+                claim(&["u-elsewhere"], "w-2", "hugepages-2mi-numa0", "8Mi"),
+                gpu,
+                serde_json::json!({"metadata": {"name": "pending"}, "status": {}}),
+            ],
+            "w-1",
+        );
+        assert_eq!(pages_held(&pods[0], &claims, two_mi), 4);
+        assert_eq!(pages_held(&pods[1], &claims, two_mi), 20);
+        assert_eq!(pages_held(&pods[1], &claims, PageSize::SIZE_1GI), 1);
+        assert_eq!(
+            pages_held(&pods[2], &claims, two_mi),
+            4,
+            "requests still count"
+        );
+        assert_eq!(pages_held(&pods[3], &claims, two_mi), 0);
+        assert_eq!(pages_held(&pods[4], &claims, two_mi), 0);
+        let holders: Vec<String> = holders(&pods, &claims, &[two_mi])
+            .map(|p| p.name_any())
+            .collect();
+        assert_eq!(holders, ["small", "large", "classic"]);
+        // The largest holder first, as for requests.
+        assert_eq!(names(&choose(&pods, &claims, two_mi, 16)), ["large"]);
+        // Then 4 and 4 pages: by name.
+        assert_eq!(
+            names(&choose(&pods, &claims, two_mi, 28)),
+            ["large", "classic", "small"]
+        );
+        // Without the claims the same drain cannot be explained.
+        let blind = choose(&pods, &NONE, two_mi, 16);
+        assert!(blind.evict.is_empty() && blind.unexplained.is_some());
+        // A claim shared by two pods counts for each.
+        let shared = Claims::on_node(
+            &[claim(
+                &["u-small", "u-large"],
+                "w-1",
+                "hugepages-2mi-numa0",
+                "8Mi",
+            )],
+            "w-1",
+        );
+        assert_eq!(pages_held(&pods[0], &shared, two_mi), 4);
+        assert_eq!(pages_held(&pods[1], &shared, two_mi), 4);
+    }
+
+    #[test]
+    fn claims_are_looked_for_where_the_pods_use_them() {
+        use k8s_openapi::api::core::v1::{PodResourceClaimStatus, PodStatus};
+        let claiming = |name: &str, namespace: &str| {
+            let mut pod = pod(name, &[("cpu", "1")]);
+            pod.metadata.namespace = Some(namespace.into());
+            pod.status = Some(PodStatus {
+                resource_claim_statuses: Some(vec![PodResourceClaimStatus {
+                    name: "pages".into(),
+                    resource_claim_name: Some(format!("{name}-pages")),
+                }]),
+                ..PodStatus::default()
+            });
+            pod
+        };
+        let pods = vec![
+            claiming("a", "team-b"),
+            pod("plain", &[("cpu", "1")]),
+            claiming("b", "team-a"),
+            claiming("c", "team-b"),
+        ];
+        assert_eq!(claim_namespaces(&pods), ["team-a", "team-b"]);
     }
 
     #[test]
@@ -581,7 +789,7 @@ mod tests {
         ];
         // The pods explain 60 pages, but only 12 can be moved: 20 cannot be
         // freed by eviction, so nobody goes.
-        let selection = choose(&pods, two_mi, 20);
+        let selection = choose(&pods, &NONE, two_mi, 20);
         assert!(selection.evict.is_empty(), "{:?}", names(&selection));
         let why = selection.unexplained.expect("a reason");
         assert!(
@@ -591,8 +799,11 @@ mod tests {
             "{why}"
         );
         // 12 can: both evictable pods go, the others stay.
-        assert_eq!(names(&choose(&pods, two_mi, 12)), ["dpdk-a", "dpdk-b"]);
-        assert!(choose(&pods, two_mi, 12).unexplained.is_none());
+        assert_eq!(
+            names(&choose(&pods, &NONE, two_mi, 12)),
+            ["dpdk-a", "dpdk-b"]
+        );
+        assert!(choose(&pods, &NONE, two_mi, 12).unexplained.is_none());
     }
 
     #[test]
@@ -601,7 +812,14 @@ mod tests {
         going.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
         let pods = vec![going, pod("next", &[("hugepages-2Mi", "32Mi")])];
         // 16 pages are on their way back: nobody else needs to go.
-        assert!(choose(&pods, PageSize::SIZE_2MI, 16).evict.is_empty());
-        assert_eq!(names(&choose(&pods, PageSize::SIZE_2MI, 20)), ["next"]);
+        assert!(
+            choose(&pods, &NONE, PageSize::SIZE_2MI, 16)
+                .evict
+                .is_empty()
+        );
+        assert_eq!(
+            names(&choose(&pods, &NONE, PageSize::SIZE_2MI, 20)),
+            ["next"]
+        );
     }
 }

@@ -11,6 +11,12 @@ pub enum Error {
     Taint { node: String, source: kube::Error },
     #[error("listing the pods on Node {node}: {source}")]
     ListPods { node: String, source: kube::Error },
+    #[error("listing the ResourceClaims of Node {node}'s pods in namespace {namespace}: {source}")]
+    ListClaims {
+        node: String,
+        namespace: String,
+        source: kube::Error,
+    },
     #[error("writing the status of HugePagePool {pool}: {source}")]
     PoolStatus { pool: String, source: kube::Error },
     #[error("updating the finalizer of HugePagePool {pool}: {source}")]
@@ -38,6 +44,7 @@ impl Error {
             Error::DrainCondition { .. } => "drain_condition",
             Error::Taint { .. } => "taint",
             Error::ListPods { .. } => "list_pods",
+            Error::ListClaims { .. } => "list_claims",
             Error::PoolStatus { .. } => "pool_status",
             Error::Finalizer { .. } => "finalizer",
             Error::NotLeader => "not_leader",

@@ -55,6 +55,7 @@ pub const RECONCILE_ERROR_LABELS: &[&str] = &[
     "drain_condition",
     "taint",
     "list_pods",
+    "list_claims",
     "pool_status",
     "finalizer",
     "not_leader",
@@ -390,6 +391,11 @@ mod tests {
                 node: "w-1".into(),
                 source: kube(),
             },
+            Error::ListClaims {
+                node: "w-1".into(),
+                namespace: "apps".into(),
+                source: kube(),
+            },
             Error::PoolStatus {
                 pool: "db".into(),
                 source: kube(),
@@ -415,6 +421,7 @@ mod tests {
                 | Error::DrainCondition { .. }
                 | Error::Taint { .. }
                 | Error::ListPods { .. }
+                | Error::ListClaims { .. }
                 | Error::PoolStatus { .. }
                 | Error::Finalizer { .. }
                 | Error::NotLeader

@@ -28,8 +28,7 @@ use serde_json::json;
 use super::status_writer::{MAX_BACKOFF, jittered};
 use super::*;
 
-/// The DRA driver this agent publishes as.
-pub const DRIVER: &str = "hugepages.hugepool.dev";
+pub use hugepool_crds::dra::DRIVER;
 
 /// `resource.k8s.io/v1` ResourceSlice (GA in Kubernetes 1.34; consumable
 /// capacity, beta and on by default, from 1.36).
@@ -57,30 +56,7 @@ pub struct Device {
 impl Device {
     /// A DNS label that stays the same across restarts and resizes.
     pub fn name(&self) -> String {
-        format!(
-            "hugepages-{}-numa{}",
-            self.size.to_string().to_ascii_lowercase(),
-            self.numa
-        )
-    }
-
-    /// The size and NUMA node a device [`name`](Self::name) stands for.
-    pub fn parse_name(name: &str) -> Option<(PageSize, u32)> {
-        let (size, numa) = name.strip_prefix("hugepages-")?.split_once("-numa")?;
-        // The name lowercases the unit: `2mi` is 2Mi.
-        let mut chars: Vec<char> = size.chars().collect();
-        let unit = chars.iter().position(|c| c.is_ascii_alphabetic())?;
-        chars[unit] = chars[unit].to_ascii_uppercase();
-        let size: PageSize = chars.into_iter().collect::<String>().parse().ok()?;
-        let numa = numa.parse().ok()?;
-        (Device {
-            size,
-            numa,
-            pages: 0,
-        }
-        .name()
-            == name)
-            .then_some((size, numa))
+        hugepool_crds::dra::device_name(self.size, self.numa)
     }
 }
 
@@ -465,21 +441,6 @@ mod tests {
                 pages: 3,
             },
         ];
-        for device in &devices {
-            assert_eq!(
-                Device::parse_name(&device.name()),
-                Some((device.size, device.numa))
-            );
-        }
-        for other in [
-            "gpu-0",
-            "hugepages-2mi",
-            "hugepages-3mi-numa0",
-            "hugepages-2mi-numa01",
-            "hugepages-2Mi-numa0",
-        ] {
-            assert_eq!(Device::parse_name(other), None, "{other}");
-        }
         let object = slice_object("w-1", Some("uid-1"), 7, &devices);
         assert_eq!(object["metadata"]["name"], "w-1-hugepool");
         assert_eq!(object["metadata"]["ownerReferences"][0]["uid"], "uid-1");

@@ -369,8 +369,9 @@ fn size_status(
         reserved: pool.reserved as i64,
         surplus: pool.surplus as i64,
         in_use: pool.in_use() as i64,
-        // Set by `build` from the pods the agent watches.
+        // Set by `build` from the pods the agent watches and the claims.
         requested: None,
+        claimed: None,
         numa: sizes
             .numa
             .iter()
@@ -379,6 +380,8 @@ fn size_status(
                 total: n.total as i64,
                 free: n.free as i64,
                 surplus: n.surplus as i64,
+                // Set by `build` from the prepared claims.
+                claimed: None,
                 obtainable: obtainable_pages(obtainable.get(&(sizes.size, Some(n.node)))),
             })
             .collect(),
@@ -933,8 +936,29 @@ pub fn build(
                 memory.sizes.get(&sizes.size),
                 &memory.obtainable,
             );
+            let claimed = |numa: Option<i32>| {
+                let pages: u64 = memory
+                    .claimed
+                    .iter()
+                    .filter(|((size, n), _)| {
+                        *size == sizes.size
+                            && numa.is_none_or(|numa| i64::from(*n) == i64::from(numa))
+                    })
+                    .map(|(_, pages)| pages)
+                    .sum();
+                (pages > 0).then(|| i64::try_from(pages).unwrap_or(i64::MAX))
+            };
             PageSizeStatus {
                 requested: requested_pages(memory, sizes.size),
+                claimed: claimed(None),
+                numa: status
+                    .numa
+                    .into_iter()
+                    .map(|n| NumaStatus {
+                        claimed: claimed(Some(n.id)),
+                        ..n
+                    })
+                    .collect(),
                 ..status
             }
         })
@@ -1306,12 +1330,20 @@ mod tests {
             "{}",
             blocked.message
         );
+        // The operator reads the claimed pages from the status to drain.
+        let two_mi = &status.page_sizes[0];
+        assert_eq!(
+            (two_mi.claimed, two_mi.numa[0].claimed),
+            (Some(50), Some(50))
+        );
+        assert_eq!(status.page_sizes[1].claimed, None, "no 1Gi claim");
         // Without the claims the same node is merely away from its target.
         let status = built(&snapshot(60, 60, 0, 0), &memory(vec![target("2Mi", 10)]));
         assert_eq!(
             cond(&status, NodeConditionType::ShrinkBlocked).status,
             "False"
         );
+        assert_eq!(status.page_sizes[0].claimed, None);
     }
 
     #[test]

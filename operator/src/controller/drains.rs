@@ -10,7 +10,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::json;
 use tracing::info;
 
@@ -49,10 +49,11 @@ struct DrainSelection<'a> {
 /// agent's word alone drains nothing), and the pods the kubelet's Memory
 /// Manager holds memory for; never those eviction cannot move.
 fn select_pods<'a>(
-    on_node: &'a [Pod],
+    on_node: &'a OnNode,
     node_state: Option<&HugePageNode>,
     plan: &NodePlan,
 ) -> DrainSelection<'a> {
+    let OnNode { pods, claims } = on_node;
     let drain = &plan.drain;
     let mut chosen: Vec<(&Pod, Vec<String>)> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
@@ -65,14 +66,14 @@ fn select_pods<'a>(
         None => chosen.push((pod, vec![pool.to_string()])),
     };
     for &size in &drain.evict {
-        let selection = drain::choose(on_node, size, must_free(node_state, plan, size));
+        let selection = drain::choose(pods, claims, size, must_free(node_state, plan, size));
         notes.extend(selection.unexplained);
         let pool = drain.shrink_pools.get(&size).cloned().unwrap_or_default();
         for pod in selection.evict {
             credit(&mut chosen, pod, &pool);
         }
     }
-    let (held, held_kept) = drain::memory_manager_holders(on_node, &drain.evict_pods);
+    let (held, held_kept) = drain::memory_manager_holders(pods, &drain.evict_pods);
     let restart_waits_for: Vec<String> =
         held.iter().filter_map(|p| p.metadata.uid.clone()).collect();
     for pod in held {
@@ -84,7 +85,11 @@ fn select_pods<'a>(
         let named: Vec<String> = chosen
             .iter()
             .map(|(p, _)| {
-                let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(p, s)).sum();
+                let pages: u64 = drain
+                    .evict
+                    .iter()
+                    .map(|&s| drain::pages_held(p, claims, s))
+                    .sum();
                 format!(
                     "{}/{} ({pages} pages)",
                     p.namespace().unwrap_or_default(),
@@ -94,7 +99,7 @@ fn select_pods<'a>(
             .collect();
         notes.push(format!("evicting {}", named.join(", ")));
     }
-    let mut kept = drain::unevictable_consumers(on_node, &drain.evict);
+    let mut kept = drain::unevictable_consumers(pods, claims, &drain.evict);
     for pod in held_kept {
         if !kept.contains(&pod) {
             kept.push(pod);
@@ -111,8 +116,69 @@ fn select_pods<'a>(
     }
 }
 
+/// What a draining node's pods hold: the pods bound to it and what DRA
+/// claims hold for them.
+#[derive(Default)]
+pub(super) struct OnNode {
+    pub pods: Vec<Pod>,
+    pub claims: drain::Claims,
+}
+
+/// The pods bound to `node`, and, when the drain is of a pool consumed
+/// through DRA, the claims of this driver they use (read from the
+/// namespaces of the pods that have claims; a drain of a classic pool reads
+/// none, so the operator needs no claim access without DRA).
+async fn read_on_node(ctx: &Context, node: &str, plan: &NodePlan) -> Result<OnNode> {
+    let pods: Api<Pod> = Api::all(ctx.client.clone());
+    let listed = tokio::time::timeout(
+        WRITE_TIMEOUT,
+        pods.list(&ListParams::default().fields(&format!("spec.nodeName={node}"))),
+    )
+    .await
+    .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?;
+    let pods = listed
+        .map_err(|source| Error::ListPods {
+            node: node.to_string(),
+            source,
+        })?
+        .items;
+    let by_claims = plan
+        .spec
+        .page_sizes
+        .iter()
+        .any(|e| e.by_claims() && plan.drain.evict.contains(&e.size));
+    let mut claims = Vec::new();
+    if by_claims {
+        for namespace in drain::claim_namespaces(&pods) {
+            let api: Api<DynamicObject> = Api::namespaced_with(
+                ctx.client.clone(),
+                &namespace,
+                &hugepool_crds::dra::resource_claims(),
+            );
+            let listed = tokio::time::timeout(WRITE_TIMEOUT, api.list(&ListParams::default()))
+                .await
+                .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?
+                .map_err(|source| Error::ListClaims {
+                    node: node.to_string(),
+                    namespace: namespace.clone(),
+                    source,
+                })?;
+            claims.extend(
+                listed
+                    .items
+                    .into_iter()
+                    .filter_map(|claim| serde_json::to_value(claim).ok()),
+            );
+        }
+    }
+    Ok(OnNode {
+        claims: drain::Claims::on_node(&claims, node),
+        pods,
+    })
+}
+
 /// Sets the Draining condition and the taints as the plan says; returns the
-/// node's pods when it is evicting.
+/// node's pods (and their claims) when it is evicting.
 pub(super) async fn carry_out_drain(
     ctx: &Context,
     worker: &mut Worker,
@@ -120,28 +186,16 @@ pub(super) async fn carry_out_drain(
     node_state: Option<&HugePageNode>,
     plan: &NodePlan,
     now: Timestamp,
-) -> Result<Option<Vec<Pod>>> {
+) -> Result<Option<OnNode>> {
     let drain = &plan.drain;
     let name = node.name_any();
     let evicts = !drain.evict.is_empty() || !drain.evict_pods.is_empty();
     let on_node = if evicts {
-        let pods: Api<Pod> = Api::all(ctx.client.clone());
-        let listed = tokio::time::timeout(
-            WRITE_TIMEOUT,
-            pods.list(&ListParams::default().fields(&format!("spec.nodeName={name}"))),
-        )
-        .await
-        .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?;
-        listed
-            .map_err(|source| Error::ListPods {
-                node: name.clone(),
-                source,
-            })?
-            .items
+        read_on_node(ctx, &name, plan).await?
     } else {
-        Vec::new()
+        OnNode::default()
     };
-    worker.evictions.prune(&name, &on_node);
+    worker.evictions.prune(&name, &on_node.pods);
     let mut selection = select_pods(&on_node, node_state, plan);
     selection.notes.extend(worker.evictions.notes(&name, now));
     let condition_update = drain.condition.clone().map(|mut update| {
@@ -241,7 +295,7 @@ pub(super) fn choose_evictions(
     node: &Node,
     node_state: Option<&HugePageNode>,
     plan: &NodePlan,
-    on_node: &[Pod],
+    on_node: &OnNode,
     now: Timestamp,
 ) -> Vec<PlannedEviction> {
     let drain = &plan.drain;
@@ -261,7 +315,11 @@ pub(super) fn choose_evictions(
         })
         .map(|(pod, pools)| {
             let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
-            let pages: u64 = drain.evict.iter().map(|&s| drain::pages_held(pod, s)).sum();
+            let pages: u64 = drain
+                .evict
+                .iter()
+                .map(|&s| drain::pages_held(pod, &on_node.claims, s))
+                .sum();
             let uid = pod.metadata.uid.clone().unwrap_or_default();
             let reason = if selection.restart_waits_for.contains(&uid) {
                 format!(

@@ -4,33 +4,36 @@
 use super::*;
 
 /// Pages of `entry`'s size that must come back before its shrink can
-/// finish: what the node has in use and reserved above the target, or, with
-/// per-NUMA targets, what each NUMA node has in use (its total less its
-/// free pages) above its own target, summed; whichever is more. A shrink
-/// held up on one NUMA node counts although the node-wide total fits.
+/// finish: what the node has in use and reserved, or what DRA claims hold
+/// there (whichever is more: a claim's pages count before they are
+/// faulted), above the target; or, with per-NUMA targets, what each NUMA
+/// node has in use (its total less its free pages) or claimed above its
+/// own target, summed; whichever is more. A shrink held up on one NUMA node
+/// counts although the node-wide total fits.
 pub fn pages_to_free(
     reported: &hugepool_crds::node::PageSizeStatus,
     entry: &PageSizeTarget,
 ) -> u64 {
     let positive = |n: i64| u64::try_from(n).unwrap_or(0);
-    let node_wide =
-        positive(reported.in_use.max(0) + reported.reserved.max(0) - entry.pages.max(0));
+    let held =
+        (reported.in_use.max(0) + reported.reserved.max(0)).max(reported.claimed.unwrap_or(0));
+    let node_wide = positive(held - entry.pages.max(0));
     let per_numa: u64 = entry
         .numa
         .iter()
         .flatten()
         .filter_map(|target| {
             let numa = reported.numa.iter().find(|n| n.id == target.id)?;
-            let in_use = (numa.total - numa.free).max(0);
-            Some(positive(in_use - target.pages.max(0)))
+            let held = (numa.total - numa.free).max(numa.claimed.unwrap_or(0));
+            Some(positive(held - target.pages.max(0)))
         })
         .sum();
     node_wide.max(per_numa)
 }
 
 /// Whether the agent reports that `entry`'s shrink is held up by pages in
-/// use (the kernel keeps them as surplus, or the agent stops at the pages in
-/// use, node-wide or on one NUMA node).
+/// use or claimed (the kernel keeps them as surplus, or the agent stops at
+/// the pages in use or claimed, node-wide or on one NUMA node).
 pub(super) fn shrink_blocked(state: &HugePageNode, entry: &PageSizeTarget) -> bool {
     let Some(status) = &state.status else {
         return false;

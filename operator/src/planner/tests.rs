@@ -837,6 +837,7 @@ fn a_shrink_blocked_on_one_numa_node_drains_what_that_node_holds() {
                 total: 150,
                 free: 0,
                 surplus: 0,
+                claimed: None,
                 obtainable: None,
             },
             NumaStatus {
@@ -844,6 +845,7 @@ fn a_shrink_blocked_on_one_numa_node_drains_what_that_node_holds() {
                 total: 100,
                 free: 100,
                 surplus: 0,
+                claimed: None,
                 obtainable: None,
             },
         ],
@@ -876,6 +878,51 @@ fn a_shrink_blocked_on_one_numa_node_drains_what_that_node_holds() {
     global.numa = None;
     global.pages = 250;
     assert_eq!(pages_to_free(&reported, &global), 0);
+}
+
+#[test]
+fn pages_dra_claims_hold_drain_although_none_is_faulted() {
+    // Pool 96 -> 20; a prepared claim holds 40 pages, none in use yet.
+    let entry = PageSizeTarget::new(PageSize::SIZE_2MI, 20);
+    let reported = PageSizeStatus {
+        target: Some(20),
+        total: 40,
+        free: 40,
+        claimed: Some(40),
+        numa: vec![NumaStatus {
+            id: 0,
+            total: 40,
+            free: 40,
+            surplus: 0,
+            claimed: Some(40),
+            obtainable: None,
+        }],
+        ..PageSizeStatus::empty(PageSize::SIZE_2MI)
+    };
+    assert_eq!(pages_to_free(&reported, &entry), 20);
+    // Faulted pages of the same claim count once.
+    let faulted = PageSizeStatus {
+        free: 10,
+        in_use: 30,
+        ..reported.clone()
+    };
+    assert_eq!(pages_to_free(&faulted, &entry), 20);
+    // Per NUMA node: node 0 holds 40 claimed against its target of 10.
+    let mut per_numa = entry.clone();
+    per_numa.pages = 50;
+    per_numa.numa = Some(vec![NumaTarget { id: 0, pages: 10 }]);
+    assert_eq!(pages_to_free(&reported, &per_numa), 30);
+    // Without the claim nothing has to come back.
+    let unclaimed = PageSizeStatus {
+        claimed: None,
+        numa: vec![NumaStatus {
+            claimed: None,
+            ..reported.numa[0].clone()
+        }],
+        ..reported
+    };
+    assert_eq!(pages_to_free(&unclaimed, &entry), 0);
+    assert_eq!(pages_to_free(&unclaimed, &per_numa), 0);
 }
 
 #[test]
@@ -1945,6 +1992,7 @@ fn the_right_total_in_the_wrong_numa_split_is_not_converged() {
             total: 1024,
             free: 1024,
             surplus: 0,
+            claimed: None,
             obtainable: None,
         },
         NumaStatus {
@@ -1952,6 +2000,7 @@ fn the_right_total_in_the_wrong_numa_split_is_not_converged() {
             total: 0,
             free: 0,
             surplus: 0,
+            claimed: None,
             obtainable: None,
         },
     ];

@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Serialize;
 
-use crate::drain;
+use crate::drain::{self, Claims};
 use crate::planner::{self, NodeState, PlanInput};
 
 /// What applying one pool would do.
@@ -346,7 +346,8 @@ fn drain_need(
     }
     let must_free = u64::try_from(held - to).unwrap_or(0);
     let pods = pods.map(Vec::as_slice).unwrap_or_default();
-    let selection = drain::choose(pods, pool.spec.page_size, must_free);
+    // The pods' requests only: the plugin does not read ResourceClaims.
+    let selection = drain::choose(pods, &Claims::default(), pool.spec.page_size, must_free);
     Some(DrainNeed {
         held,
         policy: pool.spec.drain.policy,
@@ -382,6 +383,7 @@ pub fn reached_status(entry: &PageSizeTarget, in_use: i64) -> PageSizeStatus {
                 total: t.pages,
                 free: t.pages,
                 surplus: 0,
+                claimed: None,
                 obtainable: None,
             })
             .collect(),

@@ -106,7 +106,7 @@ pub fn report(pod: &Pod, nodes: &[Node], states: &[HugePageNode], pods: &[Pod]) 
         .into_iter()
         .map(|size| SizeRequest {
             size,
-            pages: drain::pages_held(pod, size),
+            pages: hugepool_crds::pod::requested_pages(pod, size),
         })
         .filter(|r| r.pages > 0)
         .collect();
@@ -176,9 +176,10 @@ fn node_row(
     if !has_size {
         return None;
     }
-    let requested: i64 = drain::holders(pods, &[size])
+    let no_claims = drain::Claims::default();
+    let requested: i64 = drain::holders(pods, &no_claims, &[size])
         .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&node_name))
-        .map(|p| drain::pages_held(p, size) as i64)
+        .map(|p| hugepool_crds::pod::requested_pages(p, size) as i64)
         .sum();
     let stale = matches!((capacity, kernel), (Some(c), Some(k)) if c != k);
     let tolerations = pod

@@ -198,7 +198,9 @@ pub fn report(
         .collect();
     events.sort_by_key(|e| std::cmp::Reverse(e.0));
     let sizes_held: Vec<PageSize> = sizes.iter().map(|s| s.size).collect();
-    let mut pods: Vec<PodRow> = drain::holders(pods, &sizes_held)
+    // The pods' requests only: the plugin does not read ResourceClaims.
+    let no_claims = &drain::Claims::default();
+    let mut pods: Vec<PodRow> = drain::holders(pods, no_claims, &sizes_held)
         .flat_map(|pod| {
             let name = format!(
                 "{}/{}",
@@ -209,7 +211,7 @@ pub fn report(
                 .map(|u| u.as_str().to_string())
                 .unwrap_or_default();
             sizes_held.iter().filter_map(move |&size| {
-                let pages = drain::pages_held(pod, size);
+                let pages = drain::pages_held(pod, no_claims, size);
                 (pages > 0).then(|| PodRow {
                     pod: name.clone(),
                     size,
