@@ -73,12 +73,17 @@ pub enum Desired {
     Devices(Vec<Device>),
 }
 
-/// The slice one kernel read and the kubelet's advertised capacity call
-/// for. Sizes the kernel does not offer publish nothing.
+/// The slice one kernel read, the kubelet's advertised capacity and the
+/// prepared claims call for. Sizes the kernel does not offer publish
+/// nothing. A device never shows less than its prepared claims hold (the
+/// kubelet, restarted, may advertise pages the claims hold; a writer other
+/// than the agent may shrink the pool): the scheduler then sees it full,
+/// not overcommitted.
 pub fn desired(
     snapshot: &KernelSnapshot,
     targets: &[PageSizeTarget],
     kubelet_capacity: Option<&BTreeMap<PageSize, u64>>,
+    claimed: &crate::dra::Claimed,
 ) -> Desired {
     let sizes: Vec<PageSize> = targets
         .iter()
@@ -98,7 +103,8 @@ pub fn desired(
         };
         let advertised = capacity.get(&size).copied().unwrap_or(0) / size.bytes();
         for numa in &counts.numa {
-            let pages = numa.persistent().saturating_sub(advertised);
+            let held = claimed.get(&(size, numa.node)).copied().unwrap_or(0);
+            let pages = numa.persistent().saturating_sub(advertised).max(held);
             if pages > 0 {
                 devices.push(Device {
                     size,
@@ -351,6 +357,7 @@ mod tests {
     }
 
     const DRA: Option<Consumption> = Some(Consumption::DynamicResourceAllocation);
+    const NONE: crate::dra::Claimed = crate::dra::Claimed::new();
 
     #[test]
     fn pools_consumed_by_the_kubelet_publish_no_slice() {
@@ -358,16 +365,19 @@ mod tests {
         let capacity = BTreeMap::new();
         for consumption in [None, Some(Consumption::Kubelet)] {
             let targets = [target(PageSize::SIZE_2MI, 64, consumption)];
-            assert_eq!(desired(&kernel, &targets, Some(&capacity)), Desired::Absent);
+            assert_eq!(
+                desired(&kernel, &targets, Some(&capacity), &NONE),
+                Desired::Absent
+            );
         }
-        assert_eq!(desired(&kernel, &[], None), Desired::Absent);
+        assert_eq!(desired(&kernel, &[], None, &NONE), Desired::Absent);
     }
 
     #[test]
     fn nothing_is_published_before_the_kubelet_capacity_is_known() {
         let kernel = snapshot(PageSize::SIZE_2MI, &[(0, 64, 0)]);
         let targets = [target(PageSize::SIZE_2MI, 64, DRA)];
-        assert_eq!(desired(&kernel, &targets, None), Desired::Unknown);
+        assert_eq!(desired(&kernel, &targets, None, &NONE), Desired::Unknown);
     }
 
     #[test]
@@ -379,7 +389,7 @@ mod tests {
         let targets = [target(size, 140, DRA)];
         let capacity = BTreeMap::from([(size, 30 * size.bytes())]);
         assert_eq!(
-            desired(&kernel, &targets, Some(&capacity)),
+            desired(&kernel, &targets, Some(&capacity), &NONE),
             Desired::Devices(vec![
                 Device {
                     size,
@@ -397,7 +407,7 @@ mod tests {
         // node's device goes; when it advertises the whole pool, all do.
         let capacity = BTreeMap::from([(size, 50 * size.bytes())]);
         assert_eq!(
-            desired(&kernel, &targets, Some(&capacity)),
+            desired(&kernel, &targets, Some(&capacity), &NONE),
             Desired::Devices(vec![Device {
                 size,
                 numa: 0,
@@ -406,12 +416,23 @@ mod tests {
         );
         let capacity = BTreeMap::from([(size, 140 * size.bytes())]);
         assert_eq!(
-            desired(&kernel, &targets, Some(&capacity)),
+            desired(&kernel, &targets, Some(&capacity), &NONE),
             Desired::Devices(vec![])
+        );
+        // Never below what prepared claims hold: a kubelet restarted with
+        // claims prepared advertises their pages too.
+        let claimed = crate::dra::Claimed::from([((size, 1), 25)]);
+        assert_eq!(
+            desired(&kernel, &targets, Some(&capacity), &claimed),
+            Desired::Devices(vec![Device {
+                size,
+                numa: 1,
+                pages: 25
+            }])
         );
         // A Node that lists no such size advertises none of it.
         assert_eq!(
-            desired(&kernel, &targets, Some(&BTreeMap::new())),
+            desired(&kernel, &targets, Some(&BTreeMap::new()), &NONE),
             Desired::Devices(vec![
                 Device {
                     size,

@@ -100,7 +100,12 @@ pub(super) async fn write_status(
         // Known only once the agent has read its HugePageNode: before, no
         // target says whether a slice is wanted.
         if memory.generation.is_some() {
-            let want = slice::desired(&snapshot, &memory.targets, memory.kubelet.capacity.as_ref());
+            let want = slice::desired(
+                &snapshot,
+                &memory.targets,
+                memory.kubelet.capacity.as_ref(),
+                &memory.claimed,
+            );
             match &want {
                 slice::Desired::Devices(devices) => shared.metrics.set_claimable(devices),
                 slice::Desired::Absent => shared.metrics.set_claimable(&[]),
