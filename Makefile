@@ -10,7 +10,7 @@ CONTROLPLANE_TESTS := -p hugepool-e2e --test api --test manifests --test prometh
 	-p hugepool-operator --test faults --test fleet --test kubectl_hugepool \
 	-p hugepool-agent --test cluster
 
-.PHONY: all build test test-oldest-k8s lint fmt crds manifests controlplane images previous krew release bench bench-fragment bench-fleet demo diagrams clean
+.PHONY: all build test test-oldest-k8s lint fmt crds manifests controlplane images previous krew release bench bench-fragment bench-usable bench-fleet demo diagrams clean
 
 all: build
 
@@ -82,6 +82,11 @@ bench:
 ## What a grow can get, predicted and measured over 12 states of fragmented memory, the engine with and without the free lists (real kernel, root; HUGEPOOL_FRAGMENT_PAGES).
 bench-fragment:
 	$(CARGO) bench -p hugepool-agent --bench fragment
+
+## A grown pool to a pod using it, DRA against the kubelet restart, side by side on the real node
+## (HUGEPOOL_BENCH_REPS, 5 by default): medians printed, runs in target/bench-usable/runs.json.
+bench-usable: controlplane images
+	HUGEPOOL_BENCH_REPS=$${HUGEPOOL_BENCH_REPS:-5} bash e2e/with-controlplane.sh $(CARGO) test -p hugepool-e2e --test node -- --ignored --exact --nocapture bench_apply_to_usable_dra_against_the_kubelet_restart
 
 ## The operator at fleet size: N Nodes on a real control plane, simulated agents (HUGEPOOL_FLEET_NODES); an SVG of each rollout in target/bench-fleet/.
 bench-fleet: controlplane

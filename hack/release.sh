@@ -65,6 +65,7 @@ fi
 crane="$(bash hack/tool.sh crane)"
 cosign="$(bash hack/tool.sh cosign)"
 cyclonedx="$(bash hack/tool.sh cargo-cyclonedx)"
+gomod="$(bash hack/tool.sh cyclonedx-gomod)"
 helm="$(bash hack/helm.sh)"
 
 out="$root/target/release/$version"
@@ -108,6 +109,24 @@ for arch in "${arches[@]}"; do
   mv -f "operator/hugepool-operator_bin_$t.cdx.json" "$out/sbom/hugepool-operator-$arch.cdx.json"
   mv -f "node-agent/hugepool-agent_bin_$t.cdx.json" "$out/sbom/hugepool-agent-$arch.cdx.json"
   find . -path ./target -prune -o -name "*_bin_$t.cdx.json" -exec rm -f {} +
+  # The agent's image holds hugepool-hooks (Go) too: its modules, as Go
+  # recorded them in the binary, go into the agent's SBOM as a component of
+  # their own.
+  hooks="$root/target/go/$arch/hugepool-hooks"
+  [[ -f "$hooks" ]] || die "no $hooks (hack/images.sh builds it)"
+  "$gomod" bin -json -output "$work/hooks-$arch.cdx.json" -version "$version" "$hooks" 2>"$work/gomod.log" ||
+    { cat "$work/gomod.log" >&2; die "cyclonedx-gomod $arch failed"; }
+  python3 - "$out/sbom/hugepool-agent-$arch.cdx.json" "$work/hooks-$arch.cdx.json" <<'PY'
+import json, sys
+agent_path, hooks_path = sys.argv[1:3]
+agent = json.load(open(agent_path))
+hooks = json.load(open(hooks_path))
+binary = dict(hooks["metadata"]["component"])
+binary["name"] = "hugepool-hooks"
+binary["components"] = hooks.get("components", [])
+agent.setdefault("components", []).append(binary)
+json.dump(agent, open(agent_path, "w"), indent=2)
+PY
 done
 say "SBOMs: $out/sbom"
 

@@ -9,6 +9,8 @@
 #   crane       pushes OCI layouts, assembles multi-arch indexes, reads them
 #   actionlint  checks .github/workflows
 #   kube-score  lints the rendered manifests (e2e/tests/lint_manifests.rs)
+#   cyclonedx-gomod  the CycloneDX SBOM of the Go binary hugepool-hooks, from
+#               the module list Go writes into it
 #   cargo-cyclonedx  writes the CycloneDX SBOM of each binary (a crate: built
 #               with cargo install)
 #
@@ -17,7 +19,7 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-name="${1:?usage: hack/tool.sh cosign|registry|crane|actionlint|kube-score|cargo-cyclonedx}"
+name="${1:?usage: hack/tool.sh cosign|registry|crane|actionlint|kube-score|cyclonedx-gomod|cargo-cyclonedx}"
 crate=""
 case "$name" in
   cosign)
@@ -36,6 +38,9 @@ case "$name" in
     # The version stamp of kube-score's own release build (goreleaser).
     module=github.com/zegl/kube-score package=cmd/kube-score version="${KUBE_SCORE_VERSION:-v1.20.0}"
     ldflags="-X main.version=${version#v}" ;;
+  cyclonedx-gomod)
+    module=github.com/CycloneDX/cyclonedx-gomod package=cmd/cyclonedx-gomod version="${CYCLONEDX_GOMOD_VERSION:-v1.10.0}"
+    ldflags="" ;;
   cargo-cyclonedx)
     crate=cargo-cyclonedx version="${CARGO_CYCLONEDX_VERSION:-0.5.9}" ;;
   *) echo "hack/tool.sh: unknown tool $name" >&2; exit 2 ;;

@@ -2233,6 +2233,43 @@ spec:
         }
     })
     .await;
+
+    // A kubelet restarted by someone else deletes the node's slices when it
+    // starts, and then advertises the whole pool as hugepages-2Mi: the agent
+    // publishes the slice again (a newer generation), its device no longer
+    // below the 10 pages a running claim holds, and the claim keeps them.
+    node.claim_pod("keeper", 10, &["/hugepage-holder", "10"]);
+    node.wait_in_use(20, 10).await;
+    let generation =
+        |slice: &kube::api::DynamicObject| slice.data["spec"]["pool"]["generation"].as_i64();
+    let before = generation(&slices.get(&slice_name).await.expect("the slice"));
+    let run = node.kubelet_run();
+    node.systemctl(&["restart", "kubelet"]);
+    assert_ne!(node.kubelet_run(), run, "the kubelet restarted");
+    wait_for(
+        "the slice published again, at the claim's pages",
+        Duration::from_secs(300),
+        || async {
+            let slice = slices.get(&slice_name).await.map_err(|e| e.to_string())?;
+            let memory = slice.data["spec"]["devices"][0]["capacity"]["memory"]["value"].clone();
+            let advertised = allocatable().await;
+            match (generation(&slice), memory.as_str(), advertised.as_deref()) {
+                (Some(g), Some("20Mi"), Some("40Mi")) if Some(g) > before => Ok(()),
+                other => Err(format!(
+                    "(generation, memory, allocatable) {other:?}, before {before:?}"
+                )),
+            }
+        },
+    )
+    .await;
+    let phase = pods
+        .get("keeper")
+        .await
+        .expect("keeper")
+        .status
+        .and_then(|s| s.phase);
+    assert_eq!(phase.as_deref(), Some("Running"));
+    node.wait_in_use(20, 10).await;
 }
 
 /// A file of NUMA node 0's 2Mi pool.
@@ -3357,6 +3394,36 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
                 crates.contains(&"kube-client") && crates.contains(&"hugepool-crds"),
                 "{subject}: {crates:?}"
             );
+            // The agent's image holds hugepool-hooks (Go): its modules too.
+            if image == "hugepool-agent" {
+                let hooks = bom["components"]
+                    .as_array()
+                    .expect("components")
+                    .iter()
+                    .find(|c| c["name"] == "hugepool-hooks")
+                    .unwrap_or_else(|| panic!("{subject}: no hugepool-hooks component"));
+                let modules: Vec<&str> = hooks["components"]
+                    .as_array()
+                    .expect("hugepool-hooks' modules")
+                    .iter()
+                    .filter_map(|c| c["purl"].as_str())
+                    .collect();
+                assert!(
+                    modules
+                        .iter()
+                        .any(|m| m.starts_with("pkg:golang/github.com/containerd/nri@"))
+                        && modules
+                            .iter()
+                            .any(|m| m.starts_with("pkg:golang/k8s.io/kubelet@")),
+                    "{subject}: {modules:?}"
+                );
+                assert!(
+                    hooks["purl"]
+                        .as_str()
+                        .is_some_and(|p| p.contains(&format!("goarch={arch}"))),
+                    "{subject}: built for its platform: {hooks}"
+                );
+            }
         }
 
         // The index is signed by the release key (each platform too), and
@@ -3548,4 +3615,242 @@ spec:
         "--timeout=120s",
     ]);
     assert_eq!(read_sys("nr_hugepages"), 0, "Release returned every page");
+}
+
+/// One way a grown pool reaches a pod, for the apply-to-usable benchmark.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Route {
+    /// `hugepages-2Mi` requests: the agent restarts the kubelet
+    /// (`AfterResize`) so that it advertises the grown pool.
+    KubeletRestart,
+    /// A ResourceClaim: the agent's slice follows the pool.
+    Dra,
+}
+
+impl Route {
+    fn name(self) -> &'static str {
+        match self {
+            Route::KubeletRestart => "kubelet-restart",
+            Route::Dra => "dra",
+        }
+    }
+}
+
+/// One measured run of a route: seconds from the patch that grows the pool
+/// to the kernel holding the new pages, the pod Running, and the pod's
+/// pages faulted; whether the kubelet restarted.
+#[derive(Debug, serde::Serialize)]
+struct UsableRun {
+    route: &'static str,
+    rep: usize,
+    grown_seconds: f64,
+    running_seconds: f64,
+    usable_seconds: f64,
+    kubelet_restarted: bool,
+}
+
+/// `make bench-usable`: how long a grown pool takes to reach a pod that
+/// asks for more than the old pool had, through a kubelet restart
+/// (`hugepages-2Mi` requests) and through DRA (a ResourceClaim), side by
+/// side on the real node: for each repetition (HUGEPOOL_BENCH_REPS, 5 by
+/// default) each route in turn, alternating which goes first: a pool of 32
+/// pages, patched to 96, and at once a pod for 80 pages; timed to the kernel
+/// showing its 80 pages faulted. Medians printed, runs in
+/// target/bench-usable/runs.json.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a benchmark: make bench-usable"]
+async fn bench_apply_to_usable_dra_against_the_kubelet_restart() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    let kubelet_root = format!("dra.kubeletRootDir={}", node.kubelet_root.display());
+    node.helm_install_with(&["dra.enabled=true", &kubelet_root]);
+    node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
+    let reps: usize = std::env::var("HUGEPOOL_BENCH_REPS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(5);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let mut runs = Vec::new();
+    for rep in 0..reps {
+        let order = if rep % 2 == 0 {
+            [Route::KubeletRestart, Route::Dra]
+        } else {
+            [Route::Dra, Route::KubeletRestart]
+        };
+        for route in order {
+            let run = usable_run(&node, &client, &pods, route, rep).await;
+            eprintln!("{run:?}");
+            runs.push(run);
+        }
+    }
+    let median = |route: Route, field: fn(&UsableRun) -> f64| {
+        let mut values: Vec<f64> = runs
+            .iter()
+            .filter(|r| r.route == route.name())
+            .map(field)
+            .collect();
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    println!("apply of a bigger pool (32 -> 96 x 2Mi) to a pod using 80 pages, medians of {reps}:");
+    println!(
+        "{:<16} {:>10} {:>10} {:>10}",
+        "route", "grown s", "running s", "usable s"
+    );
+    for route in [Route::KubeletRestart, Route::Dra] {
+        println!(
+            "{:<16} {:>10.2} {:>10.2} {:>10.2}",
+            route.name(),
+            median(route, |r| r.grown_seconds),
+            median(route, |r| r.running_seconds),
+            median(route, |r| r.usable_seconds),
+        );
+    }
+    let dir = repo().join("target").join("bench-usable");
+    std::fs::create_dir_all(&dir).expect("results dir");
+    std::fs::write(
+        dir.join("runs.json"),
+        serde_json::to_string_pretty(&runs).expect("json"),
+    )
+    .expect("write runs.json");
+    for run in &runs {
+        assert_eq!(
+            run.kubelet_restarted,
+            run.route == Route::KubeletRestart.name(),
+            "only the restart route restarts the kubelet: {run:?}"
+        );
+    }
+}
+
+/// One run of `route`: pool `usable-2mi` of 32 pages, grown to 96, a pod
+/// for 80 at once; then the pod and the pool go (Release), and the kubelet
+/// is restarted so that it advertises nothing before the next run.
+async fn usable_run(
+    node: &Node,
+    client: &Client,
+    pods: &Api<Pod>,
+    route: Route,
+    rep: usize,
+) -> UsableRun {
+    let consumption = match route {
+        Route::KubeletRestart => "kubelet: {restart: AfterResize}",
+        Route::Dra => "consumption: DynamicResourceAllocation",
+    };
+    node.apply(&format!(
+        r#"
+apiVersion: hugepool.dev/v1alpha1
+kind: HugePagePool
+metadata: {{name: usable-2mi}}
+spec:
+  nodeSelector: {{matchLabels: {{hugepool.dev/demo: "true"}}}}
+  pageSize: 2Mi
+  pages: 32
+  {consumption}
+  deletionPolicy: Release
+"#
+    ));
+    node.wait_available("usable-2mi");
+    let run = node.kubelet_run();
+    let name = format!("usable-{}-{rep}", route.name());
+    let started = Instant::now();
+    node.kubectl(&[
+        "patch",
+        "hugepagepool",
+        "usable-2mi",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"pages":96}}"#,
+    ]);
+    match route {
+        Route::KubeletRestart => node.start_holder_with(&name, 80, 80, &[]),
+        Route::Dra => node.claim_pod(&name, 80, &["/hugepage-holder", "80"]),
+    }
+    let (mut grown, mut running) = (None, None);
+    let deadline = started + Duration::from_secs(600);
+    let usable = loop {
+        let (nr, free) = (read_sys("nr_hugepages"), read_sys("free_hugepages"));
+        if grown.is_none() && nr == 96 {
+            grown = Some(started.elapsed());
+        }
+        if running.is_none() {
+            let phase = pods
+                .get_opt(&name)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|p| p.status)
+                .and_then(|s| s.phase);
+            if phase.as_deref() == Some("Running") {
+                running = Some(started.elapsed());
+            }
+        }
+        if nr == 96 && free == 16 {
+            break started.elapsed();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name}: not usable within 600 s (pool {nr}, free {free})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let running = match running {
+        Some(running) => running,
+        None => {
+            wait_for("the pod Running", Duration::from_secs(120), || async {
+                let phase = pods
+                    .get(&name)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .status
+                    .and_then(|s| s.phase);
+                match phase.as_deref() {
+                    Some("Running") => Ok(started.elapsed()),
+                    other => Err(format!("{other:?}")),
+                }
+            })
+            .await
+        }
+    };
+    let kubelet_restarted = node.kubelet_run() != run;
+
+    // Back to nothing: the pod, its claim template, the pool; a kubelet
+    // that advertises no page.
+    node.kubectl(&["delete", "pod", &name, "--wait=true"]);
+    if route == Route::Dra {
+        node.kubectl(&[
+            "delete",
+            "resourceclaimtemplate",
+            "-n",
+            "default",
+            &format!("{name}-pages"),
+        ]);
+    }
+    node.kubectl(&[
+        "delete",
+        "hugepagepool",
+        "usable-2mi",
+        "--wait=true",
+        "--timeout=300s",
+    ]);
+    assert_eq!(read_sys("nr_hugepages"), 0, "Release returned every page");
+    node.systemctl(&["restart", "kubelet"]);
+    wait_for(
+        "the kubelet advertises no page",
+        Duration::from_secs(300),
+        || async {
+            match node.kubelet_capacity_2mi(client).await.as_str() {
+                "" | "0" => Ok(()),
+                other => Err(other.to_string()),
+            }
+        },
+    )
+    .await;
+    UsableRun {
+        route: route.name(),
+        rep,
+        grown_seconds: grown.unwrap_or(usable).as_secs_f64(),
+        running_seconds: running.as_secs_f64(),
+        usable_seconds: usable.as_secs_f64(),
+        kubelet_restarted,
+    }
 }
