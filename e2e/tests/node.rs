@@ -3825,14 +3825,27 @@ spec:
             &format!("{name}-pages"),
         ]);
     }
-    node.kubectl(&[
-        "delete",
-        "hugepagepool",
-        "usable-2mi",
-        "--wait=true",
-        "--timeout=300s",
-    ]);
-    assert_eq!(read_sys("nr_hugepages"), 0, "Release returned every page");
+    node.kubectl(&["delete", "hugepagepool", "usable-2mi", "--wait=false"]);
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    wait_for(
+        "Release returns every page",
+        Duration::from_secs(300),
+        || async {
+            let nr = read_sys("nr_hugepages");
+            if nr == 0 {
+                return Ok(());
+            }
+            let status = hpns
+                .get(&node.name)
+                .await
+                .ok()
+                .and_then(|h| h.status)
+                .map(|s| serde_json::to_string(&s).unwrap_or_default());
+            let pods = node.kubectl(&["get", "pods,resourceclaims", "-A", "-o", "wide"]);
+            Err(format!("pool {nr}; status {status:?}; {pods}"))
+        },
+    )
+    .await;
     node.systemctl(&["restart", "kubelet"]);
     wait_for(
         "the kubelet advertises no page",
