@@ -164,6 +164,45 @@ pub fn save(path: &Path, prepared: &Prepared) -> std::io::Result<()> {
     write_whole(path, &serde_json::to_vec_pretty(prepared)?)
 }
 
+/// Persistent pages of one size on one NUMA node, as the kernel has them now.
+pub type PoolReader = Box<dyn Fn(PageSize, u32) -> Result<u64, String> + Send + Sync>;
+
+/// Whether claim `uid` fits the pool beside the claims prepared already: on
+/// each NUMA node it takes pages of, the other prepared claims' pages and
+/// its own are at most what the node's pool holds. A claim the scheduler
+/// allocated from a slice published before a shrink may not: it is refused
+/// with the counts (the kubelet retries, the pod waits) rather than
+/// prepared on pages that are gone.
+pub fn fits(
+    prepared: &Prepared,
+    uid: &str,
+    claim: &PreparedClaim,
+    pool: impl Fn(PageSize, u32) -> Result<u64, String>,
+) -> Result<(), String> {
+    let mut asked: BTreeMap<(PageSize, u32), u64> = BTreeMap::new();
+    for pages in &claim.pages {
+        *asked.entry((pages.size, pages.numa)).or_default() += pages.pages;
+    }
+    let others = claimed(
+        &prepared
+            .iter()
+            .filter(|(other, _)| *other != uid)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    );
+    for ((size, numa), pages) in asked {
+        let held = others.get(&(size, numa)).copied().unwrap_or(0);
+        let pool = pool(size, numa)?;
+        if held + pages > pool {
+            return Err(format!(
+                "NUMA node {numa}'s {size} pool holds {pool} pages: prepared claims hold {held} \
+                 and this claim asks {pages} (the pool shrank after the claim was allocated)"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The plugin's state, shared by both services.
 pub struct KubeletPlugin {
     client: Client,
@@ -174,6 +213,8 @@ pub struct KubeletPlugin {
     file: Option<PathBuf>,
     /// Told what the prepared claims hold after each change.
     on_change: Option<Box<dyn Fn(Claimed) + Send + Sync>>,
+    /// Where a claim's pages are checked before it is prepared.
+    pool: Option<PoolReader>,
 }
 
 impl KubeletPlugin {
@@ -193,7 +234,14 @@ impl KubeletPlugin {
             prepared: Mutex::new(prepared),
             file,
             on_change: None,
+            pool: None,
         }
+    }
+
+    /// Checks each claim against the pool before preparing it ([`fits`]).
+    pub fn with_pool(mut self, pool: PoolReader) -> Self {
+        self.pool = Some(pool);
+        self
     }
 
     /// Calls `tell` with what the prepared claims hold now and after every
@@ -217,9 +265,12 @@ impl KubeletPlugin {
 
     /// Records a change and keeps it in the file; a failed write is said
     /// and fails the call, so the kubelet retries it.
-    fn update(&self, change: impl FnOnce(&mut Prepared)) -> Result<(), String> {
+    fn update(
+        &self,
+        change: impl FnOnce(&mut Prepared) -> Result<(), String>,
+    ) -> Result<(), String> {
         let mut prepared = self.lock();
-        change(&mut prepared);
+        change(&mut prepared)?;
         if let Some(tell) = &self.on_change {
             tell(claimed(&prepared));
         }
@@ -257,10 +308,16 @@ impl KubeletPlugin {
         let spec = self.dirs.cdi_spec(uid);
         let bytes =
             serde_json::to_vec_pretty(&cdi_spec(uid, &prepared)).map_err(|err| err.to_string())?;
-        write_whole(&spec, &bytes)
-            .map_err(|err| format!("cannot write the CDI spec {}: {err}", spec.display()))?;
+        // Checked and recorded under one lock: two claims prepared at once
+        // cannot both take the pool's last pages.
         self.update(|all| {
+            if let Some(pool) = &self.pool {
+                fits(all, uid, &prepared, pool)?;
+            }
+            write_whole(&spec, &bytes)
+                .map_err(|err| format!("cannot write the CDI spec {}: {err}", spec.display()))?;
             all.insert(uid.to_string(), prepared.clone());
+            Ok(())
         })?;
         Ok(prepared)
     }
@@ -280,6 +337,7 @@ impl KubeletPlugin {
         }
         self.update(|all| {
             all.remove(uid);
+            Ok(())
         })
     }
 }
@@ -440,6 +498,52 @@ mod tests {
         assert_eq!(
             dirs.cdi_spec(uid),
             Path::new("/var/run/cdi/hugepool.dev-hugepages-6d1e-42.json")
+        );
+    }
+
+    #[test]
+    fn a_claim_is_prepared_only_on_pages_the_pool_still_has() {
+        let on = |device: &str, memory: &str| {
+            claimed_pages(
+                &claim(json!([{"request": "pages", "driver": DRIVER, "pool": "w-1",
+                               "device": device, "consumedCapacity": {"memory": memory}}])),
+                "w-1",
+            )
+            .unwrap()
+        };
+        // NUMA node 0 holds 20 pages, node 1 holds 4.
+        let pool = |size: PageSize, numa: u32| match (size, numa) {
+            (PageSize::SIZE_2MI, 0) => Ok(20),
+            (PageSize::SIZE_2MI, 1) => Ok(4),
+            _ => Err(format!("no {size} pool on NUMA node {numa}")),
+        };
+        let prepared = Prepared::from([("a".to_string(), on("hugepages-2mi-numa0", "24Mi"))]);
+        // 12 prepared on node 0: 8 more fit, 9 do not.
+        assert_eq!(
+            fits(&prepared, "b", &on("hugepages-2mi-numa0", "16Mi"), pool),
+            Ok(())
+        );
+        let refused = fits(&prepared, "b", &on("hugepages-2mi-numa0", "18Mi"), pool).unwrap_err();
+        assert!(
+            refused.contains("NUMA node 0's 2Mi pool holds 20 pages: prepared claims hold 12 and this claim asks 9"),
+            "{refused}"
+        );
+        // Another NUMA node counts its own pool; the same claim again (the
+        // kubelet retrying) is not counted twice.
+        assert_eq!(
+            fits(&prepared, "b", &on("hugepages-2mi-numa1", "8Mi"), pool),
+            Ok(())
+        );
+        assert!(fits(&prepared, "b", &on("hugepages-2mi-numa1", "10Mi"), pool).is_err());
+        assert_eq!(
+            fits(&prepared, "a", &on("hugepages-2mi-numa0", "40Mi"), pool),
+            Ok(())
+        );
+        // A pool that cannot be read prepares nothing.
+        assert!(
+            fits(&prepared, "b", &on("hugepages-1gi-numa0", "1Gi"), pool)
+                .unwrap_err()
+                .contains("no 1Gi pool")
         );
     }
 

@@ -236,6 +236,15 @@ pub async fn run(
                 dirs,
                 Some(file),
             )
+            .with_pool({
+                let kernel = Arc::clone(&kernel);
+                Box::new(move |size, numa| {
+                    kernel
+                        .numa_pool(size, numa)
+                        .map(|pool| pool.persistent())
+                        .map_err(|err| format!("cannot read NUMA node {numa}'s {size} pool: {err}"))
+                })
+            })
             .on_change(move |held| {
                 claimed.memory().claimed = held.clone();
                 claimed.claimed.send_replace(held);
