@@ -125,15 +125,16 @@ impl Claims {
     }
 }
 
-/// The namespaces whose ResourceClaims the pods use (from their status),
-/// sorted: where a drain looks for the claims of a node's pods.
+/// The namespaces of the pods that use ResourceClaims (named or from a
+/// template: the pod's spec lists both), sorted: where a drain looks for
+/// the claims of a node's pods.
 pub fn claim_namespaces(pods: &[Pod]) -> Vec<String> {
     let mut namespaces: Vec<String> = pods
         .iter()
         .filter(|pod| {
-            pod.status
+            pod.spec
                 .as_ref()
-                .and_then(|s| s.resource_claim_statuses.as_ref())
+                .and_then(|s| s.resource_claims.as_ref())
                 .is_some_and(|claims| !claims.is_empty())
         })
         .filter_map(|pod| pod.namespace())
@@ -751,24 +752,25 @@ mod tests {
 
     #[test]
     fn claims_are_looked_for_where_the_pods_use_them() {
-        use k8s_openapi::api::core::v1::{PodResourceClaimStatus, PodStatus};
-        let claiming = |name: &str, namespace: &str| {
+        use k8s_openapi::api::core::v1::PodResourceClaim;
+        // A claim named in the spec, or made from a template (the pod's
+        // status names it then; the spec lists it either way).
+        let claiming = |name: &str, namespace: &str, template: bool| {
             let mut pod = pod(name, &[("cpu", "1")]);
             pod.metadata.namespace = Some(namespace.into());
-            pod.status = Some(PodStatus {
-                resource_claim_statuses: Some(vec![PodResourceClaimStatus {
-                    name: "pages".into(),
-                    resource_claim_name: Some(format!("{name}-pages")),
-                }]),
-                ..PodStatus::default()
-            });
+            let claim = PodResourceClaim {
+                name: "pages".into(),
+                resource_claim_name: (!template).then(|| format!("{name}-pages")),
+                resource_claim_template_name: template.then(|| "pages".to_string()),
+            };
+            pod.spec.as_mut().unwrap().resource_claims = Some(vec![claim]);
             pod
         };
         let pods = vec![
-            claiming("a", "team-b"),
+            claiming("a", "team-b", true),
             pod("plain", &[("cpu", "1")]),
-            claiming("b", "team-a"),
-            claiming("c", "team-b"),
+            claiming("b", "team-a", false),
+            claiming("c", "team-b", false),
         ];
         assert_eq!(claim_namespaces(&pods), ["team-a", "team-b"]);
     }
