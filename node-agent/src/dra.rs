@@ -203,6 +203,10 @@ pub fn fits(
     Ok(())
 }
 
+/// How often prepared claims are checked against the API
+/// ([`KubeletPlugin::forget_gone`]).
+pub const FORGET_GONE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The plugin's state, shared by both services.
 pub struct KubeletPlugin {
     client: Client,
@@ -320,6 +324,41 @@ impl KubeletPlugin {
             Ok(())
         })?;
         Ok(prepared)
+    }
+
+    /// Forgets the prepared claims that are gone from the API (deleted, or
+    /// another claim now under the name) and returns their names. The
+    /// kubelet unprepares a claim when its pod goes; one it never
+    /// unprepared (its pod deleted while the kubelet was down, its
+    /// checkpoint lost) would hold its pages against every shrink for good.
+    /// A claim a pod still uses is not gone: its finalizer keeps it while it
+    /// is reserved. Claims that cannot be read now are kept.
+    pub async fn forget_gone(&self) -> Vec<String> {
+        let mut forgotten = Vec::new();
+        for (uid, claim) in self.prepared() {
+            let claims: Api<DynamicObject> =
+                Api::namespaced_with(self.client.clone(), &claim.namespace, &resource_claims());
+            let found = match claims.get_opt(&claim.name).await {
+                Ok(found) => found.and_then(|c| c.metadata.uid),
+                Err(err) => {
+                    warn!(claim = %format!("{}/{}", claim.namespace, claim.name), error = %err,
+                        "cannot check a prepared claim");
+                    continue;
+                }
+            };
+            if found.as_deref() == Some(uid.as_str()) {
+                continue;
+            }
+            let name = format!("{}/{}", claim.namespace, claim.name);
+            match self.unprepare(&uid) {
+                Ok(()) => {
+                    warn!(claim = %name, %uid, "forgot a prepared claim gone from the API (the kubelet never unprepared it)");
+                    forgotten.push(name);
+                }
+                Err(error) => warn!(claim = %name, %error, "cannot forget a prepared claim"),
+            }
+        }
+        forgotten
     }
 
     /// Forgets a claim and removes its CDI spec (already gone is done).

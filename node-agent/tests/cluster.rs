@@ -2113,6 +2113,23 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         (device.to_string(), 20 << 20)
     );
     assert_eq!(sysfs("nr_hugepages"), 64);
+    // Prepared, and then never unprepared (as when its pod goes while the
+    // kubelet is down): once the claim is gone from the API, the agent
+    // forgets it rather than hold its pages against every shrink.
+    let prepared = kubelet
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![dra_claim("second", &second_uid)],
+        })
+        .await
+        .expect("NodePrepareResources")
+        .into_inner()
+        .claims;
+    assert_eq!(prepared[&second_uid].error, "");
+    assert!(
+        hugepool_agent::dra::load(&kept_file)
+            .unwrap()
+            .contains_key(&second_uid)
+    );
 
     // A kubelet that restarted and advertises the whole pool has it: the
     // device goes, nothing is counted twice.
@@ -2127,7 +2144,32 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
             .delete(pod, &DeleteParams::default())
             .await
             .expect("delete claim");
+        // No resourceclaim controller here to deallocate it: its
+        // finalizer goes by hand.
+        let _ = claims
+            .patch(
+                pod,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+            )
+            .await;
     }
+    let deadline = Instant::now() + Duration::from_secs(150);
+    while hugepool_agent::dra::load(&kept_file)
+        .unwrap()
+        .contains_key(&second_uid)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the prepared claim gone from the API was not forgotten within 150 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        !cdi.join(format!("hugepool.dev-hugepages-{second_uid}.json"))
+            .exists(),
+        "its CDI spec went with it"
+    );
     set_capacity(&client, &name, "128Mi").await;
     wait_for_slice(&slices, &name, &agent, Some(&[])).await;
 

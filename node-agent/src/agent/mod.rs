@@ -251,6 +251,17 @@ pub async fn run(
                 claimed.touch(true);
             }),
         );
+        let checked = Arc::clone(&plugin);
+        let mut stop = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.wait_for(|stop| *stop) => return,
+                    () = tokio::time::sleep(crate::dra::FORGET_GONE_INTERVAL) => {}
+                }
+                checked.forget_gone().await;
+            }
+        });
         let mut stop = shutdown.clone();
         tokio::spawn(async move {
             let stopped = async move {
