@@ -808,6 +808,28 @@ async fn pool_condition(
 }
 
 /// The HugePageNode condition `type_`, as (status, reason, message).
+/// The pods `pool`'s status records as evicted.
+async fn evicted_pods(client: &Client, pool: &str) -> Vec<hugepool_crds::pool::EvictedPod> {
+    Api::<HugePagePool>::all(client.clone())
+        .get(pool)
+        .await
+        .expect("pool")
+        .status
+        .map(|s| s.evicted_pods)
+        .unwrap_or_default()
+}
+
+/// Waits until the node's Draining condition says DrainComplete.
+async fn wait_drain_complete(client: &Client, node: &str) {
+    wait_for("the drain ends", Duration::from_secs(120), || async {
+        match node_condition(client, node, "Draining").await {
+            Some((status, reason, _)) if status == "False" && reason == "DrainComplete" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+}
+
 async fn node_condition(
     client: &Client,
     node: &str,
@@ -2204,21 +2226,17 @@ spec:
         },
     )
     .await;
+    // Evicted: gone, or still terminating (its pages came back when the
+    // kubelet let its claim go, which may be before the object goes).
     assert!(
         pods.get_opt("sleeper")
             .await
             .expect("get sleeper")
-            .is_none_or(|p| p.metadata.uid.as_ref() != Some(&sleeper_uid)),
+            .is_none_or(|p| p.metadata.uid.as_ref() != Some(&sleeper_uid)
+                || p.metadata.deletion_timestamp.is_some()),
         "the operator evicted the claim's pod"
     );
-    let pool: Api<HugePagePool> = Api::all(client.clone());
-    let evicted = pool
-        .get("claims-2mi")
-        .await
-        .expect("pool")
-        .status
-        .map(|s| s.evicted_pods)
-        .unwrap_or_default();
+    let evicted = evicted_pods(&client, "claims-2mi").await;
     assert!(
         evicted.iter().any(|e| e.pod == "default/sleeper"
             && e.uid == sleeper_uid
@@ -2226,13 +2244,7 @@ spec:
             && e.reason.contains("held 40 pages")),
         "the pool records the eviction, its pages and why: {evicted:?}"
     );
-    wait_for("the drain ends", Duration::from_secs(120), || async {
-        match node_condition(&client, &node.name, "Draining").await {
-            Some((status, reason, _)) if status == "False" && reason == "DrainComplete" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    wait_drain_complete(&client, &node.name).await;
 
     // A kubelet restarted by someone else deletes the node's slices when it
     // starts, and then advertises the whole pool as hugepages-2Mi: the agent
@@ -2456,27 +2468,14 @@ async fn a_static_memory_manager_kubelet_is_restarted_only_when_no_pod_holds_mem
         restarted,
         "restarted once the pod was gone"
     );
-    let pool: Api<HugePagePool> = Api::all(client.clone());
-    let evicted = pool
-        .get("consumers-2mi")
-        .await
-        .expect("pool")
-        .status
-        .map(|s| s.evicted_pods)
-        .unwrap_or_default();
+    let evicted = evicted_pods(&client, "consumers-2mi").await;
     assert!(
         evicted
             .iter()
             .any(|e| e.pod == "default/mm-holder" && e.reason.contains("Static Memory Manager")),
         "the pool records the eviction and why: {evicted:?}"
     );
-    wait_for("the drain ends", Duration::from_secs(120), || async {
-        match node_condition(&client, &node.name, "Draining").await {
-            Some((status, reason, _)) if status == "False" && reason == "DrainComplete" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    wait_drain_complete(&client, &node.name).await;
     assert_eq!(
         kubelet_state(&node, "cpu_manager_state"),
         cpu_before,
@@ -2607,14 +2606,8 @@ spec:
         "{versions:?}"
     );
     // Evicted once, and recorded once.
-    let pools: Api<HugePagePool> = Api::all(client.clone());
-    let evicted: Vec<_> = pools
-        .get("consumers-2mi")
+    let evicted: Vec<_> = evicted_pods(&client, "consumers-2mi")
         .await
-        .expect("pool")
-        .status
-        .map(|s| s.evicted_pods)
-        .unwrap_or_default()
         .into_iter()
         .filter(|e| e.pod.starts_with("default/mm-app-"))
         .collect();
