@@ -114,7 +114,8 @@ for arch in "${arches[@]}"; do
   # their own.
   hooks="$root/target/go/$arch/hugepool-hooks"
   [[ -f "$hooks" ]] || die "no $hooks (hack/images.sh builds it)"
-  "$gomod" bin -json -output "$work/hooks-$arch.cdx.json" -version "$version" "$hooks" 2>"$work/gomod.log" ||
+  # cyclonedx-gomod names the platform from GOARCH, not from the binary.
+  GOOS=linux GOARCH="$arch" "$gomod" bin -json -output "$work/hooks-$arch.cdx.json" -version "$version" "$hooks" 2>"$work/gomod.log" ||
     { cat "$work/gomod.log" >&2; die "cyclonedx-gomod $arch failed"; }
   python3 - "$out/sbom/hugepool-agent-$arch.cdx.json" "$work/hooks-$arch.cdx.json" <<'PY'
 import json, sys

@@ -657,7 +657,7 @@ async fn a_drain_evicts_the_fewest_pods_and_never_more_than_the_pods_explain() {
     assert!(
         state
             .message
-            .contains("pods on the node request 0 pages of 2Mi, but 14 must be freed"),
+            .contains("pods on the node request or claim 0 pages of 2Mi, but 14 must be freed"),
         "{}",
         state.message
     );
