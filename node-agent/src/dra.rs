@@ -139,6 +139,16 @@ pub type Prepared = BTreeMap<String, PreparedClaim>;
 /// Pages prepared claims hold, by page size and NUMA node.
 pub type Claimed = BTreeMap<(PageSize, u32), u64>;
 
+/// Pages of `size` that `claimed` counts on NUMA node `numa`, or on all of
+/// them (`None`).
+pub fn claimed_of(claimed: &Claimed, size: PageSize, numa: Option<u32>) -> u64 {
+    claimed
+        .iter()
+        .filter(|((s, n), _)| *s == size && numa.is_none_or(|numa| *n == numa))
+        .map(|(_, pages)| pages)
+        .sum()
+}
+
 /// What `prepared` holds, by page size and NUMA node.
 pub fn claimed(prepared: &Prepared) -> Claimed {
     let mut held = Claimed::new();
@@ -183,13 +193,12 @@ pub fn fits(
     for pages in &claim.pages {
         *asked.entry((pages.size, pages.numa)).or_default() += pages.pages;
     }
-    let others = claimed(
-        &prepared
-            .iter()
-            .filter(|(other, _)| *other != uid)
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect(),
-    );
+    let mut others = Claimed::new();
+    for (_, claim) in prepared.iter().filter(|(other, _)| *other != uid) {
+        for pages in &claim.pages {
+            *others.entry((pages.size, pages.numa)).or_default() += pages.pages;
+        }
+    }
     for ((size, numa), pages) in asked {
         let held = others.get(&(size, numa)).copied().unwrap_or(0);
         let pool = pool(size, numa)?;

@@ -1827,6 +1827,26 @@ async fn claim_uid(client: &Client, name: &str) -> String {
         .expect("uid")
 }
 
+/// NodePrepareResources of `claims` (name, uid) as the kubelet calls it;
+/// the answers by claim uid.
+async fn prepare(
+    kubelet: &mut DraPluginClient<tonic::transport::Channel>,
+    claims: &[(&str, &str)],
+) -> std::collections::HashMap<String, hugepool_agent::dra::proto::v1::NodePrepareResourceResponse>
+{
+    kubelet
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: claims
+                .iter()
+                .map(|(name, uid)| dra_claim(name, uid))
+                .collect(),
+        })
+        .await
+        .expect("NodePrepareResources")
+        .into_inner()
+        .claims
+}
+
 fn dra_claim(name: &str, uid: &str) -> hugepool_agent::dra::proto::v1::Claim {
     hugepool_agent::dra::proto::v1::Claim {
         namespace: "default".into(),
@@ -2021,17 +2041,11 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     let mut kubelet = DraPluginClient::new(unix_channel(&endpoint).await);
     let first_uid = claim_uid(&client, "first").await;
     let second_uid = claim_uid(&client, "second").await;
-    let prepared = kubelet
-        .node_prepare_resources(NodePrepareResourcesRequest {
-            claims: vec![
-                dra_claim("first", &first_uid),
-                dra_claim("second", &second_uid),
-            ],
-        })
-        .await
-        .expect("NodePrepareResources")
-        .into_inner()
-        .claims;
+    let prepared = prepare(
+        &mut kubelet,
+        &[("first", &first_uid), ("second", &second_uid)],
+    )
+    .await;
     let first_answer = &prepared[&first_uid];
     assert_eq!(first_answer.error, "");
     assert_eq!(first_answer.devices.len(), 1);
@@ -2116,14 +2130,7 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     // Prepared, and then never unprepared (as when its pod goes while the
     // kubelet is down): once the claim is gone from the API, the agent
     // forgets it rather than hold its pages against every shrink.
-    let prepared = kubelet
-        .node_prepare_resources(NodePrepareResourcesRequest {
-            claims: vec![dra_claim("second", &second_uid)],
-        })
-        .await
-        .expect("NodePrepareResources")
-        .into_inner()
-        .claims;
+    let prepared = prepare(&mut kubelet, &[("second", &second_uid)]).await;
     assert_eq!(prepared[&second_uid].error, "");
     assert!(
         hugepool_agent::dra::load(&kept_file)

@@ -30,19 +30,11 @@ impl ResizeLoop {
     /// Pages the kubelet plugin's prepared claims hold in `target`'s scope:
     /// a shrink leaves them.
     fn hold(&self, target: Target) -> u64 {
-        self.shared
-            .claimed
-            .borrow()
-            .iter()
-            .filter(|((size, numa), _)| {
-                *size == target.size
-                    && match target.scope {
-                        PoolScope::Global => true,
-                        PoolScope::Node(node) => *numa == node,
-                    }
-            })
-            .map(|(_, pages)| pages)
-            .sum()
+        let numa = match target.scope {
+            PoolScope::Global => None,
+            PoolScope::Node(node) => Some(node),
+        };
+        crate::dra::claimed_of(&self.shared.claimed.borrow(), target.size, numa)
     }
 
     /// One pass over every target; returns when to look again.

@@ -304,13 +304,7 @@ pub fn progress(
     if entry.reached_by(&size_status(sizes, Some(entry), None, &BTreeMap::new())) {
         return Progress::AtTarget;
     }
-    let held = |numa: Option<u32>| -> u64 {
-        claimed
-            .iter()
-            .filter(|((s, n), _)| *s == size && numa.is_none_or(|numa| *n == numa))
-            .map(|(_, pages)| pages)
-            .sum()
-    };
+    let held = |numa: Option<u32>| crate::dra::claimed_of(claimed, size, numa);
     let floor = (pool.in_use() + pool.reserved).max(held(None));
     if target < floor && (pool.persistent() > target || pool.surplus > 0) {
         return Progress::Blocked {
@@ -937,15 +931,8 @@ pub fn build(
                 &memory.obtainable,
             );
             let claimed = |numa: Option<i32>| {
-                let pages: u64 = memory
-                    .claimed
-                    .iter()
-                    .filter(|((size, n), _)| {
-                        *size == sizes.size
-                            && numa.is_none_or(|numa| i64::from(*n) == i64::from(numa))
-                    })
-                    .map(|(_, pages)| pages)
-                    .sum();
+                let numa = numa.map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+                let pages = crate::dra::claimed_of(&memory.claimed, sizes.size, numa);
                 (pages > 0).then(|| i64::try_from(pages).unwrap_or(i64::MAX))
             };
             PageSizeStatus {
