@@ -7,7 +7,9 @@ use std::time::Duration;
 use hugepool_crds::PageSize;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Pod, ResourceRequirements};
-use kube::api::{Api, DeleteParams, EvictParams, PostParams, Preconditions};
+use kube::api::{
+    Api, DeleteParams, DynamicObject, EvictParams, ListParams, PostParams, Preconditions,
+};
 use kube::{Client, ResourceExt};
 
 /// First wait after a refused eviction; it doubles up to [`MAX_BACKOFF`].
@@ -105,6 +107,34 @@ impl Claims {
         Self(held)
     }
 
+    /// What the claims of `pods` hold on `node`, read from the API: the
+    /// ResourceClaims of the namespaces where any of `pods` uses claims (no
+    /// request at all when none does).
+    pub async fn read(client: &Client, node: &str, pods: &[Pod]) -> Result<Self, ListClaimsError> {
+        let mut claims = Vec::new();
+        for namespace in claim_namespaces(pods) {
+            let api: Api<DynamicObject> = Api::namespaced_with(
+                client.clone(),
+                &namespace,
+                &hugepool_crds::dra::resource_claims(),
+            );
+            let listed =
+                api.list(&ListParams::default())
+                    .await
+                    .map_err(|source| ListClaimsError {
+                        namespace: namespace.clone(),
+                        source,
+                    })?;
+            claims.extend(
+                listed
+                    .items
+                    .into_iter()
+                    .filter_map(|claim| serde_json::to_value(claim).ok()),
+            );
+        }
+        Ok(Self::on_node(&claims, node))
+    }
+
     /// Pages of `size` the pod's claims hold.
     pub fn pages(&self, pod: &Pod, size: PageSize) -> u64 {
         pod.metadata
@@ -123,6 +153,22 @@ impl Claims {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+}
+
+/// A list of one namespace's ResourceClaims that failed.
+#[derive(Debug, thiserror::Error)]
+#[error("listing the ResourceClaims in namespace {namespace}: {source}")]
+pub struct ListClaimsError {
+    pub namespace: String,
+    pub source: kube::Error,
+}
+
+/// What a node's pods hold: the pods bound to it and what DRA claims hold
+/// for them.
+#[derive(Default)]
+pub struct OnNode {
+    pub pods: Vec<Pod>,
+    pub claims: Claims,
 }
 
 /// The namespaces of the pods that use ResourceClaims (named or from a
@@ -451,6 +497,7 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 
     use super::*;
+    use crate::fixtures::claim;
 
     const NONE: Claims = Claims(BTreeMap::new());
 
@@ -661,25 +708,6 @@ mod tests {
             why.contains("request or claim 8 pages of 2Mi, but 100 must be freed"),
             "{why}"
         );
-    }
-
-    /// A ResourceClaim of this driver reserved for `pods`, allocated from
-    /// `pool` (the node) on `device`, consuming `memory`.
-    fn claim(pods: &[&str], pool: &str, device: &str, memory: &str) -> serde_json::Value {
-        let reserved: Vec<_> = pods
-            .iter()
-            .map(|uid| serde_json::json!({"resource": "pods", "name": uid, "uid": uid}))
-            .collect();
-        serde_json::json!({
-            "metadata": {"namespace": "apps", "name": format!("{device}-{}", pods.join("-"))},
-            "status": {
-                "allocation": {"devices": {"results": [{
-                    "request": "pages", "driver": hugepool_crds::dra::DRIVER, "pool": pool,
-                    "device": device, "consumedCapacity": {"memory": memory},
-                }]}},
-                "reservedFor": reserved,
-            },
-        })
     }
 
     fn with_uid(mut pod: Pod, uid: &str) -> Pod {

@@ -208,3 +208,23 @@ impl EntryForTest for HugePagePool {
         }
     }
 }
+
+/// A ResourceClaim (JSON) of hugepool's DRA driver in namespace `apps`,
+/// reserved for the pods of UIDs `pods`, allocated from `pool` (a node) on
+/// `device`, consuming `memory`.
+pub fn claim(pods: &[&str], pool: &str, device: &str, memory: &str) -> serde_json::Value {
+    let reserved: Vec<_> = pods
+        .iter()
+        .map(|uid| serde_json::json!({"resource": "pods", "name": uid, "uid": uid}))
+        .collect();
+    serde_json::json!({
+        "metadata": {"namespace": "apps", "name": format!("{device}-{}", pods.join("-"))},
+        "status": {
+            "allocation": {"devices": {"results": [{
+                "request": "pages", "driver": hugepool_crds::dra::DRIVER, "pool": pool,
+                "device": device, "consumedCapacity": {"memory": memory},
+            }]}},
+            "reservedFor": reserved,
+        },
+    })
+}

@@ -1321,3 +1321,179 @@ async fn the_first_pools_plan_is_predicted_from_every_agents_estimate() {
     assert!(after[1] < 3000, "{after:?}");
     fleet.shutdown().await;
 }
+
+/// `why NODE` on a node whose pool is consumed through DRA: a pod holds
+/// what its ResourceClaim's allocation there consumed (read from the API:
+/// the claim's namespace is the pod's), beside a pod that requests
+/// `hugepages-2Mi`; a pod with a claim of another node's pool holds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn why_counts_what_a_pods_resource_claims_hold_on_a_dra_pool() {
+    use hugepool_crds::node::{PageSizeStatus, PageSizeTarget};
+    use hugepool_crds::settings::Consumption;
+    use hugepool_crds::{HugePageNode, HugePageNodeSpec, HugePageNodeStatus, PageSize};
+    use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+    use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+
+    let Some(env) = setup().await else { return };
+    let kubeconfig = env.control_plane.kubeconfig.clone();
+    let client = env.client.clone();
+    let name = hugepool_e2e::unique_name("claims");
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).expect("Node");
+    Api::<Node>::all(client.clone())
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("create the Node");
+    let mut target = PageSizeTarget::new(PageSize::SIZE_2MI, 64);
+    target.pool = format!("{name}-pool");
+    target.consumption = Some(Consumption::DynamicResourceAllocation);
+    let states: Api<HugePageNode> = Api::all(client.clone());
+    states
+        .create(
+            &PostParams::default(),
+            &HugePageNode::new(
+                &name,
+                HugePageNodeSpec {
+                    page_sizes: vec![target],
+                },
+            ),
+        )
+        .await
+        .expect("create the HugePageNode");
+    let status = HugePageNodeStatus {
+        page_sizes: vec![PageSizeStatus {
+            target: Some(64),
+            total: 64,
+            free: 60,
+            in_use: 4,
+            claimed: Some(12),
+            ..PageSizeStatus::empty(PageSize::SIZE_2MI)
+        }],
+        ..Default::default()
+    };
+    states
+        .patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": status })),
+        )
+        .await
+        .expect("write the HugePageNode's status");
+    Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": name}})).expect("Namespace"),
+        )
+        .await
+        .expect("create the namespace");
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &name);
+    let pod = |pod: &str, claim: Option<&str>, hugepages: Option<&str>| -> Pod {
+        let mut resources = json!({});
+        if let Some(amount) = hugepages {
+            resources = json!({"requests": {"memory": "32Mi", "hugepages-2Mi": amount},
+                               "limits": {"memory": "32Mi", "hugepages-2Mi": amount}});
+        }
+        let mut spec = json!({
+            "nodeName": name,
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "main", "image": "registry.example/app:1", "resources": resources}],
+        });
+        if let Some(claim) = claim {
+            spec["resourceClaims"] = json!([{"name": "pages", "resourceClaimName": claim}]);
+            spec["containers"][0]["resources"]["claims"] = json!([{"name": "pages"}]);
+        }
+        serde_json::from_value(json!({"metadata": {"name": pod}, "spec": spec})).expect("Pod")
+    };
+    let mut uids = BTreeMap::new();
+    for pod in [
+        pod("claimer", Some("claimer-pages"), None),
+        pod("classic", None, Some("8Mi")),
+        pod("elsewhere", Some("elsewhere-pages"), None),
+    ] {
+        let created = pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .expect("create a pod");
+        uids.insert(
+            created.metadata.name.clone().expect("name"),
+            created.metadata.uid.clone().expect("uid"),
+        );
+    }
+    // Each claim allocated (as the scheduler writes it) on `pool`'s device,
+    // consuming 24Mi, and reserved for its pod.
+    let claims: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &name,
+        &hugepool_crds::dra::resource_claims(),
+    );
+    for (claim, pod, pool) in [
+        ("claimer-pages", "claimer", name.as_str()),
+        ("elsewhere-pages", "elsewhere", "another-node"),
+    ] {
+        let object: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": claim},
+            "spec": {"devices": {"requests": [{"name": "pages", "exactly": {
+                "deviceClassName": "hugepages-2mi.hugepool.dev",
+                "capacity": {"requests": {"memory": "24Mi"}},
+            }}]}},
+        }))
+        .expect("ResourceClaim");
+        claims
+            .create(&PostParams::default(), &object)
+            .await
+            .expect("create a ResourceClaim");
+        claims
+            .patch_status(
+                claim,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {
+                    "allocation": {"devices": {"results": [{
+                        "request": "pages",
+                        "driver": hugepool_crds::dra::DRIVER,
+                        "pool": pool,
+                        "device": hugepool_crds::dra::device_name(PageSize::SIZE_2MI, 0),
+                        "consumedCapacity": {"memory": "24Mi"},
+                    }]}},
+                    "reservedFor": [{"resource": "pods", "name": pod, "uid": uids[pod]}],
+                }})),
+            )
+            .await
+            .expect("allocate the ResourceClaim");
+    }
+
+    let why = plugin_json(&kubeconfig, &["why", &name]);
+    let held: Vec<(&str, &Value)> = why["pods"]
+        .as_array()
+        .expect("pods")
+        .iter()
+        .map(|p| (p["pod"].as_str().unwrap_or_default(), &p["pages"]))
+        .collect();
+    let claimer = format!("{name}/claimer");
+    let classic = format!("{name}/classic");
+    assert_eq!(
+        held,
+        [
+            (claimer.as_str(), &json!(12)),
+            (classic.as_str(), &json!(4))
+        ],
+        "{why}"
+    );
+    let text = plugin(&kubeconfig, &["why", &name]);
+    assert!(text.contains(&claimer), "{text}");
+
+    let delete = kube::api::DeleteParams::default();
+    Api::<Namespace>::all(client.clone())
+        .delete(&name, &delete)
+        .await
+        .expect("delete the namespace");
+    states
+        .delete(&name, &delete)
+        .await
+        .expect("delete the HugePageNode");
+    Api::<Node>::all(client)
+        .delete(&name, &delete)
+        .await
+        .expect("delete the Node");
+}

@@ -10,7 +10,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
-use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 use tracing::info;
 
@@ -18,7 +18,7 @@ use super::evictions::PlannedEviction;
 use super::watches::slim_node;
 use super::writes::{WRITE_TIMEOUT, apply_status_where_read, fenced};
 use super::{Context, Worker, node_reference};
-use crate::drain;
+use crate::drain::{self, OnNode};
 use crate::error::{Error, Result};
 use crate::events;
 use crate::planner::{DrainPlan, NodePlan, has_taint};
@@ -116,14 +116,6 @@ fn select_pods<'a>(
     }
 }
 
-/// What a draining node's pods hold: the pods bound to it and what DRA
-/// claims hold for them.
-#[derive(Default)]
-pub(super) struct OnNode {
-    pub pods: Vec<Pod>,
-    pub claims: drain::Claims,
-}
-
 /// The pods bound to `node`, and, when the drain is of a pool consumed
 /// through DRA, the claims of this driver they use (read from the
 /// namespaces of the pods that have claims; a drain of a classic pool reads
@@ -147,34 +139,19 @@ async fn read_on_node(ctx: &Context, node: &str, plan: &NodePlan) -> Result<OnNo
         .page_sizes
         .iter()
         .any(|e| e.by_claims() && plan.drain.evict.contains(&e.size));
-    let mut claims = Vec::new();
-    if by_claims {
-        for namespace in drain::claim_namespaces(&pods) {
-            let api: Api<DynamicObject> = Api::namespaced_with(
-                ctx.client.clone(),
-                &namespace,
-                &hugepool_crds::dra::resource_claims(),
-            );
-            let listed = tokio::time::timeout(WRITE_TIMEOUT, api.list(&ListParams::default()))
-                .await
-                .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?
-                .map_err(|source| Error::ListClaims {
-                    node: node.to_string(),
-                    namespace: namespace.clone(),
-                    source,
-                })?;
-            claims.extend(
-                listed
-                    .items
-                    .into_iter()
-                    .filter_map(|claim| serde_json::to_value(claim).ok()),
-            );
-        }
-    }
-    Ok(OnNode {
-        claims: drain::Claims::on_node(&claims, node),
-        pods,
-    })
+    let claims = if by_claims {
+        tokio::time::timeout(WRITE_TIMEOUT, drain::Claims::read(&ctx.client, node, &pods))
+            .await
+            .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?
+            .map_err(|e| Error::ListClaims {
+                node: node.to_string(),
+                namespace: e.namespace,
+                source: e.source,
+            })?
+    } else {
+        drain::Claims::default()
+    };
+    Ok(OnNode { claims, pods })
 }
 
 /// Sets the Draining condition and the taints as the plan says; returns the

@@ -16,10 +16,13 @@ pub mod why;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use hugepool_crds::settings::Consumption;
 use hugepool_crds::{HugePageNode, HugePagePool};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams};
+
+use crate::drain;
 
 /// Field manager of the dry runs `plan` sends (nothing is stored).
 pub const PLUGIN_MANAGER: &str = "kubectl-hugepool";
@@ -147,8 +150,23 @@ pub async fn pods_on(client: &Client, node: &str) -> Result<Vec<Pod>, PluginErro
         .items)
 }
 
+/// What the claims of `pods` hold on `node` (DRA pools).
+async fn claims_on(
+    client: &Client,
+    node: &str,
+    pods: &[Pod],
+) -> Result<drain::Claims, PluginError> {
+    drain::Claims::read(client, node, pods)
+        .await
+        .map_err(|e| PluginError::List {
+            what: "ResourceClaims",
+            source: e.source,
+        })
+}
+
 /// The plan for `pool` over the live cluster, with the pods of every node
-/// that would need a drain.
+/// that would need a drain (and, for a pool consumed through DRA, what
+/// their claims hold).
 pub async fn plan_pool(
     client: &Client,
     pool: &HugePagePool,
@@ -159,7 +177,18 @@ pub async fn plan_pool(
     let mut pods = BTreeMap::new();
     for node in plan::nodes_to_drain(&first) {
         let on_node = pods_on(client, &node).await?;
-        pods.insert(node, on_node);
+        let claims = if pool.spec.consumption == Some(Consumption::DynamicResourceAllocation) {
+            claims_on(client, &node, &on_node).await?
+        } else {
+            drain::Claims::default()
+        };
+        pods.insert(
+            node,
+            drain::OnNode {
+                pods: on_node,
+                claims,
+            },
+        );
     }
     if pods.is_empty() {
         return Ok(first);
@@ -355,12 +384,18 @@ pub async fn why(client: &Client, name: &str) -> Result<why::WhyReport, PluginEr
         })
         .collect();
     let pods = pods_on(client, name).await?;
+    let claims = match &state {
+        Some(state) if state.spec.page_sizes.iter().any(|e| e.by_claims()) => {
+            claims_on(client, name, &pods).await?
+        }
+        _ => drain::Claims::default(),
+    };
     Ok(why::report(
         name,
         node.as_ref(),
         state.as_ref(),
         &events,
-        &pods,
+        &drain::OnNode { pods, claims },
         jiff::Timestamp::now(),
     ))
 }

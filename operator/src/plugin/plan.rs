@@ -10,11 +10,11 @@ use hugepool_crds::node::{NumaStatus, ObtainablePages, PageSizeStatus, PageSizeT
 use hugepool_crds::settings::DrainPolicy;
 use hugepool_crds::{HugePageNode, HugePagePool, NodeConditionType, PageSize, Reason};
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Serialize;
 
-use crate::drain::{self, Claims};
+use crate::drain::{self, OnNode};
 use crate::planner::{self, NodeState, PlanInput};
 
 /// What applying one pool would do.
@@ -96,7 +96,8 @@ pub fn predicted_reach(entry: &PageSizeTarget, reported: Option<&PageSizeStatus>
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DrainNeed {
-    /// Pages in use or reserved on the node now: what a shrink cannot free.
+    /// Pages in use or reserved on the node now, or held by DRA claims
+    /// there (whichever is more): what a shrink cannot free.
     pub held: i64,
     /// The pool's drain policy: Never only reports the shrink as blocked.
     pub policy: DrainPolicy,
@@ -145,12 +146,13 @@ impl ClusterView<'_> {
 }
 
 /// Runs the planner forward with `candidate` in place of (or beside) the
-/// live pool of its name. `pods` are the pods on each node that would shrink
-/// below its pages in use (see [`nodes_to_drain`]); missing ones count as none.
+/// live pool of its name. `pods` are the pods (and what their claims hold)
+/// on each node that would shrink below its pages in use or claimed (see
+/// [`nodes_to_drain`]); missing ones count as none.
 pub fn simulate(
     view: &ClusterView<'_>,
     candidate: &HugePagePool,
-    pods: &BTreeMap<String, Vec<Pod>>,
+    pods: &BTreeMap<String, OnNode>,
     now: Timestamp,
 ) -> PlanReport {
     let name = candidate.metadata.name.clone().unwrap_or_default();
@@ -227,7 +229,7 @@ pub fn simulate(
                     node: node.clone(),
                     from,
                     to,
-                    drain: drain_need(&candidate, reported, to, pods.get(node)),
+                    drain: drain_need(&candidate, reported, entry, pods.get(node)),
                     estimated_seconds: reported
                         .and_then(|r| r.last_resize.as_ref())
                         .filter(|r| r.pages_per_second > 0.0)
@@ -337,17 +339,23 @@ pub fn nodes_to_drain(report: &PlanReport) -> Vec<String> {
 fn drain_need(
     pool: &HugePagePool,
     reported: Option<&PageSizeStatus>,
-    to: i64,
-    pods: Option<&Vec<Pod>>,
+    entry: &PageSizeTarget,
+    on_node: Option<&OnNode>,
 ) -> Option<DrainNeed> {
-    let held = reported.map_or(0, |r| r.in_use + r.reserved);
-    if held <= to {
+    let reported = reported?;
+    let must_free = planner::pages_to_free(reported, entry);
+    if must_free == 0 {
         return None;
     }
-    let must_free = u64::try_from(held - to).unwrap_or(0);
-    let pods = pods.map(Vec::as_slice).unwrap_or_default();
-    // The pods' requests only: the plugin does not read ResourceClaims.
-    let selection = drain::choose(pods, &Claims::default(), pool.spec.page_size, must_free);
+    let held = (reported.in_use + reported.reserved).max(reported.claimed.unwrap_or(0));
+    let none = OnNode::default();
+    let on_node = on_node.unwrap_or(&none);
+    let selection = drain::choose(
+        &on_node.pods,
+        &on_node.claims,
+        pool.spec.page_size,
+        must_free,
+    );
     Some(DrainNeed {
         held,
         policy: pool.spec.drain.policy,

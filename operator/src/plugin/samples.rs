@@ -358,7 +358,7 @@ fn render_samples() -> String {
         .states
         .iter()
         .find(|s| s.metadata.name.as_deref() == Some("worker-a"));
-    let why = why::report("worker-a", node, state, &[], &[], now);
+    let why = why::report("worker-a", node, state, &[], &Default::default(), now);
     section(
         &mut out,
         "kubectl hugepool why worker-a",

@@ -4,10 +4,10 @@
 use hugepool_crds::node::ResizeSummary;
 use hugepool_crds::{DRAINING_TAINT, HugePageNode, NOT_READY_TAINT, PageSize};
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use k8s_openapi::api::core::v1::{Event, Node};
 use serde::Serialize;
 
-use crate::drain::{self, Unevictable};
+use crate::drain::{self, OnNode, Unevictable};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -117,7 +117,7 @@ pub struct PodRow {
     /// `namespace/name`.
     pub pod: String,
     pub size: PageSize,
-    /// Pages it requests of the size.
+    /// Pages of the size it requests or its ResourceClaims hold.
     pub pages: u64,
     /// Empty when a drain may evict it; else why it never is.
     pub unevictable: String,
@@ -128,7 +128,7 @@ pub fn report(
     node: Option<&Node>,
     state: Option<&HugePageNode>,
     events: &[Event],
-    pods: &[Pod],
+    on_node: &OnNode,
     now: Timestamp,
 ) -> WhyReport {
     let age = |time: Option<Timestamp>| time.map(|t| now.duration_since(t).as_secs());
@@ -198,9 +198,8 @@ pub fn report(
         .collect();
     events.sort_by_key(|e| std::cmp::Reverse(e.0));
     let sizes_held: Vec<PageSize> = sizes.iter().map(|s| s.size).collect();
-    // The pods' requests only: the plugin does not read ResourceClaims.
-    let no_claims = &drain::Claims::default();
-    let mut pods: Vec<PodRow> = drain::holders(pods, no_claims, &sizes_held)
+    let claims = &on_node.claims;
+    let mut pods: Vec<PodRow> = drain::holders(&on_node.pods, claims, &sizes_held)
         .flat_map(|pod| {
             let name = format!(
                 "{}/{}",
@@ -211,7 +210,7 @@ pub fn report(
                 .map(|u| u.as_str().to_string())
                 .unwrap_or_default();
             sizes_held.iter().filter_map(move |&size| {
-                let pages = drain::pages_held(pod, no_claims, size);
+                let pages = drain::pages_held(pod, claims, size);
                 (pages > 0).then(|| PodRow {
                     pod: name.clone(),
                     size,
@@ -235,5 +234,58 @@ pub fn report(
             .map(|(_, row)| row)
             .collect(),
         pods,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::Pod;
+
+    use super::*;
+    use crate::fixtures::{self, at};
+
+    #[test]
+    fn pods_holding_pages_through_claims_are_listed_with_what_their_claims_hold() {
+        let mut state = fixtures::hpn("w-00", 1, Vec::new());
+        fixtures::converge(&mut state);
+        let status = fixtures::status_of(&mut state);
+        status.page_sizes = vec![hugepool_crds::node::PageSizeStatus {
+            total: 64,
+            free: 64,
+            ..hugepool_crds::node::PageSizeStatus::empty(PageSize::SIZE_2MI)
+        }];
+        let pod = |name: &str, containers: serde_json::Value| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "apps", "uid": format!("u-{name}")},
+                "spec": {"nodeName": "w-00", "containers": containers,
+                         "resourceClaims": [{"name": "pages", "resourceClaimName": name}]},
+            }))
+            .expect("pod")
+        };
+        let on_node = OnNode {
+            pods: vec![
+                pod("claimer", serde_json::json!([{"name": "c"}])),
+                pod("idle", serde_json::json!([{"name": "c"}])),
+            ],
+            claims: drain::Claims::on_node(
+                &[fixtures::claim(
+                    &["u-claimer"],
+                    "w-00",
+                    "hugepages-2mi-numa0",
+                    "24Mi",
+                )],
+                "w-00",
+            ),
+        };
+        let report = report("w-00", None, Some(&state), &[], &on_node, at(10));
+        assert_eq!(
+            report.pods,
+            [PodRow {
+                pod: "apps/claimer".into(),
+                size: PageSize::SIZE_2MI,
+                pages: 12,
+                unevictable: String::new(),
+            }]
+        );
     }
 }

@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
 
 use hugepool_crds::HugePageNode;
-use hugepool_crds::settings::DrainPolicy;
+use hugepool_crds::settings::{Consumption, DrainPolicy};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
@@ -149,7 +149,13 @@ fn a_shrink_below_the_pages_in_use_names_the_pods_a_drain_would_evict() {
         }))
         .expect("pod")
     };
-    let pods = BTreeMap::from([("w-00".to_string(), vec![pod("big", 30), pod("small", 10)])]);
+    let pods = BTreeMap::from([(
+        "w-00".to_string(),
+        drain::OnNode {
+            pods: vec![pod("big", 30), pod("small", 10)],
+            claims: drain::Claims::default(),
+        },
+    )]);
     let mut smaller = pools[0].clone();
     smaller.spec.pages = Some(16);
     smaller.metadata.generation = Some(2);
@@ -176,6 +182,69 @@ fn a_shrink_below_the_pages_in_use_names_the_pods_a_drain_would_evict() {
         .find(|c| c.node == "w-01")
         .expect("w-01 changes");
     assert_eq!(w1.drain, None);
+}
+
+#[test]
+fn a_shrink_below_what_dra_claims_hold_names_the_claim_holders() {
+    let nodes = fleet(1, &["dpdk"]);
+    let mut dra = pool("p", 0, "dpdk", "2Mi", 64);
+    dra.spec.consumption = Some(Consumption::DynamicResourceAllocation);
+    let mut pools = vec![dra];
+    let mut states = rolled_out(&mut pools, &nodes);
+    // Two pods' claims hold 30 + 10 pages, none of them faulted yet: nothing
+    // is in use, and no pod requests hugepages-2Mi.
+    let reported = fixtures::status_of(&mut states[0])
+        .page_sizes
+        .iter_mut()
+        .find(|r| r.size.to_string() == "2Mi")
+        .expect("2Mi status");
+    reported.claimed = Some(40);
+    let pod = |name: &str| -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "apps", "uid": format!("u-{name}")},
+            "spec": {"nodeName": "w-00", "containers": [{"name": "c"}],
+                     "resourceClaims": [{"name": "pages", "resourceClaimName": name}]},
+        }))
+        .expect("pod")
+    };
+    let claims = drain::Claims::on_node(
+        &[
+            fixtures::claim(&["u-big"], "w-00", "hugepages-2mi-numa0", "60Mi"),
+            fixtures::claim(&["u-small"], "w-00", "hugepages-2mi-numa0", "20Mi"),
+        ],
+        "w-00",
+    );
+    let pods = BTreeMap::from([(
+        "w-00".to_string(),
+        drain::OnNode {
+            pods: vec![pod("big"), pod("small")],
+            claims,
+        },
+    )]);
+    let mut smaller = pools[0].clone();
+    smaller.spec.pages = Some(16);
+    smaller.metadata.generation = Some(2);
+    let view = ClusterView {
+        pools: &pools,
+        nodes: &nodes,
+        node_states: &states,
+    };
+    assert_eq!(
+        nodes_to_drain(&simulate(&view, &smaller, &BTreeMap::new(), at(100))),
+        ["w-00"]
+    );
+    let report = simulate(&view, &smaller, &pods, at(100));
+    let need = report.waves[0][0]
+        .drain
+        .as_ref()
+        .expect("w-00 needs a drain");
+    assert_eq!(need.held, 40);
+    // 24 pages must come back: the larger claim holder alone frees them.
+    assert_eq!(need.evict, ["apps/big"]);
+    // A shrink to what the claims hold needs none.
+    smaller.spec.pages = Some(40);
+    let report = simulate(&view, &smaller, &pods, at(100));
+    assert_eq!(report.waves[0][0].drain, None);
 }
 
 #[test]
