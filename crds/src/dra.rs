@@ -18,6 +18,32 @@ pub fn resource_claims() -> kube::core::ApiResource {
     )
 }
 
+/// `resource.k8s.io/v1` ResourceSlice (GA in Kubernetes 1.34; consumable
+/// capacity, beta and on by default, from 1.36).
+pub fn resource_slices() -> kube::core::ApiResource {
+    kube::core::ApiResource::from_gvk_with_plural(
+        &kube::core::GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceSlice"),
+        "resourceslices",
+    )
+}
+
+/// The DeviceClass the chart installs for `size`
+/// (`hugepages-2mi.hugepool.dev`): a claim names it to ask for pages of it.
+pub fn device_class_name(size: PageSize) -> String {
+    format!(
+        "hugepages-{}.{}",
+        size.to_string().to_ascii_lowercase(),
+        crate::GROUP
+    )
+}
+
+/// The size a [`device_class_name`] stands for.
+pub fn parse_device_class(name: &str) -> Option<PageSize> {
+    let lowered = name.strip_suffix(&format!(".{}", crate::GROUP))?;
+    let (size, _) = parse_device_name(&format!("{lowered}-numa0"))?;
+    (device_class_name(size) == name).then_some(size)
+}
+
 /// The device of one page size on one NUMA node: a DNS label that stays
 /// the same across restarts and resizes (`hugepages-2mi-numa0`).
 pub fn device_name(size: PageSize, numa: u32) -> String {
@@ -138,6 +164,25 @@ mod tests {
                 "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-1"}],
             },
         })
+    }
+
+    #[test]
+    fn device_classes_name_their_size_and_nothing_else() {
+        for size in [PageSize::SIZE_2MI, PageSize::SIZE_1GI] {
+            assert_eq!(parse_device_class(&device_class_name(size)), Some(size));
+        }
+        assert_eq!(
+            device_class_name(PageSize::SIZE_2MI),
+            "hugepages-2mi.hugepool.dev"
+        );
+        for other in [
+            "gpu.example.com",
+            "hugepages-2mi.example.com",
+            "hugepages-2Mi.hugepool.dev",
+            "hugepages-2mi-numa0.hugepool.dev",
+        ] {
+            assert_eq!(parse_device_class(other), None, "{other}");
+        }
     }
 
     #[test]

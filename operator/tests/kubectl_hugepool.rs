@@ -1326,6 +1326,8 @@ async fn the_first_pools_plan_is_predicted_from_every_agents_estimate() {
 /// what its ResourceClaim's allocation there consumed (read from the API:
 /// the claim's namespace is the pod's), beside a pod that requests
 /// `hugepages-2Mi`; a pod with a claim of another node's pool holds nothing.
+/// Then `why pod/NAME` for a Pending pod whose claim asks more than the
+/// node's device has left after that allocation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn why_counts_what_a_pods_resource_claims_hold_on_a_dra_pool() {
     use hugepool_crds::node::{PageSizeStatus, PageSizeTarget};
@@ -1338,7 +1340,9 @@ async fn why_counts_what_a_pods_resource_claims_hold_on_a_dra_pool() {
     let kubeconfig = env.control_plane.kubeconfig.clone();
     let client = env.client.clone();
     let name = hugepool_e2e::unique_name("claims");
-    let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).expect("Node");
+    let node: Node =
+        serde_json::from_value(json!({"metadata": {"name": name, "labels": {SCOPE_LABEL: name}}}))
+            .expect("Node");
     Api::<Node>::all(client.clone())
         .create(&PostParams::default(), &node)
         .await
@@ -1482,6 +1486,91 @@ async fn why_counts_what_a_pods_resource_claims_hold_on_a_dra_pool() {
     );
     let text = plugin(&kubeconfig, &["why", &name]);
     assert!(text.contains(&claimer), "{text}");
+
+    // The node's slice (as its agent publishes it): 32 pages on NUMA node 0,
+    // of which the claimer's allocation consumes 12.
+    let slices: Api<DynamicObject> =
+        Api::all_with(client.clone(), &hugepool_crds::dra::resource_slices());
+    let slice: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": format!("{name}-hugepool")},
+        "spec": {
+            "driver": hugepool_crds::dra::DRIVER,
+            "nodeName": name,
+            "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
+            "devices": [{
+                "name": hugepool_crds::dra::device_name(PageSize::SIZE_2MI, 0),
+                "allowMultipleAllocations": true,
+                "capacity": {"memory": {"value": "64Mi", "requestPolicy": {
+                    "default": "2Mi", "validRange": {"min": "2Mi", "step": "2Mi"},
+                }}},
+            }],
+        },
+    }))
+    .expect("ResourceSlice");
+    slices
+        .create(&PostParams::default(), &slice)
+        .await
+        .expect("create the ResourceSlice");
+    // A pod for this node only whose claim asks 21 pages: 20 are left.
+    let waiting: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "waiting"},
+        "spec": {
+            "nodeSelector": {SCOPE_LABEL: name},
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "main", "image": "registry.example/app:1",
+                            "resources": {"claims": [{"name": "pages"}]}}],
+            "resourceClaims": [{"name": "pages", "resourceClaimName": "waiting-pages"}],
+        },
+    }))
+    .expect("Pod");
+    pods.create(&PostParams::default(), &waiting)
+        .await
+        .expect("create the waiting pod");
+    let object: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "waiting-pages"},
+        "spec": {"devices": {"requests": [{"name": "pages", "exactly": {
+            "deviceClassName": hugepool_crds::dra::device_class_name(PageSize::SIZE_2MI),
+            "capacity": {"requests": {"memory": "42Mi"}},
+        }}]}},
+    }))
+    .expect("ResourceClaim");
+    claims
+        .create(&PostParams::default(), &object)
+        .await
+        .expect("create the waiting pod's claim");
+    let why = plugin_json(&kubeconfig, &["why", "pod/waiting", "-n", &name]);
+    assert_eq!(why["claims"][0]["claim"], "waiting-pages", "{why}");
+    assert_eq!(why["claims"][0]["pages"], 21, "{why}");
+    let on_node: Vec<&Value> = why["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .filter(|d| d["node"] == name.as_str())
+        .collect();
+    assert_eq!(on_node.len(), 1, "{why}");
+    assert_eq!(on_node[0]["capacity"], 32, "{why}");
+    assert_eq!(on_node[0]["allocated"], 12, "{why}");
+    assert_eq!(on_node[0]["blockedBy"], "20 pages free < 21", "{why}");
+    assert_eq!(
+        why["verdict"],
+        format!(
+            "claim waiting-pages asks 21 pages of 2Mi from one device, and no device has them free: the most is 20 on node {name} (hugepages-2mi-numa0); grow the pool there, or wait for claims to be released"
+        ),
+        "{why}"
+    );
+    let text = plugin(&kubeconfig, &["why", "pod/waiting", "-n", &name]);
+    assert!(text.contains("20 pages free < 21"), "{text}");
+    slices
+        .delete(
+            &format!("{name}-hugepool"),
+            &kube::api::DeleteParams::default(),
+        )
+        .await
+        .expect("delete the ResourceSlice");
 
     let delete = kube::api::DeleteParams::default();
     Api::<Namespace>::all(client.clone())

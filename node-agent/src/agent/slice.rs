@@ -22,22 +22,13 @@ use std::collections::BTreeMap;
 
 use hugepool_crds::node::PageSizeTarget;
 use hugepool_crds::quantity::format_bytes;
-use kube::api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind};
+use kube::api::{DeleteParams, DynamicObject};
 use serde_json::json;
 
 use super::status_writer::{MAX_BACKOFF, jittered};
 use super::*;
 
-pub use hugepool_crds::dra::DRIVER;
-
-/// `resource.k8s.io/v1` ResourceSlice (GA in Kubernetes 1.34; consumable
-/// capacity, beta and on by default, from 1.36).
-pub fn resource_slices() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceSlice"),
-        "resourceslices",
-    )
-}
+pub use hugepool_crds::dra::{DRIVER, resource_slices};
 
 /// The node's slice name: the node's name and the project's, so that one
 /// node's slice is found without a list.

@@ -20,7 +20,7 @@ use hugepool_crds::settings::Consumption;
 use hugepool_crds::{HugePageNode, HugePagePool};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::Client;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 
 use crate::drain;
 
@@ -340,12 +340,56 @@ pub async fn why_pod(
             source,
         })?
         .items;
+    let uses_claims = target
+        .spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.as_ref())
+        .is_some_and(|claims| !claims.is_empty());
+    let objects = if uses_claims {
+        dra_objects(client).await?
+    } else {
+        pod::DraObjects::default()
+    };
     Ok(pod::report(
         &target,
         &cluster.nodes,
         &cluster.node_states,
         &pods,
+        &objects,
     ))
+}
+
+/// hugepool's ResourceSlices and every ResourceClaim, as JSON.
+async fn dra_objects(client: &Client) -> Result<pod::DraObjects, PluginError> {
+    let slices =
+        Api::<DynamicObject>::all_with(client.clone(), &hugepool_crds::dra::resource_slices())
+            .list(
+                &ListParams::default()
+                    .fields(&format!("spec.driver={}", hugepool_crds::dra::DRIVER)),
+            )
+            .await
+            .map_err(|source| PluginError::List {
+                what: "ResourceSlices",
+                source,
+            })?;
+    let claims =
+        Api::<DynamicObject>::all_with(client.clone(), &hugepool_crds::dra::resource_claims())
+            .list(&ListParams::default())
+            .await
+            .map_err(|source| PluginError::List {
+                what: "ResourceClaims",
+                source,
+            })?;
+    let json = |items: Vec<DynamicObject>| {
+        items
+            .into_iter()
+            .filter_map(|o| serde_json::to_value(o).ok())
+            .collect()
+    };
+    Ok(pod::DraObjects {
+        slices: json(slices.items),
+        claims: json(claims.items),
+    })
 }
 
 pub async fn why(client: &Client, name: &str) -> Result<why::WhyReport, PluginError> {
@@ -841,7 +885,9 @@ pub fn render_why_pod(report: &pod::PodReport) -> String {
     let _ = writeln!(
         text,
         "requests: {}",
-        if requests.is_empty() {
+        if requests.is_empty() && !report.claims.is_empty() {
+            "no hugepages-<size>; pages through ResourceClaims".to_string()
+        } else if requests.is_empty() {
             "no hugepages".to_string()
         } else {
             requests.join(", ")
@@ -894,6 +940,56 @@ pub fn render_why_pod(report: &pod::PodReport) -> String {
                             "- (fits)".into()
                         } else {
                             n.blocked_by.clone()
+                        },
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ));
+    }
+    if !report.claims.is_empty() {
+        text.push('\n');
+        text.push_str(&table(
+            &["CLAIM", "REQUEST", "SIZE", "PAGES", "ALLOCATED ON"],
+            &report
+                .claims
+                .iter()
+                .map(|c| {
+                    vec![
+                        c.claim.clone(),
+                        c.request.clone(),
+                        c.size.to_string(),
+                        c.pages.to_string(),
+                        c.allocated.clone().unwrap_or_else(|| "- (pending)".into()),
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ));
+    }
+    if !report.devices.is_empty() {
+        text.push('\n');
+        text.push_str(&table(
+            &[
+                "NODE",
+                "DEVICE",
+                "SIZE",
+                "CAPACITY",
+                "ALLOCATED",
+                "BLOCKED BY",
+            ],
+            &report
+                .devices
+                .iter()
+                .map(|d| {
+                    vec![
+                        d.node.clone(),
+                        d.device.clone(),
+                        d.size.to_string(),
+                        d.capacity.to_string(),
+                        d.allocated.to_string(),
+                        if d.blocked_by.is_empty() {
+                            "- (fits)".into()
+                        } else {
+                            d.blocked_by.clone()
                         },
                     ]
                 })

@@ -1,6 +1,10 @@
 //! `kubectl hugepool why pod/NAME`: why a pod that requests
 //! `hugepages-<size>` is Pending, from what each node with the size holds,
-//! targets and publishes, its hugepool taints, and the pods already there.
+//! targets and publishes, its hugepool taints, and the pods already there;
+//! for a pod that claims its pages through DRA, from each node's devices
+//! and the claims allocated on them (`dra`).
+
+mod dra;
 
 use std::collections::BTreeMap;
 
@@ -9,6 +13,7 @@ use k8s_openapi::api::core::v1::{Node, Pod, Taint, Toleration};
 use serde::Serialize;
 
 use crate::drain;
+pub use dra::{ClaimRequest, DeviceRow, DraObjects};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -27,6 +32,15 @@ pub struct PodReport {
     pub nodes: Vec<PodNodeRow>,
     /// Nodes with a requested size that the pod's nodeSelector rules out.
     pub excluded_by_node_selector: usize,
+    /// What its ResourceClaims ask of hugepool's DeviceClasses, by request.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub claims: Vec<ClaimRequest>,
+    /// Claims the pod names that do not exist (yet).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub missing_claims: Vec<String>,
+    /// The devices of the sizes its pending claims ask, node by node.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<DeviceRow>,
     /// One line: what keeps the pod off the nodes, or that one has room.
     pub verdict: String,
 }
@@ -78,8 +92,15 @@ enum Block {
     StaleKubelet,
 }
 
-/// The report on `pod` over the cluster's Nodes, HugePageNodes and pods.
-pub fn report(pod: &Pod, nodes: &[Node], states: &[HugePageNode], pods: &[Pod]) -> PodReport {
+/// The report on `pod` over the cluster's Nodes, HugePageNodes and pods,
+/// and the DRA objects when the pod uses claims.
+pub fn report(
+    pod: &Pod,
+    nodes: &[Node],
+    states: &[HugePageNode],
+    pods: &[Pod],
+    objects: &DraObjects,
+) -> PodReport {
     let name = format!(
         "{}/{}",
         pod.metadata.namespace.as_deref().unwrap_or_default(),
@@ -129,7 +150,13 @@ pub fn report(pod: &Pod, nodes: &[Node], states: &[HugePageNode], pods: &[Pod]) 
         .filter(|r| r.block == Some(Block::NodeSelector))
         .count();
     rows.retain(|r| r.block != Some(Block::NodeSelector));
-    let verdict = verdict(&phase, bound.as_deref(), &requests, &rows, excluded);
+    let (claims, missing_claims) = dra::claim_requests(pod, objects);
+    let devices = dra::device_rows(&claims, objects, nodes, |node| keeps_off(pod, node));
+    let verdict = if requests.is_empty() && !(claims.is_empty() && missing_claims.is_empty()) {
+        dra::verdict(&claims, &missing_claims, &devices)
+    } else {
+        verdict(&phase, bound.as_deref(), &requests, &rows, excluded)
+    };
     PodReport {
         pod: name,
         phase,
@@ -138,6 +165,9 @@ pub fn report(pod: &Pod, nodes: &[Node], states: &[HugePageNode], pods: &[Pod]) 
         scheduler,
         nodes: rows,
         excluded_by_node_selector: excluded,
+        claims,
+        missing_claims,
+        devices,
         verdict,
     }
 }
@@ -182,32 +212,9 @@ fn node_row(
         .map(|p| hugepool_crds::pod::requested_pages(p, size) as i64)
         .sum();
     let stale = matches!((capacity, kernel), (Some(c), Some(k)) if c != k);
-    let tolerations = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.tolerations.clone())
-        .unwrap_or_default();
-    let node_taints = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default();
-    let prefix = format!("{}/", hugepool_crds::GROUP);
-    let taints: Vec<String> = node_taints
-        .iter()
-        .filter(|t| t.key.starts_with(&prefix) && t.effect != "PreferNoSchedule")
-        .filter(|t| !tolerations.iter().any(|tol| tolerates(tol, t)))
-        .map(|t| format!("{}:{}", t.key, t.effect))
-        .collect();
+    let taints = untolerated_taints(pod, node);
     let wanted = request.pages as i64;
-    let selector_matches = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_selector.as_ref())
-        .is_none_or(|selector| {
-            let labels = node.metadata.labels.clone().unwrap_or_default();
-            selector.iter().all(|(k, v)| labels.get(k) == Some(v))
-        });
+    let selector_matches = selector_matches(pod, node);
     // Every reason that applies: the taints, then the first capacity
     // problem in the order the pages get to the pod.
     let mut blocks: Vec<(Block, String)> = Vec::new();
@@ -271,6 +278,41 @@ fn node_row(
         blocked_by,
         block,
     })
+}
+
+/// The hugepool taints on `node` that keep `pod` off (`key:Effect`).
+fn untolerated_taints(pod: &Pod, node: &Node) -> Vec<String> {
+    let tolerations = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.tolerations.clone())
+        .unwrap_or_default();
+    super::why::hugepool_taint_list(node)
+        .filter(|t| t.effect != "PreferNoSchedule")
+        .filter(|t| !tolerations.iter().any(|tol| tolerates(tol, t)))
+        .map(|t| format!("{}:{}", t.key, t.effect))
+        .collect()
+}
+
+/// Whether `pod`'s nodeSelector allows `node`.
+fn selector_matches(pod: &Pod, node: &Node) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_selector.as_ref())
+        .is_none_or(|selector| {
+            let labels = node.metadata.labels.clone().unwrap_or_default();
+            selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+        })
+}
+
+/// Why `pod` may not run on `node` at all, hugepool-wise: its nodeSelector,
+/// then the hugepool taints it does not tolerate; None when it may.
+fn keeps_off(pod: &Pod, node: &Node) -> Option<String> {
+    if !selector_matches(pod, node) {
+        return Some("the pod's nodeSelector".into());
+    }
+    let taints = untolerated_taints(pod, node);
+    (!taints.is_empty()).then(|| format!("taint {}", taints.join(", ")))
 }
 
 /// Whether `toleration` tolerates `taint` (the scheduler's rule).

@@ -365,7 +365,13 @@ fn render_samples() -> String {
         "",
         &render_why(&why),
     );
-    let report = pod::report(&sample.pending, &sample.nodes, &sample.states, &sample.pods);
+    let report = pod::report(
+        &sample.pending,
+        &sample.nodes,
+        &sample.states,
+        &sample.pods,
+        &Default::default(),
+    );
     section(
         &mut out,
         "kubectl hugepool why pod/l2fwd -n net",

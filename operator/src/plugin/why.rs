@@ -4,7 +4,7 @@
 use hugepool_crds::node::ResizeSummary;
 use hugepool_crds::{DRAINING_TAINT, HugePageNode, NOT_READY_TAINT, PageSize};
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Event, Node};
+use k8s_openapi::api::core::v1::{Event, Node, Taint};
 use serde::Serialize;
 
 use crate::drain::{self, OnNode, Unevictable};
@@ -36,15 +36,20 @@ pub struct TaintRow {
     pub meaning: String,
 }
 
-/// Every hugepool taint (`hugepool.dev/...`) on `node`, in its order.
-pub fn hugepool_taints(node: &Node) -> Vec<TaintRow> {
+/// The taints on `node` that hugepool sets (`hugepool.dev/...`), in its order.
+pub fn hugepool_taint_list(node: &Node) -> impl Iterator<Item = &Taint> {
     let prefix = format!("{}/", hugepool_crds::GROUP);
     node.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
         .into_iter()
         .flatten()
-        .filter(|t| t.key.starts_with(&prefix))
+        .filter(move |t| t.key.starts_with(&prefix))
+}
+
+/// Every hugepool taint on `node`, in its order, with what it means.
+pub fn hugepool_taints(node: &Node) -> Vec<TaintRow> {
+    hugepool_taint_list(node)
         .map(|t| TaintRow {
             taint: format!("{}:{}", t.key, t.effect),
             meaning: match t.key.as_str() {

@@ -115,9 +115,7 @@ fn a_change_of_pages_shows_from_to_and_a_same_spec_changes_nothing() {
     assert!(same.waves.is_empty(), "{:?}", same.waves);
     assert_eq!(same.unchanged, ["w-00", "w-01", "w-02"]);
 
-    let mut bigger = pools[0].clone();
-    bigger.spec.pages = Some(128);
-    bigger.metadata.generation = Some(2);
+    let bigger = resized(&pools[0], 128);
     let report = plan_of(&pools, &nodes, &states, &bigger);
     assert_eq!(report.waves.len(), 3, "maxUnavailable 1: one node a wave");
     for change in report.waves.iter().flatten() {
@@ -126,17 +124,30 @@ fn a_change_of_pages_shows_from_to_and_a_same_spec_changes_nothing() {
     assert!(report.unchanged.is_empty());
 }
 
+/// What `state`'s agent reports of 2Mi pages.
+fn reported_2mi(state: &mut HugePageNode) -> &mut PageSizeStatus {
+    fixtures::status_of(state)
+        .page_sizes
+        .iter_mut()
+        .find(|r| r.size.to_string() == "2Mi")
+        .expect("2Mi status")
+}
+
+/// `pool` changed to `pages` (its next generation).
+fn resized(pool: &HugePagePool, pages: i64) -> HugePagePool {
+    let mut pool = pool.clone();
+    pool.spec.pages = Some(pages);
+    pool.metadata.generation = Some(pool.metadata.generation.unwrap_or(1) + 1);
+    pool
+}
+
 #[test]
 fn a_shrink_below_the_pages_in_use_names_the_pods_a_drain_would_evict() {
     let nodes = fleet(2, &["dpdk"]);
     let mut pools = vec![pool("p", 0, "dpdk", "2Mi", 64)];
     let mut states = rolled_out(&mut pools, &nodes);
     // w-00 has 40 pages in use by two pods (30 + 10); w-01 has none.
-    let reported = fixtures::status_of(&mut states[0])
-        .page_sizes
-        .iter_mut()
-        .find(|r| r.size.to_string() == "2Mi")
-        .expect("2Mi status");
+    let reported = reported_2mi(&mut states[0]);
     reported.in_use = 40;
     reported.free = 24;
     let pod = |name: &str, pages: u64| -> Pod {
@@ -156,9 +167,7 @@ fn a_shrink_below_the_pages_in_use_names_the_pods_a_drain_would_evict() {
             claims: drain::Claims::default(),
         },
     )]);
-    let mut smaller = pools[0].clone();
-    smaller.spec.pages = Some(16);
-    smaller.metadata.generation = Some(2);
+    let smaller = resized(&pools[0], 16);
     let view = ClusterView {
         pools: &pools,
         nodes: &nodes,
@@ -193,11 +202,7 @@ fn a_shrink_below_what_dra_claims_hold_names_the_claim_holders() {
     let mut states = rolled_out(&mut pools, &nodes);
     // Two pods' claims hold 30 + 10 pages, none of them faulted yet: nothing
     // is in use, and no pod requests hugepages-2Mi.
-    let reported = fixtures::status_of(&mut states[0])
-        .page_sizes
-        .iter_mut()
-        .find(|r| r.size.to_string() == "2Mi")
-        .expect("2Mi status");
+    let reported = reported_2mi(&mut states[0]);
     reported.claimed = Some(40);
     let pod = |name: &str| -> Pod {
         serde_json::from_value(serde_json::json!({
@@ -221,9 +226,7 @@ fn a_shrink_below_what_dra_claims_hold_names_the_claim_holders() {
             claims,
         },
     )]);
-    let mut smaller = pools[0].clone();
-    smaller.spec.pages = Some(16);
-    smaller.metadata.generation = Some(2);
+    let smaller = resized(&pools[0], 16);
     let view = ClusterView {
         pools: &pools,
         nodes: &nodes,
@@ -242,8 +245,7 @@ fn a_shrink_below_what_dra_claims_hold_names_the_claim_holders() {
     // 24 pages must come back: the larger claim holder alone frees them.
     assert_eq!(need.evict, ["apps/big"]);
     // A shrink to what the claims hold needs none.
-    smaller.spec.pages = Some(40);
-    let report = simulate(&view, &smaller, &pods, at(100));
+    let report = simulate(&view, &resized(&pools[0], 40), &pods, at(100));
     assert_eq!(report.waves[0][0].drain, None);
 }
 
@@ -301,8 +303,7 @@ fn estimates_come_from_each_nodes_last_measured_rate() {
             ..Default::default()
         });
     }
-    let mut bigger = pools[0].clone();
-    bigger.spec.pages = Some(300);
+    let bigger = resized(&pools[0], 300);
     let report = plan_of(&pools, &nodes, &states, &bigger);
     let estimates: Vec<Option<f64>> = report
         .waves
@@ -336,8 +337,7 @@ fn a_grow_is_predicted_per_node_from_its_agents_free_lists() {
     {
         fixtures::status_of(state).page_sizes[0].obtainable = estimate;
     }
-    let mut bigger = pools[0].clone();
-    bigger.spec.pages = Some(300);
+    let bigger = resized(&pools[0], 300);
     let report = plan_of(&pools, &nodes, &states, &bigger);
     let predicted: Vec<(&str, Option<i64>, Option<i64>)> = report
         .waves
@@ -361,8 +361,7 @@ fn a_grow_is_predicted_per_node_from_its_agents_free_lists() {
     );
 
     // A shrink is not a grow: nothing predicted.
-    let mut smaller = pools[0].clone();
-    smaller.spec.pages = Some(50);
+    let smaller = resized(&pools[0], 50);
     let report = plan_of(&pools, &nodes, &states, &smaller);
     assert!(report.waves.iter().flatten().all(|c| c.predicted.is_none()));
 }
