@@ -39,9 +39,20 @@ pub fn device_class_name(size: PageSize) -> String {
 
 /// The size a [`device_class_name`] stands for.
 pub fn parse_device_class(name: &str) -> Option<PageSize> {
-    let lowered = name.strip_suffix(&format!(".{}", crate::GROUP))?;
-    let (size, _) = parse_device_name(&format!("{lowered}-numa0"))?;
+    let size = name
+        .strip_prefix("hugepages-")?
+        .strip_suffix(&format!(".{}", crate::GROUP))?;
+    let size = parse_lowered_size(size)?;
     (device_class_name(size) == name).then_some(size)
+}
+
+/// A page size as device and class names write it, its unit lowercased
+/// (`2mi` is 2Mi).
+fn parse_lowered_size(lowered: &str) -> Option<PageSize> {
+    let mut chars: Vec<char> = lowered.chars().collect();
+    let unit = chars.iter().position(|c| c.is_ascii_alphabetic())?;
+    chars[unit] = chars[unit].to_ascii_uppercase();
+    chars.into_iter().collect::<String>().parse().ok()
 }
 
 /// The device of one page size on one NUMA node: a DNS label that stays
@@ -56,11 +67,7 @@ pub fn device_name(size: PageSize, numa: u32) -> String {
 /// The size and NUMA node a [`device_name`] stands for.
 pub fn parse_device_name(name: &str) -> Option<(PageSize, u32)> {
     let (size, numa) = name.strip_prefix("hugepages-")?.split_once("-numa")?;
-    // The name lowercases the unit: `2mi` is 2Mi.
-    let mut chars: Vec<char> = size.chars().collect();
-    let unit = chars.iter().position(|c| c.is_ascii_alphabetic())?;
-    chars[unit] = chars[unit].to_ascii_uppercase();
-    let size: PageSize = chars.into_iter().collect::<String>().parse().ok()?;
+    let size = parse_lowered_size(size)?;
     let numa = numa.parse().ok()?;
     (device_name(size, numa) == name).then_some((size, numa))
 }

@@ -149,10 +149,10 @@ pub fn claimed_of(claimed: &Claimed, size: PageSize, numa: Option<u32>) -> u64 {
         .sum()
 }
 
-/// What `prepared` holds, by page size and NUMA node.
-pub fn claimed(prepared: &Prepared) -> Claimed {
+/// What `claims` hold together, by page size and NUMA node.
+pub fn claimed<'a>(claims: impl IntoIterator<Item = &'a PreparedClaim>) -> Claimed {
     let mut held = Claimed::new();
-    for pages in prepared.values().flat_map(|claim| &claim.pages) {
+    for pages in claims.into_iter().flat_map(|claim| &claim.pages) {
         *held.entry((pages.size, pages.numa)).or_default() += pages.pages;
     }
     held
@@ -189,17 +189,13 @@ pub fn fits(
     claim: &PreparedClaim,
     pool: impl Fn(PageSize, u32) -> Result<u64, String>,
 ) -> Result<(), String> {
-    let mut asked: BTreeMap<(PageSize, u32), u64> = BTreeMap::new();
-    for pages in &claim.pages {
-        *asked.entry((pages.size, pages.numa)).or_default() += pages.pages;
-    }
-    let mut others = Claimed::new();
-    for (_, claim) in prepared.iter().filter(|(other, _)| *other != uid) {
-        for pages in &claim.pages {
-            *others.entry((pages.size, pages.numa)).or_default() += pages.pages;
-        }
-    }
-    for ((size, numa), pages) in asked {
+    let others = claimed(
+        prepared
+            .iter()
+            .filter(|(other, _)| *other != uid)
+            .map(|(_, claim)| claim),
+    );
+    for ((size, numa), pages) in claimed([claim]) {
         let held = others.get(&(size, numa)).copied().unwrap_or(0);
         let pool = pool(size, numa)?;
         if held + pages > pool {
@@ -260,7 +256,7 @@ impl KubeletPlugin {
     /// Calls `tell` with what the prepared claims hold now and after every
     /// change.
     pub fn on_change(mut self, tell: impl Fn(Claimed) + Send + Sync + 'static) -> Self {
-        tell(claimed(&self.lock()));
+        tell(claimed(self.lock().values()));
         self.on_change = Some(Box::new(tell));
         self
     }
@@ -285,7 +281,7 @@ impl KubeletPlugin {
         let mut prepared = self.lock();
         change(&mut prepared)?;
         if let Some(tell) = &self.on_change {
-            tell(claimed(&prepared));
+            tell(claimed(prepared.values()));
         }
         if let Some(path) = &self.file {
             save(path, &prepared).map_err(|err| {
@@ -615,7 +611,7 @@ mod tests {
             claim("d", "hugepages-1gi-numa0", "1Gi"),
         ]);
         assert_eq!(
-            claimed(&prepared),
+            claimed(prepared.values()),
             Claimed::from([
                 ((PageSize::SIZE_2MI, 0), 12),
                 ((PageSize::SIZE_2MI, 1), 1),

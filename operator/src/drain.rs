@@ -171,18 +171,21 @@ pub struct OnNode {
     pub claims: Claims,
 }
 
+/// Whether `pod` uses ResourceClaims (named or from a template).
+pub fn uses_claims(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.as_ref())
+        .is_some_and(|claims| !claims.is_empty())
+}
+
 /// The namespaces of the pods that use ResourceClaims (named or from a
 /// template: the pod's spec lists both), sorted: where a drain looks for
 /// the claims of a node's pods.
 pub fn claim_namespaces(pods: &[Pod]) -> Vec<String> {
     let mut namespaces: Vec<String> = pods
         .iter()
-        .filter(|pod| {
-            pod.spec
-                .as_ref()
-                .and_then(|s| s.resource_claims.as_ref())
-                .is_some_and(|claims| !claims.is_empty())
-        })
+        .filter(|pod| uses_claims(pod))
         .filter_map(|pod| pod.namespace())
         .collect();
     namespaces.sort();

@@ -340,12 +340,7 @@ pub async fn why_pod(
             source,
         })?
         .items;
-    let uses_claims = target
-        .spec
-        .as_ref()
-        .and_then(|s| s.resource_claims.as_ref())
-        .is_some_and(|claims| !claims.is_empty());
-    let objects = if uses_claims {
+    let objects = if drain::uses_claims(&target) {
         dra_objects(client).await?
     } else {
         pod::DraObjects::default()

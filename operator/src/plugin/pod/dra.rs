@@ -3,7 +3,7 @@
 //! devices (its ResourceSlice) have left after the claims allocated there.
 
 use hugepool_crds::PageSize;
-use hugepool_crds::dra::{DRIVER, parse_device_class, parse_device_name};
+use hugepool_crds::dra::{DRIVER, claimed_pages, parse_device_class, parse_device_name};
 use hugepool_crds::quantity::parse_bytes;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Serialize;
@@ -130,15 +130,15 @@ fn requests_of(claim: &Value) -> Vec<ClaimRequest> {
         .collect()
 }
 
-/// Pages the allocated claims consume on `node`'s `device`.
-fn allocated_on(claims: &[Value], node: &str, device: &str, size: PageSize) -> u64 {
+/// Pages the allocated claims consume on `node`'s `device` (read as the
+/// drain and the kubelet plugin read them).
+fn allocated_on(claims: &[Value], node: &str, device: &str) -> u64 {
     claims
         .iter()
-        .filter_map(|c| c["status"]["allocation"]["devices"]["results"].as_array())
-        .flatten()
-        .filter(|r| r["driver"] == DRIVER && r["pool"] == node && r["device"] == device)
-        .filter_map(|r| parse_bytes(r["consumedCapacity"]["memory"].as_str()?).ok())
-        .map(|bytes| bytes / size.bytes())
+        .filter_map(|claim| claimed_pages(claim, node).ok())
+        .flat_map(|held| held.pages)
+        .filter(|pages| pages.device == device)
+        .map(|pages| pages.pages)
         .sum()
 }
 
@@ -180,7 +180,7 @@ pub fn device_rows(
                 .as_str()
                 .and_then(|q| parse_bytes(q).ok())
                 .map_or(0, |bytes| bytes / size.bytes());
-            let allocated = allocated_on(&objects.claims, node, name, size);
+            let allocated = allocated_on(&objects.claims, node, name);
             let free = capacity.saturating_sub(allocated);
             let blocked_by = match &node_blocked {
                 Some(why) => why.clone(),
