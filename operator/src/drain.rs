@@ -118,16 +118,14 @@ impl Claims {
                 &namespace,
                 &hugepool_crds::dra::resource_claims(),
             );
-            let listed =
-                api.list(&ListParams::default())
-                    .await
-                    .map_err(|source| ListClaimsError {
-                        namespace: namespace.clone(),
-                        source,
-                    })?;
+            let listed = list_served(&api, &ListParams::default())
+                .await
+                .map_err(|source| ListClaimsError {
+                    namespace: namespace.clone(),
+                    source,
+                })?;
             claims.extend(
                 listed
-                    .items
                     .into_iter()
                     .filter_map(|claim| serde_json::to_value(claim).ok()),
             );
@@ -152,6 +150,21 @@ impl Claims {
 
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+}
+
+/// The objects `api` lists, or none when the server does not serve their
+/// API (404): resource.k8s.io/v1 before Kubernetes 1.34, where a pod's
+/// claims (of another API version, another driver's) cannot hold hugepool's
+/// pages, so a drain must not stall on them.
+pub async fn list_served(
+    api: &Api<DynamicObject>,
+    params: &ListParams,
+) -> Result<Vec<DynamicObject>, kube::Error> {
+    match api.list(params).await {
+        Ok(list) => Ok(list.items),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(Vec::new()),
+        Err(e) => Err(e),
     }
 }
 
@@ -854,5 +867,62 @@ mod tests {
             names(&choose(&pods, &NONE, PageSize::SIZE_2MI, 20)),
             ["next"]
         );
+    }
+
+    /// A server that does not serve resource.k8s.io/v1 (before 1.34)
+    /// answers 404 "page not found": no claims to count, not an error that
+    /// would stall a drain; any other failure stays an error.
+    #[tokio::test]
+    async fn claims_of_an_unserved_api_are_none_and_other_failures_stay_errors() {
+        use http::{Request, Response};
+        use kube::client::Body;
+
+        let (mock, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(mock, "default");
+        let mut claimer = pod("claimer", &[]);
+        claimer.metadata.uid = Some("uid-claimer".into());
+        claimer.spec.as_mut().expect("spec").resource_claims =
+            Some(vec![k8s_openapi::api::core::v1::PodResourceClaim {
+                name: "pages".into(),
+                resource_claim_name: Some("pages".into()),
+                ..Default::default()
+            }]);
+        let pods = vec![claimer];
+        let server = tokio::spawn(async move {
+            for (code, body) in [
+                (404, "404 page not found\n".to_string()),
+                (
+                    403,
+                    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": "Forbidden", "code": 403, "message": "forbidden"})
+                    .to_string(),
+                ),
+            ] {
+                let (request, send) = handle.next_request().await.expect("a list request");
+                assert_eq!(
+                    request.uri().path(),
+                    "/apis/resource.k8s.io/v1/namespaces/apps/resourceclaims"
+                );
+                send.send_response(
+                    Response::builder()
+                        .status(code)
+                        .body(Body::from(body.into_bytes()))
+                        .expect("response"),
+                );
+            }
+        });
+        let unserved = Claims::read(&client, "node-a", &pods)
+            .await
+            .expect("an unserved API is no claims");
+        assert!(unserved.is_empty());
+        let refused = Claims::read(&client, "node-a", &pods)
+            .await
+            .expect_err("a 403 is an error");
+        assert_eq!(refused.namespace, "apps");
+        assert!(
+            matches!(refused.source, kube::Error::Api(ref s) if s.code == 403),
+            "{refused}"
+        );
+        server.await.expect("the mock server");
     }
 }

@@ -356,25 +356,24 @@ pub async fn why_pod(
 
 /// hugepool's ResourceSlices and every ResourceClaim, as JSON.
 async fn dra_objects(client: &Client) -> Result<pod::DraObjects, PluginError> {
-    let slices =
-        Api::<DynamicObject>::all_with(client.clone(), &hugepool_crds::dra::resource_slices())
-            .list(
-                &ListParams::default()
-                    .fields(&format!("spec.driver={}", hugepool_crds::dra::DRIVER)),
-            )
-            .await
-            .map_err(|source| PluginError::List {
-                what: "ResourceSlices",
-                source,
-            })?;
-    let claims =
-        Api::<DynamicObject>::all_with(client.clone(), &hugepool_crds::dra::resource_claims())
-            .list(&ListParams::default())
-            .await
-            .map_err(|source| PluginError::List {
-                what: "ResourceClaims",
-                source,
-            })?;
+    let slices = drain::list_served(
+        &Api::all_with(client.clone(), &hugepool_crds::dra::resource_slices()),
+        &ListParams::default().fields(&format!("spec.driver={}", hugepool_crds::dra::DRIVER)),
+    )
+    .await
+    .map_err(|source| PluginError::List {
+        what: "ResourceSlices",
+        source,
+    })?;
+    let claims = drain::list_served(
+        &Api::all_with(client.clone(), &hugepool_crds::dra::resource_claims()),
+        &ListParams::default(),
+    )
+    .await
+    .map_err(|source| PluginError::List {
+        what: "ResourceClaims",
+        source,
+    })?;
     let json = |items: Vec<DynamicObject>| {
         items
             .into_iter()
@@ -382,8 +381,8 @@ async fn dra_objects(client: &Client) -> Result<pod::DraObjects, PluginError> {
             .collect()
     };
     Ok(pod::DraObjects {
-        slices: json(slices.items),
-        claims: json(claims.items),
+        slices: json(slices),
+        claims: json(claims),
     })
 }
 
