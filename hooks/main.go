@@ -7,8 +7,11 @@
 // fault none of its pages. The agent's kubelet plugin gives each prepared
 // claim a CDI device whose only edit is an environment variable naming the
 // claim's pages (HUGEPOOL_PAGES_<claim>_<n>=size=2Mi,numa=0,pages=16). When
-// the runtime creates a container, this plugin reads those variables, adds
-// the claimed bytes to the container's hugetlb limits, binds the
+// the runtime creates a container, this plugin looks each such variable up
+// in the claims the agent prepared (a pod writes its own environment: a
+// variable of no claim prepared for the container's pod refuses the
+// container), adds the prepared claims' bytes to the container's hugetlb
+// limits, binds the
 // container's memory to the claims' NUMA nodes, and raises the pod's cgroup
 // limits by the pod's claims, which NRI cannot adjust. containerd/nri's stub
 // does the NRI connection (its multiplexed ttrpc, registration,
@@ -40,11 +43,12 @@ func main() {
 	healthAddr := flag.String("health-addr", ":9479", "where /healthz and /readyz answer (ready: synchronised with the runtime); empty: nowhere")
 	registry := flag.String("kubelet-registry-dir", "", "serve the registration of the agent's kubelet plugin in this directory (the kubelet's plugins_registry); empty: not")
 	endpoint := flag.String("dra-endpoint", "/var/lib/kubelet/plugins/hugepages.hugepool.dev/dra.sock", "the agent's DRA socket, as the kubelet dials it")
+	prepared := flag.String("prepared-claims", "/var/lib/kubelet/plugins/hugepages.hugepool.dev/prepared-claims.json", "the claims the agent's kubelet plugin prepared: a container gets pages only from those prepared for its pod")
 	flag.Parse()
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	plugin := newPlugin(cgroups{root: *cgroupRoot})
+	plugin := newPlugin(cgroups{root: *cgroupRoot}, *prepared)
 	if *healthAddr != "" {
 		go serveHealth(*healthAddr, plugin)
 	}

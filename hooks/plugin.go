@@ -2,8 +2,12 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"log"
+	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -24,42 +28,112 @@ type claimed struct {
 	pages     uint64
 }
 
-// claimedPages reads a container's environment: the claims' pages by
-// variable name (one name per claim result, the same in every container
-// that uses the claim).
-func claimedPages(env []string) (map[string]claimed, error) {
+// preparedClaim is one claim as the agent's kubelet plugin recorded it when
+// it prepared the claim (prepared-claims.json, the agent's dra::Prepared):
+// the pods it is reserved for and the pages of each allocation result.
+type preparedClaim struct {
+	Namespace string   `json:"namespace"`
+	Name      string   `json:"name"`
+	Pods      []string `json:"pods"`
+	Pages     []struct {
+		Size  string `json:"size"`
+		Numa  int    `json:"numa"`
+		Pages uint64 `json:"pages"`
+	} `json:"pages"`
+}
+
+// readPrepared reads the agent's prepared claims by uid; no file is none
+// prepared.
+func readPrepared(path string) (map[string]preparedClaim, error) {
+	bytes, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return map[string]preparedClaim{}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("cannot read the agent's prepared claims: %v", err)
+	}
+	prepared := map[string]preparedClaim{}
+	if err := json.Unmarshal(bytes, &prepared); err != nil {
+		return nil, fmt.Errorf("cannot read the agent's prepared claims %s: %v", path, err)
+	}
+	return prepared, nil
+}
+
+// envName is the variable the CDI device of result index of claim uid puts
+// in a container (the agent's dra::cdi_spec).
+func envName(uid string, index int) string {
+	return fmt.Sprintf("%s%s_%d", envPrefix, strings.ToUpper(strings.ReplaceAll(uid, "-", "_")), index)
+}
+
+// envValue is that variable's value: size=2Mi,numa=0,pages=16.
+func envValue(size string, numa int, pages uint64) string {
+	return fmt.Sprintf("size=%s,numa=%d,pages=%d", size, numa, pages)
+}
+
+// granted is what a container of pod podUID may have on top of the
+// kubelet's limits: the pages of the claims the agent prepared for that pod
+// whose variables its environment holds (one name per claim result, the
+// same in every container that uses the claim), read from what the agent
+// prepared, never from the environment. A pod writes its own environment,
+// so a variable that no claim prepared for this pod set, or whose value is
+// not the one the agent wrote, refuses the container with the reason, which
+// the kubelet shows in the pod's events.
+func granted(env []string, podUID string, prepared map[string]preparedClaim) (map[string]claimed, error) {
 	found := map[string]claimed{}
+	var results map[string]result
 	for _, kv := range env {
-		name, value, ok := strings.Cut(kv, "=")
-		if !ok || !strings.HasPrefix(name, envPrefix) {
+		name, value, _ := strings.Cut(kv, "=")
+		if !strings.HasPrefix(name, envPrefix) {
 			continue
 		}
-		var c claimed
-		var seen int
-		for _, field := range strings.Split(value, ",") {
-			key, v, _ := strings.Cut(field, "=")
-			var err error
-			switch key {
-			case "size":
-				c.pageBytes, err = parseSize(v)
-			case "numa":
-				c.numa, err = strconv.Atoi(v)
-			case "pages":
-				c.pages, err = strconv.ParseUint(v, 10, 64)
-			default:
-				continue
-			}
-			if err != nil {
-				return nil, fmt.Errorf("%s: %s: %v", name, field, err)
-			}
-			seen++
+		if results == nil {
+			results = resultsFor(podUID, prepared)
 		}
-		if seen != 3 {
-			return nil, fmt.Errorf("%s=%s: want size=,numa=,pages=", name, value)
+		r, ok := results[name]
+		switch {
+		case !ok:
+			return nil, fmt.Errorf("%s names hugepool pages that no claim prepared on this node holds: "+
+				"pages come only from a ResourceClaim of %s, never from a pod's environment", name, driver)
+		case r.err != nil:
+			return nil, fmt.Errorf("%s: %v", name, r.err)
+		case value != r.value:
+			return nil, fmt.Errorf("%s=%s is not what the agent prepared (%s): a pod may not set it", name, value, r.value)
 		}
-		found[name] = c
+		found[name] = r.claimed
 	}
 	return found, nil
+}
+
+// result is one prepared claim result as a container of one pod sees it:
+// its pages and its variable's value, or why the pod may not have them.
+type result struct {
+	claimed
+	value string
+	err   error
+}
+
+// resultsFor maps each prepared claim result's variable to what it gives a
+// container of pod podUID.
+func resultsFor(podUID string, prepared map[string]preparedClaim) map[string]result {
+	results := map[string]result{}
+	for uid, claim := range prepared {
+		for index, p := range claim.Pages {
+			r := result{value: envValue(p.Size, p.Numa, p.Pages)}
+			bytes, err := parseSize(p.Size)
+			switch {
+			case !slices.Contains(claim.Pods, podUID):
+				r.err = fmt.Errorf("ResourceClaim %s/%s was prepared for pod %s, not for this pod (%s): "+
+					"a claim's pages go to one pod (docs/user-guide.md, \"One claim, one pod\")",
+					claim.Namespace, claim.Name, strings.Join(claim.Pods, ", "), podUID)
+			case err != nil:
+				r.err = err
+			default:
+				r.claimed = claimed{pageBytes: bytes, numa: p.Numa, pages: p.Pages}
+			}
+			results[envName(uid, index)] = r
+		}
+	}
+	return results
 }
 
 // parseSize reads a page size as the agent writes it (2Mi, 1Gi, 64Ki).
@@ -107,23 +181,42 @@ type podState struct {
 
 type plugin struct {
 	cgroups cgroups
-	mu      sync.Mutex
-	pods    map[string]*podState
+	// prepared: the agent's prepared claims file.
+	prepared string
+	mu       sync.Mutex
+	pods     map[string]*podState
 	// ready: synchronised with the runtime, and not disconnected since.
 	ready atomic.Bool
 }
 
-func newPlugin(c cgroups) *plugin {
-	return &plugin{cgroups: c, pods: map[string]*podState{}}
+func newPlugin(c cgroups, prepared string) *plugin {
+	return &plugin{cgroups: c, prepared: prepared, pods: map[string]*podState{}}
+}
+
+// claimsOf is what a container of pod may have from claims (granted): none
+// when its environment names no pages.
+func (p *plugin) claimsOf(podUID string, env []string) (map[string]claimed, error) {
+	if !slices.ContainsFunc(env, func(kv string) bool { return strings.HasPrefix(kv, envPrefix) }) {
+		return nil, nil
+	}
+	prepared, err := readPrepared(p.prepared)
+	if err != nil {
+		return nil, err
+	}
+	return granted(env, podUID, prepared)
 }
 
 // CreateContainer gives a container that uses claims their bytes on top of
 // the kubelet's limits, binds its memory to their NUMA nodes, and raises
 // the pod's limits before the container starts.
 func (p *plugin) CreateContainer(_ context.Context, pod *api.PodSandbox, ctr *api.Container) (*api.ContainerAdjustment, []*api.ContainerUpdate, error) {
-	claims, err := claimedPages(ctr.GetEnv())
-	if err != nil || len(claims) == 0 {
-		return nil, nil, err
+	claims, err := p.claimsOf(pod.GetUid(), ctr.GetEnv())
+	if err != nil {
+		log.Printf("pod %s/%s container %s refused: %v", pod.GetNamespace(), pod.GetName(), ctr.GetName(), err)
+		return nil, nil, fmt.Errorf("hugepool: container %s: %v", ctr.GetName(), err)
+	}
+	if len(claims) == 0 {
+		return nil, nil, nil
 	}
 	adjust := &api.ContainerAdjustment{}
 	kubelet := map[string]uint64{}
@@ -197,10 +290,18 @@ func (p *plugin) raisePod(pod *api.PodSandbox, claims map[string]claimed) error 
 func (p *plugin) Synchronize(_ context.Context, pods []*api.PodSandbox, ctrs []*api.Container) ([]*api.ContainerUpdate, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	uids := map[string]string{}
+	for _, pod := range pods {
+		uids[pod.GetId()] = pod.GetUid()
+	}
 	byPod := map[string]map[string]claimed{}
 	for _, ctr := range ctrs {
-		claims, err := claimedPages(ctr.GetEnv())
-		if err != nil || len(claims) == 0 {
+		claims, err := p.claimsOf(uids[ctr.GetPodSandboxId()], ctr.GetEnv())
+		if err != nil {
+			log.Printf("container %s: %v", ctr.GetName(), err)
+			continue
+		}
+		if len(claims) == 0 {
 			continue
 		}
 		if byPod[ctr.GetPodSandboxId()] == nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -64,6 +65,33 @@ func container(name, podID string, env []string, kubelet2MB uint64, mems string)
 	}
 }
 
+// claim is a claim as the agent records it when it prepares it, with one
+// allocation result.
+func claim(name string, pods []string, size string, numa int, pages uint64) preparedClaim {
+	c := preparedClaim{Namespace: "apps", Name: name, Pods: pods}
+	c.Pages = append(c.Pages, struct {
+		Size  string `json:"size"`
+		Numa  int    `json:"numa"`
+		Pages uint64 `json:"pages"`
+	}{size, numa, pages})
+	return c
+}
+
+// preparedFile writes the agent's prepared claims by uid and returns the
+// file's path.
+func preparedFile(t *testing.T, claims map[string]preparedClaim) string {
+	t.Helper()
+	bytes, err := json.Marshal(claims)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "prepared-claims.json")
+	if err := os.WriteFile(path, bytes, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
 func limits(a *api.ContainerAdjustment) map[string]uint64 {
 	out := map[string]uint64{}
 	for _, l := range a.GetLinux().GetResources().GetHugepageLimits() {
@@ -89,7 +117,11 @@ func TestAContainerGetsItsClaimsOnTopOfTheKubeletsLimitsAndThePodIsRaised(t *tes
 			if want := filepath.Join(root, layout.dir); dir != want {
 				t.Fatalf("pod cgroup %s, want %s", dir, want)
 			}
-			p := newPlugin(cgroups{root: root})
+			prepared := preparedFile(t, map[string]preparedClaim{
+				"c1": claim("one", []string{"u1"}, "2Mi", 1, 16),
+				"c2": claim("two", []string{"u1"}, "2Mi", 0, 8),
+			})
+			p := newPlugin(cgroups{root: root}, prepared)
 			sandbox := pod("u1", parent)
 			env := []string{"PATH=/bin", "HUGEPOOL_PAGES_C1_0=size=2Mi,numa=1,pages=16"}
 			adjust, updates, err := p.CreateContainer(context.Background(), sandbox, container("app", sandbox.Id, env, 4*mib, ""))
@@ -127,7 +159,7 @@ func TestAContainerGetsItsClaimsOnTopOfTheKubeletsLimitsAndThePodIsRaised(t *tes
 
 			// Restarted: synchronised from the running containers, the
 			// kubelet's share is known again and nothing is added twice.
-			again := newPlugin(cgroups{root: root})
+			again := newPlugin(cgroups{root: root}, prepared)
 			if again.ready.Load() {
 				t.Fatal("ready before synchronising")
 			}
@@ -150,7 +182,7 @@ func TestAContainerGetsItsClaimsOnTopOfTheKubeletsLimitsAndThePodIsRaised(t *tes
 
 func TestContainersWithoutClaimsAreLeftAlone(t *testing.T) {
 	root, parent, dir := tree(t, false, "/kubepods/pod2", "0")
-	p := newPlugin(cgroups{root: root})
+	p := newPlugin(cgroups{root: root}, filepath.Join(t.TempDir(), "none.json"))
 	adjust, updates, err := p.CreateContainer(context.Background(), pod("u2", parent), container("c", "s", []string{"HOME=/"}, 0, ""))
 	if adjust != nil || updates != nil || err != nil {
 		t.Fatalf("want nothing, got %v %v %v", adjust, updates, err)
@@ -162,7 +194,7 @@ func TestContainersWithoutClaimsAreLeftAlone(t *testing.T) {
 
 func TestAMemoryManagerPinOutsideTheClaimsNodeIsRefusedWithTheReason(t *testing.T) {
 	root, parent, _ := tree(t, false, "/kubepods/pod3", "0")
-	p := newPlugin(cgroups{root: root})
+	p := newPlugin(cgroups{root: root}, preparedFile(t, map[string]preparedClaim{"c3": claim("three", []string{"u3"}, "2Mi", 1, 1)}))
 	env := []string{"HUGEPOOL_PAGES_C3_0=size=2Mi,numa=1,pages=1"}
 	_, _, err := p.CreateContainer(context.Background(), pod("u3", parent), container("c", "s", env, 0, "0"))
 	if err == nil || !strings.Contains(err.Error(), "pinned to NUMA nodes 0 but its claimed pages are on 1") {
@@ -180,7 +212,7 @@ func TestAMemoryManagerPinOutsideTheClaimsNodeIsRefusedWithTheReason(t *testing.
 
 func TestAnUnlimitedPodStaysUnlimited(t *testing.T) {
 	root, parent, dir := tree(t, true, "/kubepods/pod4", "max")
-	p := newPlugin(cgroups{root: root})
+	p := newPlugin(cgroups{root: root}, preparedFile(t, map[string]preparedClaim{"c4": claim("four", []string{"u4"}, "2Mi", 0, 2)}))
 	env := []string{"HUGEPOOL_PAGES_C4_0=size=2Mi,numa=0,pages=2"}
 	if _, _, err := p.CreateContainer(context.Background(), pod("u4", parent), container("c", "s", env, 0, "")); err != nil {
 		t.Fatal(err)
@@ -190,20 +222,60 @@ func TestAnUnlimitedPodStaysUnlimited(t *testing.T) {
 	}
 }
 
-func TestTheEnvironmentIsReadStrictly(t *testing.T) {
-	got, err := claimedPages([]string{"HUGEPOOL_PAGES_A_0=size=1Gi,numa=2,pages=3", "OTHER=1"})
-	if err != nil || len(got) != 1 || got["HUGEPOOL_PAGES_A_0"] != (claimed{pageBytes: 1 << 30, numa: 2, pages: 3}) {
-		t.Fatalf("%v %v", got, err)
+func TestPagesComeOnlyFromAClaimPreparedForTheContainersPod(t *testing.T) {
+	prepared := map[string]preparedClaim{
+		"1a2b-3c": claim("mine", []string{"u5"}, "1Gi", 2, 3),
+		"9f":      claim("theirs", []string{"u6"}, "2Mi", 0, 10),
 	}
-	for _, bad := range []string{
-		"HUGEPOOL_PAGES_A_0=size=3Xi,numa=0,pages=1",
-		"HUGEPOOL_PAGES_A_0=size=2Mi,numa=0",
-		"HUGEPOOL_PAGES_A_0=size=2Mi,numa=x,pages=1",
+	got, err := granted([]string{"HUGEPOOL_PAGES_1A2B_3C_0=size=1Gi,numa=2,pages=3", "OTHER=1"}, "u5", prepared)
+	if err != nil || len(got) != 1 || got["HUGEPOOL_PAGES_1A2B_3C_0"] != (claimed{pageBytes: 1 << 30, numa: 2, pages: 3}) {
+		t.Fatalf("the pod's own claim: %v %v", got, err)
+	}
+	for _, refused := range []struct {
+		what, pod, env, because string
+	}{
+		{"a variable of no claim", "u7", "HUGEPOOL_PAGES_FORGED_0=size=2Mi,numa=0,pages=10",
+			"no claim prepared on this node holds"},
+		{"another pod's claim copied", "u5", "HUGEPOOL_PAGES_9F_0=size=2Mi,numa=0,pages=10",
+			"ResourceClaim apps/theirs was prepared for pod u6, not for this pod (u5): a claim's pages go to one pod"},
+		{"its own claim, more pages", "u5", "HUGEPOOL_PAGES_1A2B_3C_0=size=1Gi,numa=2,pages=300",
+			"is not what the agent prepared (size=1Gi,numa=2,pages=3)"},
+		{"its own claim, another result", "u5", "HUGEPOOL_PAGES_1A2B_3C_1=size=1Gi,numa=2,pages=3",
+			"no claim prepared on this node holds"},
 	} {
-		if _, err := claimedPages([]string{bad}); err == nil {
-			t.Fatalf("%s accepted", bad)
+		if got, err := granted([]string{refused.env}, refused.pod, prepared); err == nil || !strings.Contains(err.Error(), refused.because) {
+			t.Fatalf("%s: got %v %v, want refused because %q", refused.what, got, err, refused.because)
 		}
 	}
+
+	// Through the plugin: the container is refused with the reason, and
+	// the pod's cgroup is not touched.
+	root, parent, dir := tree(t, false, "/kubepods/pod7", "0")
+	p := newPlugin(cgroups{root: root}, preparedFile(t, prepared))
+	forged := []string{"HUGEPOOL_PAGES_9F_0=size=2Mi,numa=0,pages=10"}
+	adjust, _, err := p.CreateContainer(context.Background(), pod("u7", parent), container("c", "s", forged, 0, ""))
+	if adjust != nil || err == nil || !strings.Contains(err.Error(), "container c: HUGEPOOL_PAGES_9F_0: ResourceClaim apps/theirs was prepared for pod u6") {
+		t.Fatalf("want the container refused, got %v %v", adjust, err)
+	}
+	if got := read(t, filepath.Join(dir, "hugetlb.2MB.limit_in_bytes")); got != "0" {
+		t.Fatalf("pod limit %s, want the kubelet's 0", got)
+	}
+	// No prepared claims at all: refused too.
+	p = newPlugin(cgroups{root: root}, filepath.Join(t.TempDir(), "none.json"))
+	if _, _, err := p.CreateContainer(context.Background(), pod("u7", parent), container("c", "s", forged, 0, "")); err == nil {
+		t.Fatal("a variable with no prepared claims at all was accepted")
+	}
+	// A restarted plugin adds nothing for a container whose variable it
+	// would have refused.
+	if _, err := p.Synchronize(context.Background(), []*api.PodSandbox{pod("u7", parent)}, []*api.Container{container("c", "sandbox-u7", forged, 0, "")}); err != nil {
+		t.Fatal(err)
+	}
+	if len(p.pods) != 0 {
+		t.Fatalf("synchronised %d pods from forged variables", len(p.pods))
+	}
+}
+
+func TestPageSizesAndSlicesAreNamedAsTheKernelDoes(t *testing.T) {
 	for bytes, label := range map[uint64]string{2 * mib: "2MB", 1 << 30: "1GB", 64 << 10: "64KB", 32 * mib: "32MB"} {
 		if got := hugetlbLabel(bytes); got != label {
 			t.Fatalf("label of %d: %s, want %s", bytes, got, label)

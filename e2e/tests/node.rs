@@ -701,6 +701,90 @@ spec:
         ));
     }
 
+    /// A pod with no hugepages request running `/hugepage-holder 4` with
+    /// `name=value` in its environment and, unless empty, the
+    /// ResourceClaim `claim`.
+    fn env_pod(&self, pod: &str, name: &str, value: &str, claim: &str) {
+        let claims = if claim.is_empty() {
+            String::new()
+        } else {
+            format!("  resourceClaims:\n  - {{name: pages, resourceClaimName: {claim}}}\n")
+        };
+        let uses = if claim.is_empty() {
+            ""
+        } else {
+            "\n      claims: [{name: pages}]"
+        };
+        self.apply(&format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {pod}, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 5
+{claims}  containers:
+  - name: main
+    image: localhost/hugepool-e2e:{version}
+    command: ["/hugepage-holder", "4"]
+    env: [{{name: {name}, value: "{value}"}}]
+    resources:{uses}
+      limits: {{memory: 64Mi, cpu: 100m}}
+"#,
+            version = env!("CARGO_PKG_VERSION"),
+        ));
+    }
+
+    /// Waits until pod `name` in namespace default is Running.
+    async fn wait_running(&self, pods: &Api<Pod>, name: &str) {
+        wait_for(
+            &format!("{name} runs"),
+            Duration::from_secs(300),
+            || async {
+                let pod = pods.get(name).await.map_err(|e| e.to_string())?;
+                let status = pod.status.unwrap_or_default();
+                match status.phase.as_deref() {
+                    Some("Running") => Ok(()),
+                    other => Err(format!(
+                        "{other:?}; events: {}",
+                        self.pod_events(name)
+                    )),
+                }
+            },
+        )
+        .await;
+    }
+
+    /// The events of pod `name` in namespace default, a line each.
+    fn pod_events(&self, name: &str) -> String {
+        self.kubectl(&[
+            "get",
+            "events",
+            "-n",
+            "default",
+            "--field-selector",
+            &format!("involvedObject.name={name}"),
+            "-o",
+            "custom-columns=REASON:.reason,MESSAGE:.message",
+        ])
+    }
+
+    /// Waits until an event of pod `name` says `text`; returns its line.
+    async fn wait_event(&self, name: &str, text: &str) -> String {
+        wait_for(
+            &format!("an event of {name} says {text:?}"),
+            Duration::from_secs(300),
+            || async {
+                let events = self.pod_events(name);
+                events
+                    .lines()
+                    .find(|l| l.contains(text))
+                    .map(str::to_string)
+                    .ok_or(events)
+            },
+        )
+        .await
+    }
+
     /// A 2Mi hugetlb file of the cgroup `cgroup` (relative to the node's
     /// hugetlb hierarchy, e.g. `kubepods`), e.g. `limit_in_bytes`; `None`
     /// when the file is not there (`rsvd.*` on older kernels).
@@ -2282,6 +2366,124 @@ spec:
         .and_then(|s| s.phase);
     assert_eq!(phase.as_deref(), Some("Running"));
     node.wait_in_use(20, 10).await;
+}
+
+/// hugepool-hooks gives a container pages only from a claim the agent
+/// prepared for its pod: a pod writes its own environment, so a variable
+/// forged there, or copied from another pod's claim, refuses the container
+/// with the reason in the pod's events, and a claim shared by two pods gives
+/// its pages to the first only.
+#[tokio::test(flavor = "multi_thread")]
+async fn claimed_pages_go_only_to_the_pod_the_claim_was_prepared_for() {
+    let Some(node) = Node::start() else { return };
+    let client = node.client().await;
+    let kubelet_root = format!("dra.kubeletRootDir={}", node.kubelet_root.display());
+    node.helm_install_values(&["dra.enabled=true", &kubelet_root]);
+    node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
+    node.apply(
+        r#"
+apiVersion: hugepool.dev/v1alpha1
+kind: HugePagePool
+metadata: {name: claims-2mi}
+spec:
+  nodeSelector: {matchLabels: {hugepool.dev/demo: "true"}}
+  pageSize: 2Mi
+  pages: 32
+  consumption: DynamicResourceAllocation
+  drain: {policy: Never}
+  deletionPolicy: Release
+"#,
+    );
+    node.wait_available("claims-2mi");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+
+    // A pod with no claim that names pages in its own environment.
+    node.env_pod("forger", "HUGEPOOL_PAGES_FORGED_0", "size=2Mi,numa=0,pages=10", "");
+    let refused = node
+        .wait_event("forger", "no claim prepared on this node holds")
+        .await;
+    assert!(
+        refused.contains("pages come only from a ResourceClaim"),
+        "{refused}"
+    );
+    assert_eq!(read_sys("free_hugepages"), read_sys("nr_hugepages"));
+
+    // The claimer's own variable, copied by a pod with no claim.
+    node.claim_pod("claimer", 10, &["/hugepage-holder", "10"]);
+    node.wait_running(&pods, "claimer").await;
+    node.wait_in_use(32, 10).await;
+    let claimer = pods.get("claimer").await.expect("claimer");
+    let claimer_uid = claimer.metadata.uid.clone().expect("uid");
+    let claim_name = claimer
+        .status
+        .and_then(|s| s.resource_claim_statuses)
+        .and_then(|c| c.into_iter().next())
+        .and_then(|c| c.resource_claim_name)
+        .expect("the claim made from the template");
+    let claims: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        "default",
+        &hugepool_crds::dra::resource_claims(),
+    );
+    let claim_uid = claims
+        .get(&claim_name)
+        .await
+        .expect("the claimer's claim")
+        .metadata
+        .uid
+        .expect("uid");
+    let variable = format!(
+        "HUGEPOOL_PAGES_{}_0",
+        claim_uid.replace('-', "_").to_uppercase()
+    );
+    node.env_pod("copier", &variable, "size=2Mi,numa=0,pages=10", "");
+    let refused = node
+        .wait_event("copier", &format!("was prepared for pod {claimer_uid}, not for this pod"))
+        .await;
+    assert!(refused.contains(&claim_name), "{refused}");
+    node.wait_in_use(32, 10).await;
+
+    // One claim named by two pods: the first has its 4 pages, the second
+    // nothing, and says why.
+    node.apply(
+        r#"
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: shared, namespace: default}
+spec:
+  devices:
+    requests:
+    - name: pages
+      exactly:
+        deviceClassName: hugepages-2mi.hugepool.dev
+        capacity: {requests: {memory: 8Mi}}
+"#,
+    );
+    node.env_pod("first", "UNUSED", "", "shared");
+    node.wait_running(&pods, "first").await;
+    node.wait_in_use(32, 14).await;
+    node.env_pod("second", "UNUSED", "", "shared");
+    let refused = node
+        .wait_event("second", "a claim's pages go to one pod")
+        .await;
+    eprintln!("the second holder of a shared claim: {refused}");
+    let phase = pods
+        .get("second")
+        .await
+        .expect("second")
+        .status
+        .and_then(|s| s.phase);
+    assert_ne!(phase.as_deref(), Some("Running"));
+    node.wait_in_use(32, 14).await;
+    for pod in ["forger", "copier", "second"] {
+        let status = pods.get(pod).await.expect("pod").status.unwrap_or_default();
+        let started = status
+            .container_statuses
+            .into_iter()
+            .flatten()
+            .any(|c| c.state.is_some_and(|s| s.running.is_some() || s.terminated.is_some()));
+        assert!(!started, "{pod}'s container was never created");
+    }
 }
 
 /// A file of NUMA node 0's 2Mi pool.

@@ -208,6 +208,34 @@ pub fn fits(
     Ok(())
 }
 
+/// What preparing claim `uid`, as read now, records: the claim, or the
+/// record of its first preparation when the kubelet prepares it again (the
+/// pod it was prepared for keeps it; pods added to its `reservedFor` since
+/// gain nothing). A claim's pages go to one pod: the hugetlb limits they
+/// raise are a pod cgroup's, so a claim shared by pods would let each pod
+/// fault all of its pages. One reserved for several pods is refused, with
+/// the reason the kubelet shows on the pod; hugepool-hooks refuses the
+/// containers of a pod a claim was not prepared for.
+pub fn to_record(
+    prepared: &Prepared,
+    uid: &str,
+    claim: PreparedClaim,
+) -> Result<PreparedClaim, String> {
+    if let Some(recorded) = prepared.get(uid) {
+        return Ok(recorded.clone());
+    }
+    match claim.pods.len() {
+        1 => Ok(claim),
+        n => Err(format!(
+            "ResourceClaim {}/{} is reserved for {n} pods: a claim's pages go to one pod \
+             (hugetlb limits are a pod's; shared, each pod could fault all of them): give each \
+             pod its own claim, e.g. from a ResourceClaimTemplate (docs/user-guide.md, \
+             \"One claim, one pod\")",
+            claim.namespace, claim.name
+        )),
+    }
+}
+
 /// How often prepared claims are checked against the API
 /// ([`KubeletPlugin::forget_gone`]).
 pub const FORGET_GONE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
@@ -313,22 +341,25 @@ impl KubeletPlugin {
             ));
         }
         let json = serde_json::to_value(&claim).map_err(|err| err.to_string())?;
-        let prepared = claimed_pages(&json, &self.node)?;
+        let read = claimed_pages(&json, &self.node)?;
         let spec = self.dirs.cdi_spec(uid);
-        let bytes =
-            serde_json::to_vec_pretty(&cdi_spec(uid, &prepared)).map_err(|err| err.to_string())?;
+        let mut recorded = None;
         // Checked and recorded under one lock: two claims prepared at once
         // cannot both take the pool's last pages.
         self.update(|all| {
+            let prepared = to_record(all, uid, read)?;
             if let Some(pool) = &self.pool {
                 fits(all, uid, &prepared, pool)?;
             }
+            let bytes = serde_json::to_vec_pretty(&cdi_spec(uid, &prepared))
+                .map_err(|err| err.to_string())?;
             write_whole(&spec, &bytes)
                 .map_err(|err| format!("cannot write the CDI spec {}: {err}", spec.display()))?;
             all.insert(uid.to_string(), prepared.clone());
+            recorded = Some(prepared);
             Ok(())
         })?;
-        Ok(prepared)
+        recorded.ok_or_else(|| "the claim was not recorded".to_string())
     }
 
     /// Forgets the prepared claims that are gone from the API (deleted, or
@@ -588,6 +619,36 @@ mod tests {
             fits(&prepared, "b", &on("hugepages-1gi-numa0", "1Gi"), pool)
                 .unwrap_err()
                 .contains("no 1Gi pool")
+        );
+    }
+
+    #[test]
+    fn a_claims_pages_go_to_the_one_pod_it_was_first_prepared_for() {
+        let reserved = |pods: &[&str]| {
+            let mut claim = claim(json!([{"request": "pages", "driver": DRIVER, "pool": "w-1",
+                                          "device": "hugepages-2mi-numa0", "consumedCapacity": {"memory": "20Mi"}}]));
+            claim["status"]["reservedFor"] = pods
+                .iter()
+                .map(|uid| json!({"resource": "pods", "name": uid, "uid": uid}))
+                .collect();
+            claimed_pages(&claim, "w-1").unwrap()
+        };
+        let none = Prepared::new();
+        assert_eq!(
+            to_record(&none, "u1", reserved(&["a"])).map(|c| c.pods),
+            Ok(vec!["a".to_string()])
+        );
+        let shared = to_record(&none, "u1", reserved(&["a", "b"])).unwrap_err();
+        assert!(
+            shared.contains("ResourceClaim apps/pages is reserved for 2 pods: a claim's pages go to one pod"),
+            "{shared}"
+        );
+        // Prepared for a, then b joins: prepared again (a kubelet restart),
+        // the record stays a's.
+        let first = Prepared::from([("u1".to_string(), reserved(&["a"]))]);
+        assert_eq!(
+            to_record(&first, "u1", reserved(&["a", "b"])).map(|c| c.pods),
+            Ok(vec!["a".to_string()])
         );
     }
 

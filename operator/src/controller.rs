@@ -29,7 +29,7 @@ mod statuses;
 mod watches;
 mod writes;
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -274,9 +274,17 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
     let plan = plan_fleet(ctx, worker, &pools, &snapshot, now);
 
     let drain_states = write_specs(ctx, worker, &plan, &snapshot, started).await?;
-    let (to_evict, evicting) =
-        carry_out_drains(ctx, worker, &plan, &snapshot, &drain_states, now, started).await?;
+    let Drains {
+        to_evict,
+        evicting,
+        judged,
+    } = carry_out_drains(ctx, worker, &plan, &snapshot, &drain_states, now, started).await?;
     worker.pod_watches.keep(&ctx.client, &ctx.wake, evicting);
+    worker.evictions.abandon_unwanted(
+        &judged,
+        |node| plan.nodes.contains_key(node),
+        |pool| plan.pools.contains_key(pool),
+    );
     statuses::write_statuses(ctx, worker, &plan, pools, started).await?;
     for eviction in to_evict {
         worker
@@ -397,9 +405,19 @@ async fn write_specs(
     Ok(drain_states)
 }
 
+/// What carrying out the drains found.
+struct Drains {
+    /// The evictions to start.
+    to_evict: Vec<PlannedEviction>,
+    /// The nodes evicting.
+    evicting: BTreeSet<String>,
+    /// For each node whose drain was carried out, the pods it selects (none
+    /// when it no longer evicts).
+    judged: BTreeMap<String, BTreeSet<String>>,
+}
+
 /// Carries out each node's drain as planned (in node order: they are few):
-/// the Draining condition, the taints, and the pods to evict. Returns the
-/// evictions to start and the nodes evicting.
+/// the Draining condition, the taints, and the pods to evict.
 async fn carry_out_drains(
     ctx: &Context,
     worker: &mut Worker,
@@ -408,13 +426,19 @@ async fn carry_out_drains(
     drain_states: &HashMap<String, Arc<HugePageNode>>,
     now: Timestamp,
     started: Instant,
-) -> Result<(Vec<PlannedEviction>, BTreeSet<String>)> {
+) -> Result<Drains> {
     let mut to_evict = Vec::new();
     let mut evicting = BTreeSet::new();
+    let mut judged = BTreeMap::new();
     for (node_name, node_plan) in &plan.nodes {
         let Some(node) = snapshot.node(node_name) else {
             continue;
         };
+        // A node the plan no longer drains wants no eviction, whether or
+        // not its drain is carried out in this pass.
+        if node_plan.drain.evict.is_empty() && node_plan.drain.evict_pods.is_empty() {
+            judged.insert(node_name.clone(), BTreeSet::new());
+        }
         if !worker.node_retries.due(node_name, started) {
             continue;
         }
@@ -422,16 +446,21 @@ async fn carry_out_drains(
         match drains::carry_out_drain(ctx, worker, node, node_state, node_plan, now).await {
             Ok(Some(pods)) => {
                 evicting.insert(node_name.clone());
-                to_evict.extend(drains::choose_evictions(
-                    worker, node, node_state, node_plan, &pods, now,
-                ));
+                let (evictions, wanted) =
+                    drains::choose_evictions(worker, node, node_state, node_plan, &pods, now);
+                to_evict.extend(evictions);
+                judged.insert(node_name.clone(), wanted);
             }
             Ok(None) => {}
             Err(Error::NotLeader) => return Err(Error::NotLeader),
             Err(err) => node_write_failed(ctx, worker, node, &err).await,
         }
     }
-    Ok((to_evict, evicting))
+    Ok(Drains {
+        to_evict,
+        evicting,
+        judged,
+    })
 }
 
 /// A write to `node` did not land: counted, the node put on a retry, and
@@ -459,6 +488,9 @@ fn forget_what_went(ctx: &Context, worker: &mut Worker, plan: &Plan, snapshot: &
     worker
         .node_retries
         .retain(|name| snapshot.node(name).is_some());
+    worker
+        .evictions
+        .forget_pools(|pool| plan.pools.contains_key(pool));
 }
 
 /// When to look again without an event: the earliest deadline the plan,
@@ -472,7 +504,7 @@ fn next_look(ctx: &Context, worker: &Worker, plan: &Plan, now: Timestamp) -> Dur
     if let Some(deadline) = plan.next_deadline {
         next = next.min(until(deadline));
     }
-    if let Some(deadline) = worker.evictions.next_deadline() {
+    if let Some(deadline) = worker.evictions.next_deadline(now) {
         next = next.min(until(deadline));
     }
     let retry = worker

@@ -426,9 +426,9 @@ impl Refusals {
         self.by_uid.remove(uid);
     }
 
-    /// When the first backoff ends.
-    pub fn next_try(&self) -> Option<Timestamp> {
-        self.by_uid.values().map(|(_, b)| b.next_try).min()
+    /// When each backoff ends.
+    pub fn next_tries(&self) -> impl Iterator<Item = Timestamp> + '_ {
+        self.by_uid.values().map(|(_, b)| b.next_try)
     }
 
     /// Forgets the refusals of `node`'s pods that are not in `pods` (its
@@ -461,6 +461,8 @@ pub enum Eviction {
     /// 429: a PodDisruptionBudget does not allow it now.
     Blocked(String),
     Failed(String),
+    /// Not sent for real: the plan no longer needs it (why).
+    Abandoned(String),
 }
 
 impl Eviction {
@@ -471,6 +473,7 @@ impl Eviction {
             Eviction::Gone => "gone",
             Eviction::Blocked(_) => "blocked",
             Eviction::Failed(_) => "failed",
+            Eviction::Abandoned(_) => "abandoned",
         }
     }
 }

@@ -146,6 +146,12 @@ pub fn eviction_event(pod: &str, outcome: &crate::drain::Eviction) -> Option<Eve
             "Evict",
             format!("eviction of pod {pod} failed: {message}"),
         )),
+        Eviction::Abandoned(why) => Some(event(
+            EventType::Normal,
+            "EvictionAbandoned",
+            "Evict",
+            format!("eviction of pod {pod} not sent: {why}"),
+        )),
         Eviction::Gone => None,
     }
 }

@@ -74,6 +74,31 @@ impl Fence {
         let left = until.borrow().duration_since(SystemTime::now()).ok()?;
         (!left.is_zero()).then_some(left)
     }
+
+    /// Resolves when this replica may no longer write: the Lease lost, or
+    /// our last renewal run out with none seen since. Renewals seen while
+    /// it waits keep it open, so a slow write of a healthy leader is not
+    /// cut at the window it started with.
+    pub async fn closed(&self) {
+        let mut held = self.held.clone();
+        let mut until = self.until.clone();
+        loop {
+            let Some(left) = self.remaining() else {
+                return;
+            };
+            let renewed = async {
+                match until.as_mut() {
+                    Some(until) => until.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(left) => {}
+                Ok(()) = held.changed() => {}
+                Ok(()) = renewed => {}
+            }
+        }
+    }
 }
 
 /// Until when `lease` lets `identity` write: its last renewal plus the
@@ -301,6 +326,45 @@ mod tests {
         assert!(!fence.open());
         until_tx.send_replace(SystemTime::now() + Duration::from_secs(3600));
         assert!(fence.open());
+    }
+
+    #[tokio::test]
+    async fn the_fence_stays_open_while_renewals_come_and_closes_when_they_stop() {
+        let (held_tx, held) = watch::channel(true);
+        let (until_tx, until) = watch::channel(SystemTime::now() + Duration::from_millis(600));
+        let fence = Fence {
+            held,
+            until: Some(until),
+        };
+        // Renewed every 100 ms for 2 s: open all that time, past the 600 ms
+        // the first window gave.
+        let renewing = tokio::spawn(async move {
+            for _ in 0..20 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                until_tx.send_replace(SystemTime::now() + Duration::from_millis(600));
+            }
+            until_tx
+        });
+        let started = std::time::Instant::now();
+        fence.closed().await;
+        let open_for = started.elapsed();
+        assert!(
+            open_for >= Duration::from_secs(2),
+            "closed after {open_for:?} while renewals came"
+        );
+        assert!(!fence.open());
+        // Renewed again, then the Lease lost: closed at once.
+        let until_tx = renewing.await.unwrap();
+        until_tx.send_replace(SystemTime::now() + Duration::from_secs(3600));
+        let lose = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            held_tx.send_replace(false);
+            held_tx
+        });
+        tokio::time::timeout(Duration::from_secs(60), fence.closed())
+            .await
+            .expect("closed when the Lease was lost, not an hour later");
+        drop(lose.await);
     }
 
     #[test]

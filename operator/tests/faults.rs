@@ -343,7 +343,9 @@ async fn a_pod_gone_between_its_dry_run_and_its_eviction_is_not_recorded() {
 /// pool's Progressing message names it and when it will be passed over;
 /// then it is passed over and named in Degraded while the node that
 /// answers gets its pages. When it comes back, its agent converges and its
-/// name goes.
+/// name goes. The note is waited for while `unresponsiveAfter` is an hour,
+/// then the pool is patched to pass the node over after 10 s: each step
+/// waits for a state, not for a window of time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_turns_not_ready_is_named_passed_over_and_converges_when_it_returns() {
     let Some(env) = setup().await else { return };
@@ -356,7 +358,7 @@ async fn a_node_that_turns_not_ready_is_named_passed_over_and_converges_when_it_
     fleet.start_operator(None).await;
     let scope = fleet.scope.clone();
     let mut spec = pool_spec(&scope, "dpdk", 64, json!(1));
-    spec["rollout"]["unresponsiveAfter"] = json!("10s");
+    spec["rollout"]["unresponsiveAfter"] = json!("1h");
     let pool = fleet.create_available_pool(spec).await;
     // The first node by name is the first admitted.
     let mut names = fleet.node_names();
@@ -387,6 +389,9 @@ async fn a_node_that_turns_not_ready_is_named_passed_over_and_converges_when_it_
     )
     .await;
     let named = grown.elapsed();
+    fleet
+        .patch_pool(&pool, json!({"rollout": {"unresponsiveAfter": "10s"}}))
+        .await;
     let passed_over = fleet
         .wait_pool(&pool, "Degraded", "True", Duration::from_secs(60), |p| {
             let status = status_of(p);

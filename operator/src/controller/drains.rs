@@ -2,6 +2,8 @@
 //! the taints, and which of its pods to evict (the evictions themselves run
 //! beside the passes, see `evictions`).
 
+use std::collections::BTreeSet;
+
 use hugepool_crds::ConditionUpdate;
 use hugepool_crds::conditions::{bounded_message, find_condition, set_condition};
 use hugepool_crds::pool::EvictedPod;
@@ -266,7 +268,8 @@ async fn write_draining(
 }
 
 /// The evictions a draining node's plan asks for now: the selected pods
-/// not waiting out a refusal, each with its record for the pools it is for.
+/// not waiting out a refusal, each with its record for the pools it is for;
+/// and the UIDs of every pod it selects (those asked for already too).
 pub(super) fn choose_evictions(
     worker: &Worker,
     node: &Node,
@@ -274,16 +277,21 @@ pub(super) fn choose_evictions(
     plan: &NodePlan,
     on_node: &OnNode,
     now: Timestamp,
-) -> Vec<PlannedEviction> {
+) -> (Vec<PlannedEviction>, BTreeSet<String>) {
     let drain = &plan.drain;
     let name = node.name_any();
     let selection = select_pods(on_node, node_state, plan);
+    let wanted = selection
+        .chosen
+        .iter()
+        .filter_map(|(pod, _)| pod.metadata.uid.clone())
+        .collect();
     let needed: Vec<String> = drain
         .evict
         .iter()
         .map(|&size| format!("{} of {size}", must_free(node_state, plan, size)))
         .collect();
-    selection
+    let evictions = selection
         .chosen
         .into_iter()
         .filter(|(pod, _)| {
@@ -323,7 +331,8 @@ pub(super) fn choose_evictions(
                 },
             }
         })
-        .collect()
+        .collect();
+    (evictions, wanted)
 }
 
 /// Adds or removes our taints (`NoSchedule`), leaving other taints alone;

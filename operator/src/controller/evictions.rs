@@ -83,8 +83,9 @@ struct InFlight {
     since: Timestamp,
     /// The dry run was accepted.
     accepted: bool,
-    /// Until the records landed: tells the task to go on (or not).
-    ack: Option<oneshot::Sender<bool>>,
+    /// Until the records landed: tells the task to go on, or what to
+    /// report instead.
+    ack: Option<oneshot::Sender<Result<(), Eviction>>>,
     task: JoinHandle<()>,
 }
 
@@ -168,7 +169,10 @@ impl Evictions {
         while let Ok(report) = self.reports.try_recv() {
             match report {
                 Report::Accepted { uid } => {
-                    if let Some(entry) = self.in_flight.get_mut(&uid) {
+                    // (Abandoned meanwhile: it ends when its task reports.)
+                    if let Some(entry) = self.in_flight.get_mut(&uid)
+                        && entry.ack.is_some()
+                    {
                         entry.accepted = true;
                         // Asked anew and accepted: its record is wanted again.
                         self.withdrawn.remove(&uid);
@@ -195,7 +199,7 @@ impl Evictions {
         let uid = eviction.uid().to_string();
         let mut first_refusal = false;
         match &outcome {
-            Eviction::Evicted => {
+            Eviction::Evicted | Eviction::Abandoned(_) => {
                 self.refusals.forget(&uid);
                 self.notes.remove(&uid);
             }
@@ -280,9 +284,62 @@ impl Evictions {
                 continue;
             };
             if let Some(ack) = entry.ack.take() {
-                let _ = ack.send(go);
+                let _ = ack.send(if go {
+                    Ok(())
+                } else {
+                    Err(Eviction::Failed(
+                        "its record did not land in every pool's status".into(),
+                    ))
+                });
             }
         }
+    }
+
+    /// Abandons each eviction not sent for real yet that the plan no longer
+    /// asks for: one of its pools is gone (`pool_exists`), its node is in no
+    /// pool's plan (`node_planned`), or its node's drain was carried out in
+    /// this pass (`judged`: the pods it chose, by node) without choosing it
+    /// (the shrink was reverted, or other pods freed the pages). Its task
+    /// reports it abandoned, its records are withdrawn. Nodes not judged (a
+    /// drain step that failed, a node in backoff) keep theirs waiting.
+    pub fn abandon_unwanted(
+        &mut self,
+        judged: &BTreeMap<String, BTreeSet<String>>,
+        node_planned: impl Fn(&str) -> bool,
+        pool_exists: impl Fn(&str) -> bool,
+    ) {
+        for entry in self.in_flight.values_mut() {
+            if entry.ack.is_none() {
+                continue;
+            }
+            let eviction = &entry.eviction;
+            let why = if let Some(pool) = eviction.pools.iter().find(|p| !pool_exists(p)) {
+                format!("pool {pool} is gone")
+            } else if !node_planned(&eviction.node) {
+                format!("node {} is in no pool any more", eviction.node)
+            } else if judged
+                .get(&eviction.node)
+                .is_some_and(|wanted| !wanted.contains(eviction.uid()))
+            {
+                format!(
+                    "the drain of {} no longer needs it (the shrink changed, or its pages came back)",
+                    eviction.node
+                )
+            } else {
+                continue;
+            };
+            if let Some(ack) = entry.ack.take() {
+                let _ = ack.send(Err(Eviction::Abandoned(why)));
+            }
+        }
+    }
+
+    /// Forgets withdrawals from pools that are gone.
+    pub fn forget_pools(&mut self, pool_exists: impl Fn(&str) -> bool) {
+        self.withdrawn.retain(|_, pools| {
+            pools.retain(|p| pool_exists(p));
+            !pools.is_empty()
+        });
     }
 
     /// What the node's Draining condition says of its evictions: those
@@ -312,14 +369,21 @@ impl Evictions {
     }
 
     /// When a pass must look again without an event: a refusal's backoff
-    /// ends, or an eviction in flight turns slow.
-    pub fn next_deadline(&self) -> Option<Timestamp> {
+    /// ends, or an eviction in flight turns slow; only what lies after
+    /// `now`. An eviction slow already, or a refusal whose backoff ended
+    /// while its node waits out a backoff of its own, wakes nothing: its
+    /// answer comes as an event, its node's retry has its own deadline.
+    pub fn next_deadline(&self, now: Timestamp) -> Option<Timestamp> {
         let slow = jiff::SignedDuration::try_from(SLOW_EVICTION).unwrap_or_default();
         let turns_slow = self
             .in_flight
             .values()
             .filter_map(|e| e.since.checked_add(slow).ok());
-        self.refusals.next_try().into_iter().chain(turns_slow).min()
+        self.refusals
+            .next_tries()
+            .chain(turns_slow)
+            .filter(|deadline| *deadline > now)
+            .min()
     }
 
     /// Forgets the refusals and notes of `node`'s pods that are not in
@@ -345,7 +409,7 @@ async fn evict(
     pod: Pod,
     reports: mpsc::UnboundedSender<Report>,
     wake: Arc<Notify>,
-    acked: oneshot::Receiver<bool>,
+    acked: oneshot::Receiver<Result<(), Eviction>>,
 ) {
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     let report = |report: Report| {
@@ -365,12 +429,19 @@ async fn evict(
         return;
     }
     report(Report::Accepted { uid: uid.clone() });
-    if acked.await != Ok(true) {
-        report(answered(
-            true,
-            Eviction::Failed("its record did not land in every pool's status".into()),
-        ));
-        return;
+    match acked.await {
+        Ok(Ok(())) => {}
+        Ok(Err(instead)) => {
+            report(answered(true, instead));
+            return;
+        }
+        Err(_) => {
+            report(answered(
+                true,
+                Eviction::Failed("its record did not land in every pool's status".into()),
+            ));
+            return;
+        }
     }
     let outcome = match ask(&client, &fence, &pod, false).await {
         Some(outcome) => outcome,

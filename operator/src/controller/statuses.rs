@@ -159,8 +159,15 @@ pub(super) async fn tell_evictions(ctx: &Context, finished: Vec<Finished>) {
         first_refusal,
     } in finished
     {
+        // (A pool gone has no metrics any more: none made anew.)
         for pool in &eviction.pools {
-            ctx.metrics.count_eviction(pool, outcome.metric_label());
+            if ctx
+                .pools
+                .get(&kube::runtime::reflector::ObjectRef::new(pool))
+                .is_some()
+            {
+                ctx.metrics.count_eviction(pool, outcome.metric_label());
+            }
         }
         match &outcome {
             Eviction::Evicted => {
@@ -172,8 +179,11 @@ pub(super) async fn tell_evictions(ctx: &Context, finished: Vec<Finished>) {
             Eviction::Blocked(message) | Eviction::Failed(message) => {
                 tracing::debug!(node = %eviction.node, pod = %eviction.key(), %message, "eviction refused");
             }
+            Eviction::Abandoned(why) => {
+                info!(node = %eviction.node, pod = %eviction.key(), %why, "eviction abandoned");
+            }
         }
-        let tell = matches!(outcome, Eviction::Evicted) || first_refusal;
+        let tell = matches!(outcome, Eviction::Evicted | Eviction::Abandoned(_)) || first_refusal;
         if tell
             && let Some(event) = events::eviction_event(eviction.key(), &outcome)
             && let Some(node) = ctx

@@ -45,8 +45,6 @@ enum Scenario {
     /// The API server fails one node's write: the other node and the
     /// pool's status are still written.
     OneNodeWriteFails { pool: HugePagePool },
-    /// The finalizer write fails: nothing else is written for the pool.
-    FinalizerFails { pool: HugePagePool },
 }
 
 /// The 500 an API server answers when etcd does not.
@@ -85,9 +83,6 @@ impl ApiServerVerifier {
                         .await
                         .expect_event("RolloutStarted")
                         .await;
-                }
-                Scenario::FinalizerFails { pool } => {
-                    self.expect_finalizer_failure(&pool).await;
                 }
                 Scenario::RetainDeletion { pool } => {
                     self.expect_node_spec_cleared("w-1")
@@ -428,17 +423,38 @@ async fn new_pool_gets_its_finalizer_then_node_targets_then_status() {
 async fn a_pool_whose_finalizer_did_not_land_is_not_planned() {
     let pool = pool("dpdk", 0, "dpdk", "2Mi", 64);
     let nodes = vec![node("w-1", &["dpdk"])];
-    let harness = harness(std::slice::from_ref(&pool), &nodes, &[], true);
+    let Harness {
+        ctx,
+        verifier,
+        _leader,
+    } = harness(std::slice::from_ref(&pool), &nodes, &[], true);
     let mut worker = Worker::default();
-    // Only the finalizer is asked for: no HugePageNode, no status (an
-    // unexpected call would hang the pass).
-    let pass = pass_result(
-        harness,
-        &mut worker,
-        Some(Scenario::FinalizerFails { pool: pool.clone() }),
-    )
-    .await
-    .expect("the pass goes on");
+    // The finalizer's write fails; every other call is answered (with a
+    // failure) and logged, until the pass's client goes.
+    let others = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let server = tokio::spawn({
+        let others = Arc::clone(&others);
+        async move {
+            let ApiServerVerifier(mut handle) = verifier.expect_finalizer_failure(&pool).await;
+            while let Some((request, send)) = handle.next_request().await {
+                let call = format!("{} {}", request.method(), request.uri().path());
+                others.lock().unwrap().push(call);
+                send.send_response(internal_error());
+            }
+        }
+    });
+    let pass = tokio::time::timeout(Duration::from_secs(5), pass(&ctx, &mut worker))
+        .await
+        .expect("the pass finished")
+        .expect("the pass goes on");
+    drop(ctx);
+    drop(worker);
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("the client went")
+        .expect("the finalizer was asked for");
+    // Nothing else: no HugePageNode, no status, no Event of the pool.
+    assert_eq!(*others.lock().unwrap(), Vec::<String>::new());
     // The pool is retried soon.
     assert!(pass.next <= RETRY_BASE, "{pass:?}");
 }
@@ -625,10 +641,12 @@ impl Call {
 }
 
 /// How the API server answers the evictions of apps/dpdk.
-#[derive(Clone, Copy)]
+#[derive(Clone, Default)]
 struct Evictions {
     dry_run: Option<StatusCode>,
     real: Option<StatusCode>,
+    /// The dry run's answer waits for this (a slow webhook the test ends).
+    dry_run_held: Option<Arc<tokio::sync::Notify>>,
 }
 
 /// Plays an API server by route (a drain's calls come from a pass and from
@@ -685,7 +703,8 @@ fn serve(
                 });
                 (StatusCode::OK, pods)
             } else if call.path.ends_with("/eviction") {
-                let answer = if call.is_eviction(true) {
+                let dry_run = call.is_eviction(true);
+                let answer = if dry_run {
                     evictions.dry_run
                 } else {
                     evictions.real
@@ -709,6 +728,18 @@ fn serve(
                     "message": format!("answered {}", code.as_u16()), "reason": reason,
                     "code": code.as_u16(),
                 });
+                if let (true, Some(held)) = (dry_run, evictions.dry_run_held.clone()) {
+                    tokio::spawn(async move {
+                        held.notified().await;
+                        send.send_response(
+                            Response::builder()
+                                .status(code)
+                                .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                                .unwrap(),
+                        );
+                    });
+                    continue;
+                }
                 (code, reply)
             } else if call.path.starts_with("/api/v1/nodes/") {
                 (StatusCode::OK, serde_json::to_value(&node).unwrap())
@@ -809,7 +840,8 @@ impl Drain {
             .iter()
             .rev()
             .find_map(|c| c.pool_status().cloned());
-        if let Some(status) = last_status {
+        let pool_there = !self.pools.as_reader().state().is_empty();
+        if let Some(status) = last_status.filter(|_| pool_there) {
             let mut pool = self.pool.clone();
             pool.status = Some(serde_json::from_value(status).unwrap());
             self.pools.apply_watcher_event(&watcher::Event::Apply(pool));
@@ -845,6 +877,7 @@ async fn an_eviction_is_recorded_in_its_pools_status_before_it_is_made() {
     let mut drain = Drain::start(Evictions {
         dry_run: Some(StatusCode::CREATED),
         real: Some(StatusCode::CREATED),
+        ..Evictions::default()
     });
     drain
         .until("the Evicted event", |calls| {
@@ -891,6 +924,7 @@ async fn record_withdrawn_when_the_real_eviction_answers(real: StatusCode, resul
     let mut drain = Drain::start(Evictions {
         dry_run: Some(StatusCode::CREATED),
         real: Some(real),
+        ..Evictions::default()
     });
     drain
         .until("the record withdrawn", |calls| {
@@ -930,11 +964,72 @@ async fn a_pod_gone_between_the_dry_run_and_the_eviction_is_not_recorded() {
     record_withdrawn_when_the_real_eviction_answers(StatusCode::NOT_FOUND, "gone").await;
 }
 
+/// The dry run is accepted only after `change` made the plan no longer
+/// want the eviction: the real eviction is never sent, no record stays, and
+/// the abandonment is told (Event, metric).
+async fn an_eviction_the_plan_no_longer_wants_is_not_sent(change: impl FnOnce(&mut Drain)) {
+    let held = Arc::new(tokio::sync::Notify::new());
+    let mut drain = Drain::start(Evictions {
+        dry_run: Some(StatusCode::CREATED),
+        real: Some(StatusCode::CREATED),
+        dry_run_held: Some(Arc::clone(&held)),
+    });
+    drain
+        .until("the dry run sent", |calls| {
+            calls.iter().any(|c| c.is_eviction(true))
+        })
+        .await;
+    change(&mut drain);
+    drain.pass().await;
+    drain.pass().await;
+    held.notify_one();
+    drain
+        .until("the abandonment told", |calls| {
+            calls.iter().any(|c| c.event() == Some("EvictionAbandoned"))
+        })
+        .await;
+    drain.pass().await;
+    let calls = drain.calls();
+    assert!(calls.iter().all(|c| !c.is_eviction(false)), "{calls:#?}");
+    let recorded = calls.iter().rev().find_map(Call::recorded);
+    assert!(
+        recorded.as_ref().is_none_or(|r| r.is_empty()),
+        "the last record written: {recorded:?}"
+    );
+    assert!(
+        drain.worker.evictions.may_ask("uid-dpdk", test_clock()),
+        "nothing stays in flight"
+    );
+}
+
+#[tokio::test]
+async fn a_reverted_shrink_sends_no_eviction_its_dry_run_accepted_late() {
+    an_eviction_the_plan_no_longer_wants_is_not_sent(|drain| {
+        let mut pool = drain.pool.clone();
+        pool.spec.pages = Some(2);
+        pool.metadata.generation = Some(3);
+        drain.pool = pool.clone();
+        drain.pools.apply_watcher_event(&watcher::Event::Apply(pool));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_pool_deleted_mid_drain_leaves_no_eviction_waiting() {
+    an_eviction_the_plan_no_longer_wants_is_not_sent(|drain| {
+        drain
+            .pools
+            .apply_watcher_event(&watcher::Event::Delete(drain.pool.clone()));
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_pod_already_gone_is_not_recorded_as_evicted() {
     let mut drain = Drain::start(Evictions {
         dry_run: Some(StatusCode::NOT_FOUND),
         real: None,
+        ..Evictions::default()
     });
     drain
         .until("the dry run answered", |calls| {
@@ -963,6 +1058,7 @@ async fn a_refused_eviction_is_told_once_named_on_the_node_and_retried_with_back
     let mut drain = Drain::start(Evictions {
         dry_run: Some(StatusCode::TOO_MANY_REQUESTS),
         real: None,
+        ..Evictions::default()
     });
     drain
         .until("EvictionBlocked", |calls| {
@@ -1023,6 +1119,7 @@ async fn an_eviction_nobody_answers_holds_up_no_pass_and_is_named_on_its_node() 
     let mut drain = Drain::start(Evictions {
         dry_run: None,
         real: None,
+        ..Evictions::default()
     });
     drain
         .until("the dry run sent", |calls| {
@@ -1047,6 +1144,17 @@ async fn an_eviction_nobody_answers_holds_up_no_pass_and_is_named_on_its_node() 
     );
     // Asked once: an eviction in flight is not asked for again.
     assert_eq!(calls.iter().filter(|c| c.is_eviction(true)).count(), 1);
+    // A minute of it hanging, each pass at the time it asked to look again:
+    // no more than one pass a second (its slowness is no deadline ahead).
+    let mut elapsed = Duration::ZERO;
+    let mut passes = 0;
+    while elapsed < Duration::from_secs(60) && passes <= 60 {
+        let pass = drain.pass().await;
+        passes += 1;
+        elapsed += pass.next;
+        CLOCK.with(|c| c.set(100 + (SLOW_EVICTION + elapsed).as_secs() as i64));
+    }
+    assert!(passes <= 60, "{passes} passes in {elapsed:?} of a slow eviction");
 }
 
 #[tokio::test]
@@ -1055,6 +1163,7 @@ async fn a_pod_that_goes_from_a_draining_node_wakes_the_worker() {
     let mut drain = Drain::start(Evictions {
         dry_run: None,
         real: None,
+        ..Evictions::default()
     });
     drain.pass().await;
     tokio::time::timeout(Duration::from_secs(5), drain.ctx.wake.notified())

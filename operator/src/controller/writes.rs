@@ -140,19 +140,29 @@ pub(super) fn count_unlanded(ctx: &Context, error: &Error) -> bool {
 }
 
 /// Runs `write` only while this replica may write, and abandons it (not
-/// done) if it has not finished when the Lease's safe window closes or
+/// done) if the fence closes before it finished (the Lease lost, or no
+/// renewal seen in time: renewals during the write keep it going) or
 /// after `WRITE_TIMEOUT`. `NotLeader` only when the Lease is no longer
 /// ours; a write that ran out of time while it still is, is `Timeout`:
 /// that write's failure, retried for its node or pool.
 pub(super) async fn fenced<T>(ctx: &Context, write: impl Future<Output = Result<T>>) -> Result<T> {
-    let Some(window) = ctx.leader.remaining() else {
+    fenced_by(&ctx.leader, write).await
+}
+
+async fn fenced_by<T>(
+    fence: &crate::leader::Fence,
+    write: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    if !fence.open() {
         return Err(Error::NotLeader);
-    };
-    let limit = window.min(WRITE_TIMEOUT);
-    match tokio::time::timeout(limit, write).await {
-        Ok(result) => result,
-        Err(_) if !ctx.leader.open() => Err(Error::NotLeader),
-        Err(_) => Err(Error::Timeout(limit)),
+    }
+    tokio::select! {
+        result = tokio::time::timeout(WRITE_TIMEOUT, write) => match result {
+            Ok(result) => result,
+            Err(_) if !fence.open() => Err(Error::NotLeader),
+            Err(_) => Err(Error::Timeout(WRITE_TIMEOUT)),
+        },
+        () = fence.closed() => Err(Error::NotLeader),
     }
 }
 
@@ -276,5 +286,49 @@ impl Deliveries {
     /// Gives up on the writes awaited (they are planned from as they are).
     pub(super) fn give_up(&self) {
         self.log().awaited.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use tokio::sync::watch;
+
+    use super::*;
+    use crate::leader::Fence;
+
+    #[tokio::test]
+    async fn a_write_slower_than_the_window_it_started_with_lands_while_the_lease_is_renewed() {
+        let (_held_tx, held) = watch::channel(true);
+        let window = Duration::from_millis(500);
+        let (until_tx, until) = watch::channel(SystemTime::now() + window);
+        let fence = Fence::renewed_until(held, until);
+        let renewing = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if until_tx.send(SystemTime::now() + window).is_err() {
+                    return;
+                }
+            }
+        });
+        // Three windows long (a policy webhook in no hurry).
+        let written = fenced_by(&fence, async {
+            tokio::time::sleep(3 * window).await;
+            Ok(7)
+        })
+        .await;
+        renewing.abort();
+        assert_eq!(written.ok(), Some(7));
+        // With no renewal, the same write is abandoned as not the leader's.
+        let (_held_tx, held) = watch::channel(true);
+        let (_until_tx, until) = watch::channel(SystemTime::now() + window);
+        let fence = Fence::renewed_until(held, until);
+        let abandoned = fenced_by(&fence, async {
+            tokio::time::sleep(3 * window).await;
+            Ok(7)
+        })
+        .await;
+        assert!(matches!(abandoned, Err(Error::NotLeader)), "{abandoned:?}");
     }
 }

@@ -30,6 +30,9 @@ pub struct ClaimRequest {
     /// `node/device` it is allocated on; absent until the scheduler
     /// allocates it.
     pub allocated: Option<String>,
+    /// The pods the claim is reserved for, by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reserved_for: Vec<String>,
 }
 
 /// One device a pending request could be allocated from.
@@ -94,6 +97,13 @@ pub fn claim_requests(pod: &Pod, objects: &DraObjects) -> (Vec<ClaimRequest>, Ve
 fn requests_of(claim: &Value) -> Vec<ClaimRequest> {
     let name = claim["metadata"]["name"].as_str().unwrap_or_default();
     let results = claim["status"]["allocation"]["devices"]["results"].as_array();
+    let reserved_for: Vec<String> = claim["status"]["reservedFor"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["resource"] == "pods")
+        .filter_map(|r| r["name"].as_str().map(str::to_string))
+        .collect();
     claim["spec"]["devices"]["requests"]
         .as_array()
         .into_iter()
@@ -125,6 +135,7 @@ fn requests_of(claim: &Value) -> Vec<ClaimRequest> {
                 size,
                 pages,
                 allocated,
+                reserved_for: reserved_for.clone(),
             })
         })
         .collect()
@@ -207,6 +218,16 @@ pub fn verdict(requests: &[ClaimRequest], missing: &[String], devices: &[DeviceR
     if let Some(claim) = missing.first() {
         return format!(
             "claim {claim} does not exist yet: the resourceclaim controller (kube-controller-manager) creates a claim from its template, or the pod names a claim nobody made"
+        );
+    }
+    if let Some(shared) = requests.iter().find(|r| r.reserved_for.len() > 1) {
+        return format!(
+            "claim {} is reserved for {} pods ({}): a claim's pages go to one pod, the one it was \
+             prepared for first, and the others' containers are refused; give each pod its own \
+             claim, e.g. from a ResourceClaimTemplate (docs/user-guide.md, \"One claim, one pod\")",
+            shared.claim,
+            shared.reserved_for.len(),
+            shared.reserved_for.join(", ")
         );
     }
     let pending: Vec<&ClaimRequest> = requests.iter().filter(|r| r.allocated.is_none()).collect();
@@ -332,6 +353,7 @@ mod tests {
                 size: PageSize::SIZE_2MI,
                 pages: 16,
                 allocated: None,
+                reserved_for: vec![],
             }]
         );
         let keeps_off = |node: &Node| super::super::keeps_off(&pod, node);
@@ -417,6 +439,21 @@ mod tests {
         assert_eq!(
             verdict(&requests, &missing, &rows),
             "its claims are allocated (w-1/hugepages-2mi-numa1): hugepages are not what keeps it from running"
+        );
+        // Reserved for a second pod too: the second gets nothing, and why
+        // says so whichever of the two is asked about.
+        let mut shared = objects.clone();
+        shared.claims[0]["status"]["reservedFor"] = json!([
+            {"resource": "pods", "name": "l2fwd-a", "uid": "u-a"},
+            {"resource": "pods", "name": "l2fwd-b", "uid": "u-b"},
+        ]);
+        let (requests, missing) = claim_requests(&named, &shared);
+        assert_eq!(
+            verdict(&requests, &missing, &[]),
+            "claim shared-pages is reserved for 2 pods (l2fwd-a, l2fwd-b): a claim's pages go to \
+             one pod, the one it was prepared for first, and the others' containers are refused; \
+             give each pod its own claim, e.g. from a ResourceClaimTemplate (docs/user-guide.md, \
+             \"One claim, one pod\")"
         );
         // A claim of another driver's class is none of hugepool's.
         let mut gpu = pending("shared-pages", "8Mi");
