@@ -744,10 +744,7 @@ spec:
                 let status = pod.status.unwrap_or_default();
                 match status.phase.as_deref() {
                     Some("Running") => Ok(()),
-                    other => Err(format!(
-                        "{other:?}; events: {}",
-                        self.pod_events(name)
-                    )),
+                    other => Err(format!("{other:?}; events: {}", self.pod_events(name))),
                 }
             },
         )
@@ -2398,7 +2395,12 @@ spec:
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
 
     // A pod with no claim that names pages in its own environment.
-    node.env_pod("forger", "HUGEPOOL_PAGES_FORGED_0", "size=2Mi,numa=0,pages=10", "");
+    node.env_pod(
+        "forger",
+        "HUGEPOOL_PAGES_FORGED_0",
+        "size=2Mi,numa=0,pages=10",
+        "",
+    );
     let refused = node
         .wait_event("forger", "no claim prepared on this node holds")
         .await;
@@ -2438,7 +2440,10 @@ spec:
     );
     node.env_pod("copier", &variable, "size=2Mi,numa=0,pages=10", "");
     let refused = node
-        .wait_event("copier", &format!("was prepared for pod {claimer_uid}, not for this pod"))
+        .wait_event(
+            "copier",
+            &format!("was prepared for pod {claimer_uid}, not for this pod"),
+        )
         .await;
     assert!(refused.contains(&claim_name), "{refused}");
     node.wait_in_use(32, 10).await;
@@ -2477,11 +2482,10 @@ spec:
     node.wait_in_use(32, 14).await;
     for pod in ["forger", "copier", "second"] {
         let status = pods.get(pod).await.expect("pod").status.unwrap_or_default();
-        let started = status
-            .container_statuses
-            .into_iter()
-            .flatten()
-            .any(|c| c.state.is_some_and(|s| s.running.is_some() || s.terminated.is_some()));
+        let started = status.container_statuses.into_iter().flatten().any(|c| {
+            c.state
+                .is_some_and(|s| s.running.is_some() || s.terminated.is_some())
+        });
         assert!(!started, "{pod}'s container was never created");
     }
 }

@@ -640,7 +640,9 @@ mod tests {
         );
         let shared = to_record(&none, "u1", reserved(&["a", "b"])).unwrap_err();
         assert!(
-            shared.contains("ResourceClaim apps/pages is reserved for 2 pods: a claim's pages go to one pod"),
+            shared.contains(
+                "ResourceClaim apps/pages is reserved for 2 pods: a claim's pages go to one pod"
+            ),
             "{shared}"
         );
         // Prepared for a, then b joins: prepared again (a kubelet restart),

@@ -190,6 +190,224 @@ async fn a_slow_eviction_webhook_holds_up_its_pod_alone_and_its_removal_lets_the
     fleet.shutdown().await;
 }
 
+/// The Events of the operator on Node `node` with `reason`, by message.
+async fn node_events(fleet: &Fleet, node: &str, reason: &str) -> Vec<String> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(fleet.client.clone());
+    events
+        .list(&kube::api::ListParams::default())
+        .await
+        .expect("list events")
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node)
+        })
+        .filter_map(|e| e.note)
+        .collect()
+}
+
+/// While the eviction's dry run waits 20 s on a webhook, `change` makes the
+/// plan stop wanting it: once the dry run is accepted the real eviction is
+/// never sent, the pod stays, no record stays on the pool, and the
+/// abandonment is told on the node. Returns how long after the change it
+/// was told.
+async fn a_change_mid_dry_run_evicts_nothing(
+    prefix: &str,
+    change: impl AsyncFnOnce(&Fleet, &str),
+) -> Option<Duration> {
+    let env = setup().await?;
+    let (fleet, pool, blocked, consumer, webhook) =
+        drain_behind_a_webhook(&env, prefix, "delay=20s", one_replica).await;
+    let scope = fleet.scope.clone();
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![("consumer".into(), blocked.clone(), 300)],
+    );
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+    support::wait_for("the dry run sent", Duration::from_secs(60), || async {
+        let asked = webhook.requests();
+        asked
+            .iter()
+            .any(|r| r.starts_with("dryRun=true"))
+            .then_some(())
+            .ok_or(format!("{asked:?}"))
+    })
+    .await;
+    let changed = Instant::now();
+    change(&fleet, &pool).await;
+    let told = support::wait_for(
+        "the abandonment told on the node",
+        Duration::from_secs(120),
+        || async {
+            let told = node_events(&fleet, &blocked, "EvictionAbandoned").await;
+            told.first()
+                .map(|note| (note.clone(), changed.elapsed()))
+                .ok_or(format!("requests: {:?}", webhook.requests()))
+        },
+    )
+    .await;
+    assert!(
+        told.0
+            .starts_with(&format!("eviction of pod {scope}/consumer not sent: ")),
+        "{}",
+        told.0
+    );
+    let asked = webhook.requests();
+    assert!(
+        asked.iter().all(|r| !r.starts_with("dryRun=false")),
+        "no real eviction: {asked:?}"
+    );
+    assert!(kubelet.lock().expect("kubelet").evicted.is_empty());
+    let pods: Api<Pod> = Api::namespaced(fleet.client.clone(), &scope);
+    let still = pods.get("consumer").await.expect("the consumer stays");
+    assert_eq!(still.metadata.uid, consumer.metadata.uid);
+    assert!(still.metadata.deletion_timestamp.is_none());
+    if let Some(pool) = fleet.pool_api().get_opt(&pool).await.expect("get pool") {
+        assert!(
+            status_of(&pool).evicted_pods.is_empty(),
+            "{:?}",
+            status_of(&pool).evicted_pods
+        );
+    }
+    webhook.remove(&env.client).await;
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+    Some(told.1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shrink_reverted_while_its_dry_run_waits_evicts_nothing_and_records_nothing() {
+    let told = a_change_mid_dry_run_evicts_nothing("revert", async |fleet, pool| {
+        fleet.patch_pool(pool, json!({"pages": 512})).await;
+    })
+    .await;
+    if let Some(told) = told {
+        eprintln!(
+            "fault: a shrink reverted 0-1 s into a 20 s dry-run review: no real eviction, no \
+             record; the abandonment told {told:?} after the revert"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_deleted_while_its_dry_run_waits_leaves_nothing_in_flight() {
+    let told = a_change_mid_dry_run_evicts_nothing("gone", async |fleet, pool| {
+        fleet
+            .pool_api()
+            .delete(pool, &DeleteParams::default())
+            .await
+            .expect("delete the pool");
+    })
+    .await;
+    if let Some(told) = told {
+        eprintln!(
+            "fault: a pool deleted 0-1 s into a 20 s dry-run review: no real eviction; the \
+             abandonment told {told:?} after the deletion"
+        );
+    }
+}
+
+/// A policy engine that takes 8 s to admit each write of the fleet's
+/// HugePageNodes and Nodes (more than the window the chart's 15 s Lease may
+/// leave a write when it starts): a rollout and a drain still finish, and
+/// the pool never reads `NodeWritesFailed` while the operator leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_slowed_by_an_admission_webhook_fail_no_rollout_and_no_drain() {
+    let Some(env) = setup().await else { return };
+    let (fleet, pool, blocked, _consumer, webhook) =
+        drain_behind_a_webhook(&env, "slowadmit", "allow", one_replica).await;
+    let scope = fleet.scope.clone();
+    let (kubelet, kubelet_task) = play_kubelet(
+        &fleet,
+        &scope,
+        vec![("consumer".into(), blocked.clone(), 300)],
+    );
+    let slow = EvictionWebhook::start_for(
+        &env,
+        &format!("{scope}-slow-writes"),
+        "delay=8s",
+        json!({
+            "rules": [
+                {"operations": ["CREATE", "UPDATE"], "apiGroups": ["hugepool.dev"],
+                 "apiVersions": ["*"], "resources": ["hugepagenodes"], "scope": "*"},
+                {"operations": ["UPDATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                 "resources": ["nodes"], "scope": "*"},
+            ],
+            "matchConditions": [{
+                "name": "this-fleet",
+                "expression": format!("object.metadata.name.startsWith('{scope}-')"),
+            }],
+            "timeoutSeconds": 15,
+        }),
+    )
+    .await;
+    // Everything the pool says while it runs.
+    let said = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let watching = tokio::spawn({
+        let (api, pool, said) = (fleet.pool_api(), pool.clone(), said.clone());
+        async move {
+            loop {
+                if let Ok(pool) = api.get(&pool).await
+                    && let Some(degraded) = pool
+                        .status
+                        .as_ref()
+                        .and_then(|s| support::condition(&s.conditions, "Degraded"))
+                    && degraded.status == "True"
+                {
+                    said.lock()
+                        .unwrap()
+                        .push(format!("{}: {}", degraded.reason, degraded.message));
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    });
+    let started = Instant::now();
+    fleet.patch_pool(&pool, json!({"pages": 600})).await;
+    fleet
+        .wait_pool(&pool, "Available", "True", Duration::from_secs(300), |p| {
+            let status = status_of(p);
+            (status.nodes.converged == 2 && status.pages.current == 1200)
+                .then_some(())
+                .ok_or(format!("{:?} {:?}", status.nodes, status.pages))
+        })
+        .await;
+    let grown = started.elapsed();
+    let shrink = Instant::now();
+    fleet.patch_pool(&pool, json!({"pages": 100})).await;
+    let status = wait_shrunk(&fleet, &pool, Duration::from_secs(300)).await;
+    let drained = shrink.elapsed();
+    watching.abort();
+    assert_eq!(
+        kubelet.lock().expect("kubelet").evicted,
+        [("consumer".to_string(), true)]
+    );
+    assert_eq!(status.evicted_pods.len(), 1);
+    let said = said.lock().unwrap().clone();
+    assert!(
+        said.iter().all(|s| !s.starts_with("NodeWritesFailed")),
+        "{said:?}"
+    );
+    assert!(
+        slow.requests().len() >= 4,
+        "the webhook saw the writes: {:?}",
+        slow.requests()
+    );
+    eprintln!(
+        "fault: every HugePageNode and Node write admitted in 8 s (chart's 15 s Lease): grown in \
+         {grown:?}, drained and shrunk in {drained:?}, no NodeWritesFailed; {} writes admitted",
+        slow.requests().len()
+    );
+    slow.remove(&env.client).await;
+    webhook.remove(&env.client).await;
+    kubelet_task.abort();
+    support::delete_namespace(&fleet.client, &scope).await;
+    fleet.shutdown().await;
+}
+
 /// A webhook that lets the dry run through and refuses the real eviction:
 /// the record written before the eviction is taken back and the node names
 /// the refusal; once the webhook lets it through, the pod is evicted and

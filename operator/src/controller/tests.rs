@@ -1009,7 +1009,9 @@ async fn a_reverted_shrink_sends_no_eviction_its_dry_run_accepted_late() {
         pool.spec.pages = Some(2);
         pool.metadata.generation = Some(3);
         drain.pool = pool.clone();
-        drain.pools.apply_watcher_event(&watcher::Event::Apply(pool));
+        drain
+            .pools
+            .apply_watcher_event(&watcher::Event::Apply(pool));
     })
     .await;
 }
@@ -1154,7 +1156,10 @@ async fn an_eviction_nobody_answers_holds_up_no_pass_and_is_named_on_its_node() 
         elapsed += pass.next;
         CLOCK.with(|c| c.set(100 + (SLOW_EVICTION + elapsed).as_secs() as i64));
     }
-    assert!(passes <= 60, "{passes} passes in {elapsed:?} of a slow eviction");
+    assert!(
+        passes <= 60,
+        "{passes} passes in {elapsed:?} of a slow eviction"
+    );
 }
 
 #[tokio::test]

@@ -1267,6 +1267,35 @@ impl EvictionWebhook {
     /// `namespace`'s pods, with the apiserver's longest timeout (30 s),
     /// `failurePolicy: Fail` and `sideEffects: None` (so dry runs reach it).
     pub async fn start(env: &TestEnv, namespace: &str, mode: &str) -> EvictionWebhook {
+        Self::start_for(
+            env,
+            &format!("{namespace}-evictions"),
+            mode,
+            json!({
+                "rules": [{
+                    "operations": ["CREATE"],
+                    "apiGroups": [""],
+                    "apiVersions": ["v1"],
+                    "resources": ["pods/eviction"],
+                }],
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": namespace},
+                },
+                "timeoutSeconds": 30,
+            }),
+        )
+        .await
+    }
+
+    /// Starts the webhook in `mode` and registers it as `name` for what
+    /// `matching` says (its rules, selectors, match conditions and
+    /// timeout), `failurePolicy: Fail`, `sideEffects: None`.
+    pub async fn start_for(
+        env: &TestEnv,
+        name: &str,
+        mode: &str,
+        matching: serde_json::Value,
+    ) -> EvictionWebhook {
         let dir = tempfile::tempdir().expect("webhook dir");
         std::fs::write(dir.path().join("mode"), mode).expect("mode");
         let data_dir = env
@@ -1292,30 +1321,23 @@ impl EvictionWebhook {
         .await;
         let ca =
             std::fs::read(data_dir.join("pki").join("ca.crt")).expect("the control plane's CA");
-        let name = format!("{namespace}-evictions");
+        let mut webhook = json!({
+            "name": "steered.faults.hugepool.dev",
+            "clientConfig": {
+                "url": format!("https://{addr}/evict"),
+                "caBundle": k8s_openapi::ByteString(ca),
+            },
+            "failurePolicy": "Fail",
+            "sideEffects": "None",
+            "admissionReviewVersions": ["v1"],
+        });
+        for (key, value) in matching.as_object().expect("an object") {
+            webhook[key] = value.clone();
+        }
         let config: k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration =
             serde_json::from_value(json!({
                 "metadata": {"name": name},
-                "webhooks": [{
-                    "name": "evictions.faults.hugepool.dev",
-                    "clientConfig": {
-                        "url": format!("https://{addr}/evict"),
-                        "caBundle": k8s_openapi::ByteString(ca),
-                    },
-                    "rules": [{
-                        "operations": ["CREATE"],
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "resources": ["pods/eviction"],
-                    }],
-                    "namespaceSelector": {
-                        "matchLabels": {"kubernetes.io/metadata.name": namespace},
-                    },
-                    "failurePolicy": "Fail",
-                    "sideEffects": "None",
-                    "timeoutSeconds": 30,
-                    "admissionReviewVersions": ["v1"],
-                }],
+                "webhooks": [webhook],
             }))
             .expect("a webhook configuration");
         let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
@@ -1323,7 +1345,11 @@ impl EvictionWebhook {
         api.create(&PostParams::default(), &config)
             .await
             .expect("webhook registered");
-        EvictionWebhook { name, dir, process }
+        EvictionWebhook {
+            name: name.to_string(),
+            dir,
+            process,
+        }
     }
 
     pub fn set_mode(&self, mode: &str) {
