@@ -130,6 +130,17 @@ impl Default for Worker {
     }
 }
 
+impl Worker {
+    /// Nothing in hand: no eviction, watch, retry or observation.
+    fn is_fresh(&self) -> bool {
+        self.evictions.is_empty()
+            && self.pod_watches.is_empty()
+            && self.node_retries.is_empty()
+            && self.pool_retries.is_empty()
+            && self.pools_seen.is_empty()
+    }
+}
+
 /// Waits until the caches show every write of the last pass (or its kind
 /// was listed anew, or the object went), at most `DELIVERY_TIMEOUT`.
 async fn await_deliveries(deliveries: &Deliveries) {
@@ -519,6 +530,19 @@ fn next_look(ctx: &Context, worker: &Worker, plan: &Plan, now: Timestamp) -> Dur
     next
 }
 
+/// A replica that may no longer write forgets its work: evictions in
+/// flight are abandoned (their tasks stopped: nothing more is asked or
+/// written), the pods' watches end, and the retries, refusals and records
+/// to withdraw go. Leading again, it starts afresh from what the API holds
+/// then (another leader may have changed it meanwhile).
+fn stand_by(worker: &mut Worker) {
+    if worker.is_fresh() {
+        return;
+    }
+    info!("not leading: the work in hand is abandoned");
+    *worker = Worker::default();
+}
+
 /// Runs the operator until `shutdown` completes: the HTTP endpoints, leader
 /// election, the watches and the fleet worker.
 ///
@@ -643,6 +667,7 @@ pub async fn run(
                 }
             }
             if !ctx.leader.open() {
+                stand_by(&mut worker);
                 // Waits for leadership (or an event) without a timer.
                 next = Duration::from_secs(3600);
                 continue;
@@ -655,6 +680,7 @@ pub async fn run(
                 Err(Error::NotLeader) if ctx.leader.open() => FENCE_RECHECK,
                 Err(Error::NotLeader) => {
                     info!("stopped writing: this replica does not lead");
+                    stand_by(&mut worker);
                     Duration::from_secs(3600)
                 }
                 Err(err) => {

@@ -60,7 +60,13 @@ async fn drain_behind_a_webhook(
     support::create_namespace(&fleet.client, &scope).await;
     let mut replicas = replicas(&scope).into_iter();
     let first = replicas.next().expect("one replica at least");
-    fleet.start_operator(Some(first.clone())).await;
+    // The first serves /metrics (Fleet::operator_counter(0, ..)).
+    let listen = format!("127.0.0.1:{}", hugepool_e2e::free_port())
+        .parse()
+        .expect("address");
+    fleet
+        .start_operator_serving(Some(first.clone()), Some(listen))
+        .await;
     support::wait_for(
         "the first replica leads",
         Duration::from_secs(60),
@@ -134,6 +140,7 @@ async fn a_slow_eviction_webhook_holds_up_its_pod_alone_and_its_removal_lets_the
     fleet.patch_pool(&pool, json!({"pages": 100})).await;
 
     let unanswered = format!("eviction of {scope}/consumer unanswered since");
+    let reconciles = || fleet.operator_counter(0, "hugepool_reconciles_total");
     let named = support::wait_for(
         "the other node's shrink in the pool's status while the eviction waits",
         Duration::from_secs(60),
@@ -150,6 +157,22 @@ async fn a_slow_eviction_webhook_holds_up_its_pod_alone_and_its_removal_lets_the
         },
     )
     .await;
+    // The eviction slow since: passes come on events and deadlines ahead,
+    // not on its slowness (before, one every 100 ms). 10 s of it, counted
+    // by the operator's own metric; the webhook answers after 20 s.
+    let passes_before = reconciles().expect("the operator's metrics");
+    let slow_since = Instant::now();
+    while slow_since.elapsed() < Duration::from_secs(10)
+        && kubelet.lock().expect("kubelet").evicted.is_empty()
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let passes = reconciles().expect("the operator's metrics") - passes_before;
+    let during = slow_since.elapsed();
+    assert!(
+        passes <= during.as_secs_f64() + 5.0,
+        "{passes} passes in {during:?} of a slow eviction"
+    );
 
     webhook.remove(&env.client).await;
     let removed = Instant::now();
@@ -157,8 +180,8 @@ async fn a_slow_eviction_webhook_holds_up_its_pod_alone_and_its_removal_lets_the
     let recovered = removed.elapsed();
     eprintln!(
         "fault: eviction webhook answering in 20 s: the waiting pod named and the other node \
-         reported after {named:?}; drain finished {recovered:?} after the webhook was removed \
-         ({:?} after the shrink)",
+         reported after {named:?}; {passes} passes in {during:?} while it was slow; drain \
+         finished {recovered:?} after the webhook was removed ({:?} after the shrink)",
         shrink.elapsed()
     );
     let records: Vec<(String, String)> = status

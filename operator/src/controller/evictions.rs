@@ -125,6 +125,14 @@ impl Drop for Evictions {
 }
 
 impl Evictions {
+    /// Nothing in flight, refused, noted or to withdraw.
+    pub fn is_empty(&self) -> bool {
+        self.in_flight.is_empty()
+            && self.refusals.is_empty()
+            && self.notes.is_empty()
+            && self.withdrawn.is_empty()
+    }
+
     /// Whether `uid` may be asked for now: not in flight, not waiting out
     /// a refusal.
     pub fn may_ask(&self, uid: &str, now: Timestamp) -> bool {

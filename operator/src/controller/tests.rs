@@ -1027,6 +1027,46 @@ async fn a_pool_deleted_mid_drain_leaves_no_eviction_waiting() {
 }
 
 #[tokio::test]
+async fn a_replica_deposed_mid_eviction_uses_nothing_from_before_when_it_leads_again() {
+    let held = Arc::new(tokio::sync::Notify::new());
+    let mut drain = Drain::start(Evictions {
+        dry_run: Some(StatusCode::CREATED),
+        real: Some(StatusCode::CREATED),
+        dry_run_held: Some(Arc::clone(&held)),
+    });
+    drain
+        .until("the dry run sent", |calls| {
+            calls.iter().any(|c| c.is_eviction(true))
+        })
+        .await;
+    // Deposed while its dry run waits: it stands by, and the dry run is
+    // accepted only then.
+    drain._leader.send_replace(false);
+    super::stand_by(&mut drain.worker);
+    assert!(drain.worker.is_fresh());
+    held.notify_one();
+    let before = drain.calls().len();
+    // Leading again: the old acceptance is not used. The pod is asked for
+    // anew (a dry run first), and no record or real eviction comes before.
+    drain._leader.send_replace(true);
+    drain
+        .until("the pod asked for again", |calls| {
+            calls[before..]
+                .iter()
+                .any(|c| c.is_eviction(true) || c.is_eviction(false))
+        })
+        .await;
+    let calls = drain.calls()[before..].to_vec();
+    let asked_again = position(&calls, "a new dry run", |c| c.is_eviction(true));
+    assert!(
+        calls[..asked_again]
+            .iter()
+            .all(|c| !c.is_eviction(false) && c.recorded().is_none_or(|r| r.is_empty())),
+        "{calls:#?}"
+    );
+}
+
+#[tokio::test]
 async fn a_pod_already_gone_is_not_recorded_as_evicted() {
     let mut drain = Drain::start(Evictions {
         dry_run: Some(StatusCode::NOT_FOUND),

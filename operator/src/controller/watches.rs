@@ -189,6 +189,10 @@ where
 pub(super) struct PodWatches(BTreeMap<String, tokio::task::JoinHandle<()>>);
 
 impl PodWatches {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     /// Watches exactly `nodes`' pods from now on.
     pub fn keep(&mut self, client: &Client, wake: &Arc<Notify>, nodes: BTreeSet<String>) {
         self.0.retain(|node, task| {

@@ -61,6 +61,10 @@ pub(super) struct Retries {
 }
 
 impl Retries {
+    pub fn is_empty(&self) -> bool {
+        self.retries.is_empty()
+    }
+
     /// Retries backing off up to `max`.
     pub fn up_to(max: Duration) -> Self {
         Self {

@@ -155,6 +155,8 @@ impl SimNode {
 /// process would be: killing it drops every task it has, Lease renewal
 /// included.
 pub struct OperatorHandle {
+    /// Where it serves /metrics, if anywhere.
+    pub listen: Option<std::net::SocketAddr>,
     stop: Option<oneshot::Sender<()>>,
     kill: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -444,11 +446,26 @@ impl Fleet {
             runtime.shutdown_background();
         });
         self.operators.push(OperatorHandle {
+            listen,
             stop: Some(stop),
             kill: Some(kill),
             thread: Some(thread),
         });
         index
+    }
+
+    /// A counter of operator replica `index`'s /metrics (`name` with its
+    /// labels, as exposed), summed over its series; None when it serves no
+    /// metrics or cannot be read.
+    pub fn operator_counter(&self, index: usize, name: &str) -> Option<f64> {
+        let addr = self.operators.get(index)?.listen?;
+        let text = hugepool_e2e::http_get(&addr.to_string(), "/metrics").ok()?;
+        Some(
+            text.lines()
+                .filter(|l| l.starts_with(name))
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+                .sum(),
+        )
     }
 
     /// Takes an operator replica out of the fleet (to stop or kill it).
