@@ -290,7 +290,12 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
         evicting,
         judged,
     } = carry_out_drains(ctx, worker, &plan, &snapshot, &drain_states, now, started).await?;
-    worker.pod_watches.keep(&ctx.client, &ctx.wake, evicting);
+    worker.pod_watches.keep(
+        &ctx.client,
+        &ctx.wake,
+        &ctx.metrics.watch_errors_of("Pod"),
+        evicting,
+    );
     worker.evictions.abandon_unwanted(
         &judged,
         |node| plan.nodes.contains_key(node),
@@ -571,7 +576,9 @@ pub async fn run(
         info!(addr = %bound, "serving /metrics, /healthz and /readyz");
     }
     let leadership = match &config.leader {
-        Some(leader) => Leadership::elect(client.clone(), leader).await?,
+        Some(leader) => {
+            Leadership::elect(client.clone(), leader, metrics.watch_errors_of("Lease")).await?
+        }
         None => Leadership::always(),
     };
     let mut is_leader = leadership.is_leader.clone();
@@ -607,6 +614,7 @@ pub async fn run(
         .default_backoff(),
         Arc::clone(&deliveries),
         Arc::clone(&wake),
+        metrics.watch_errors_of("HugePagePool"),
         |event| !matches!(event, watcher::Event::Init),
     ));
     let mut node_trigger = NodeTrigger::default();
@@ -619,6 +627,7 @@ pub async fn run(
         .default_backoff(),
         Arc::clone(&deliveries),
         Arc::clone(&wake),
+        metrics.watch_errors_of("Node"),
         move |event| node_trigger.wakes(event),
     ));
     tasks.0.push(follow(
@@ -634,6 +643,7 @@ pub async fn run(
         .default_backoff(),
         Arc::clone(&deliveries),
         Arc::clone(&wake),
+        metrics.watch_errors_of("HugePageNode"),
         |event| !matches!(event, watcher::Event::Init),
     ));
 

@@ -145,7 +145,12 @@ impl Leadership {
     }
 
     /// Starts competing for the Lease, and watching our renewals of it.
-    pub async fn elect(client: Client, config: &LeaderConfig) -> Result<Self, LeaseManagerError> {
+    /// `watch_errors` counts the errors of the Lease's watch.
+    pub async fn elect(
+        client: Client,
+        config: &LeaderConfig,
+        watch_errors: prometheus_client::metrics::counter::Counter,
+    ) -> Result<Self, LeaseManagerError> {
         // The crate panics unless 0 < grace < duration.
         let duration = config.duration.as_secs().max(2);
         let grace = config.grace.as_secs().clamp(1, duration - 1);
@@ -169,6 +174,7 @@ impl Leadership {
             config.identity.clone(),
             margin,
             until_tx,
+            watch_errors,
         ));
         let fence = Fence {
             held,
@@ -223,6 +229,7 @@ async fn watch_renewals(
     identity: String,
     margin: Duration,
     until: watch::Sender<SystemTime>,
+    errors: prometheus_client::metrics::counter::Counter,
 ) {
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
     let mut events = std::pin::pin!(watcher(api, config).default_backoff());
@@ -237,7 +244,10 @@ async fn watch_renewals(
             Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
             // The watcher retries with backoff; meanwhile the deadline runs
             // out on its own.
-            Err(err) => tracing::debug!(error = %err, "watching the leader Lease"),
+            Err(err) => {
+                tracing::warn!(error = %err, "watching the leader Lease failed; retrying with backoff");
+                errors.inc();
+            }
         }
     }
 }

@@ -70,6 +70,15 @@ pub struct ErrorLabels {
     pub error: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WatchLabels {
+    pub watch: String,
+}
+
+/// The kinds the operator watches, as `hugepool_watch_errors_total` names
+/// them.
+pub const WATCHES: &[&str] = &["HugePagePool", "Node", "HugePageNode", "Pod", "Lease"];
+
 /// Every metric the operator exports, registered in `registry`.
 pub struct Metrics {
     pub registry: Registry,
@@ -85,11 +94,22 @@ pub struct Metrics {
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     /// Writes that found their object changed since the plan read it.
     pub write_conflicts: Counter,
+    /// Errors of each watch (the watcher backs off and lists anew).
+    pub watch_errors: Family<WatchLabels, Counter>,
     pub reconcile_duration: Histogram,
     pub plan_duration: Histogram,
     pub leader: Gauge,
     /// Whether this replica leads; held while pool series change.
     leading: Mutex<bool>,
+}
+
+impl Metrics {
+    /// The counter of errors of the watch of `kind` (one of [`WATCHES`]).
+    pub fn watch_errors_of(&self, kind: &str) -> Counter {
+        self.watch_errors
+            .get_or_create(&WatchLabels { watch: kind.into() })
+            .clone()
+    }
 }
 
 impl Default for Metrics {
@@ -103,6 +123,12 @@ impl Default for Metrics {
         let reconciles = Counter::default();
         let reconcile_errors = Family::<ErrorLabels, Counter>::default();
         let write_conflicts = Counter::default();
+        let watch_errors = Family::<WatchLabels, Counter>::default();
+        for watch in WATCHES {
+            let _ = watch_errors.get_or_create(&WatchLabels {
+                watch: (*watch).into(),
+            });
+        }
         let reconcile_duration = Histogram::new([
             0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
         ]);
@@ -159,6 +185,12 @@ impl Default for Metrics {
             write_conflicts.clone(),
         );
         registry.register(
+            "hugepool_watch_errors",
+            "Errors of the operator's watches by kind (HugePagePool, Node, HugePageNode, Pod, Lease): \
+             each is retried with backoff; one that repeats (an RBAC refusal) leaves the operator blind to that kind",
+            watch_errors.clone(),
+        );
+        registry.register(
             "hugepool_reconcile_duration_seconds",
             "Duration of one reconcile",
             reconcile_duration.clone(),
@@ -190,6 +222,7 @@ impl Default for Metrics {
             reconciles,
             reconcile_errors,
             write_conflicts,
+            watch_errors,
             reconcile_duration,
             plan_duration,
             leader,

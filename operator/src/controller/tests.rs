@@ -1410,3 +1410,48 @@ async fn a_write_still_in_flight_when_the_leases_window_closes_is_abandoned() {
         .expect("the server saw it");
     server.abort();
 }
+
+#[tokio::test]
+async fn a_refused_pod_watch_is_counted_not_swallowed() {
+    let (mock, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(mock, "default");
+    let metrics = Metrics::default();
+    let mut watches = PodWatches::default();
+    watches.keep(
+        &client,
+        &Arc::new(tokio::sync::Notify::new()),
+        &metrics.watch_errors_of("Pod"),
+        std::collections::BTreeSet::from(["w-1".to_string()]),
+    );
+    // The operator's service account may not list pods (an RBAC slip).
+    let (request, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+        .await
+        .expect("the pods of w-1 listed")
+        .expect("a request");
+    assert!(
+        request
+            .uri()
+            .query()
+            .unwrap_or_default()
+            .contains("spec.nodeName%3Dw-1")
+    );
+    let forbidden = json!({
+        "apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": "Forbidden",
+        "message": "pods is forbidden: User \"system:serviceaccount:hugepool-system:hugepool-operator\" cannot list resource \"pods\"",
+        "code": 403,
+    });
+    send.send_response(
+        Response::builder()
+            .status(StatusCode::FORBIDDEN)
+            .body(Body::from(serde_json::to_vec(&forbidden).unwrap()))
+            .unwrap(),
+    );
+    let counted = r#"hugepool_watch_errors_total{watch="Pod"} 1"#;
+    for _ in 0..100 {
+        if metrics.encode().contains(counted) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("not counted: {}", metrics.encode());
+}

@@ -10,8 +10,9 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::Notify;
-use tracing::debug;
+use tracing::warn;
 
 use hugepool_crds::{HugePageNode, OPERATOR_MANAGER};
 
@@ -151,6 +152,7 @@ pub(super) fn follow<K>(
     + 'static,
     deliveries: Arc<Deliveries>,
     wake: Arc<Notify>,
+    errors: Counter,
     mut wakes: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
 ) -> tokio::task::JoinHandle<()>
 where
@@ -161,9 +163,12 @@ where
         while let Some(event) = events.next().await {
             let event = match event {
                 Ok(event) => event,
-                // The watcher backs off and lists anew by itself.
+                // The watcher backs off and lists anew by itself; an
+                // error that repeats (an RBAC refusal) leaves the cache
+                // stale, so it is said and counted.
                 Err(err) => {
-                    debug!(%kind, error = %err, "watch");
+                    warn!(%kind, error = %err, "watch failed; retrying with backoff");
+                    errors.inc();
                     continue;
                 }
             };
@@ -194,7 +199,13 @@ impl PodWatches {
     }
 
     /// Watches exactly `nodes`' pods from now on.
-    pub fn keep(&mut self, client: &Client, wake: &Arc<Notify>, nodes: BTreeSet<String>) {
+    pub fn keep(
+        &mut self,
+        client: &Client,
+        wake: &Arc<Notify>,
+        errors: &Counter,
+        nodes: BTreeSet<String>,
+    ) {
         self.0.retain(|node, task| {
             let keep = nodes.contains(node);
             if !keep {
@@ -208,6 +219,7 @@ impl PodWatches {
                     Api::all(client.clone()),
                     node,
                     Arc::clone(wake),
+                    errors.clone(),
                 ))
             });
         }
@@ -224,7 +236,7 @@ impl Drop for PodWatches {
 
 /// Wakes the worker on every change of a pod on `node` after the first
 /// listing (the pass that started the watch has just listed them).
-async fn wake_on_pods(api: Api<Pod>, node: String, wake: Arc<Notify>) {
+async fn wake_on_pods(api: Api<Pod>, node: String, wake: Arc<Notify>, errors: Counter) {
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let mut events = std::pin::pin!(watcher(api, config).default_backoff());
     let mut listed = false;
@@ -235,7 +247,10 @@ async fn wake_on_pods(api: Api<Pod>, node: String, wake: Arc<Notify>) {
                 wake.notify_one();
             }
             Ok(_) => {}
-            Err(err) => debug!(%node, error = %err, "watching the pods of a draining node"),
+            Err(err) => {
+                warn!(%node, error = %err, "watching the pods of a draining node failed; retrying with backoff");
+                errors.inc();
+            }
         }
     }
 }
