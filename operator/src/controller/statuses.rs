@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+use hugepool_crds::conditions::bounded_message;
 use hugepool_crds::{HugePagePool, HugePagePoolStatus, POOL_FINALIZER};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
@@ -58,17 +59,35 @@ fn has_finalizer(pool: &HugePagePool) -> bool {
 }
 
 /// A pool's planned status with its eviction records as they stand: those
-/// taken back left out, those whose real eviction waits for them added.
+/// taken back left out, those whose real eviction waits for them added; a
+/// draining pool's Progressing message names the evictions of its nodes
+/// that are slow or refused (which pod, since when, what the API answered),
+/// as their nodes' Draining conditions do.
 pub(super) fn planned_status(
     name: &str,
     pool_plan: &planner::PoolPlan,
     evictions: &Evictions,
+    now: jiff::Timestamp,
 ) -> HugePagePoolStatus {
     let mut status = pool_plan.status.clone();
     status
         .evicted_pods
         .retain(|record| !evictions.is_withdrawn(name, &record.uid));
     status.record_evictions(evictions.to_record(name).cloned());
+    let notes: Vec<String> = pool_plan
+        .draining
+        .iter()
+        .flat_map(|node| evictions.notes(node, now))
+        .collect();
+    if !notes.is_empty()
+        && let Some(progressing) = status
+            .conditions
+            .iter_mut()
+            .find(|c| c.type_ == "Progressing" && c.reason == "Draining")
+    {
+        progressing.message =
+            bounded_message(format!("{}; {}", progressing.message, notes.join("; ")));
+    }
     status
 }
 
@@ -95,7 +114,7 @@ pub(super) async fn write_statuses(
         };
         ctx.metrics.observe_pool(name, pool_plan);
         worker.pools_seen.insert(name.clone());
-        let status = planned_status(name, pool_plan, &worker.evictions);
+        let status = planned_status(name, pool_plan, &worker.evictions, (ctx.now)());
         let old_status = pool.status.clone().unwrap_or_default();
         if status == old_status {
             landed.insert(name.clone(), status);

@@ -1184,6 +1184,21 @@ async fn an_eviction_nobody_answers_holds_up_no_pass_and_is_named_on_its_node() 
         message.contains("eviction of apps/dpdk unanswered since"),
         "{message}"
     );
+    // The pool says so too, where the engineer paged for it looks first.
+    drain.pass().await;
+    let status = drain.ctx.pools.state()[0].status.clone().unwrap();
+    let progressing = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Progressing")
+        .unwrap();
+    assert!(
+        progressing.reason == "Draining"
+            && progressing
+                .message
+                .contains("eviction of apps/dpdk unanswered since"),
+        "{progressing:?}"
+    );
     // Asked once: an eviction in flight is not asked for again.
     assert_eq!(calls.iter().filter(|c| c.is_eviction(true)).count(), 1);
     // A minute of it hanging, each pass at the time it asked to look again:
