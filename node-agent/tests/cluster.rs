@@ -1685,16 +1685,120 @@ async fn wait_for_slice(
 /// A claim for `memory` of 2Mi pages, and a pod that uses it (tolerating
 /// every taint: the Node has no kubelet).
 async fn claim_and_pod(client: &Client, name: &str, memory: &str) {
+    claim_and_pod_with(
+        client,
+        name,
+        json!({"requests": [{"name": "pages", "exactly": {
+            "deviceClassName": "hugepages-2mi.hugepool.dev",
+            "capacity": {"requests": {"memory": memory}},
+        }}]}),
+    )
+    .await;
+}
+
+/// A claim for pages and a NIC of another driver on the same NUMA node
+/// (`matchAttribute` on the standard attribute, and on dranet's): the
+/// scheduler takes a NIC on the pages' NUMA node 0 (one each: a NIC is not
+/// shared), not one on node 1, listed first.
+async fn pages_align_with_another_drivers_devices(client: &Client, node: &str) {
+    let nic_driver = "nic.example.net";
+    let slices: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &resource_slices());
+    let nic = |name: &str, numa: i64| {
+        json!({"name": name, "attributes": {
+            "resource.kubernetes.io/numaNode": {"int": numa},
+            "dra.net/numaNode": {"int": numa},
+        }})
+    };
+    let slice: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": format!("{node}-nics")},
+        "spec": {
+            "driver": nic_driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [nic("nic-a", 1), nic("nic-b", 0), nic("nic-c", 1), nic("nic-d", 0)],
+        },
+    }))
+    .unwrap();
+    slices
+        .create(&PostParams::default(), &slice)
+        .await
+        .expect("the NIC driver's slice");
+    let classes: Api<kube::api::DynamicObject> = Api::all_with(
+        client.clone(),
+        &kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "DeviceClass"),
+            "deviceclasses",
+        ),
+    );
+    let class: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": nic_driver},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{nic_driver}'")}}]},
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &class)
+        .await
+        .expect("the NIC DeviceClass");
+    for (claim, attribute) in [
+        ("aligned-std", "resource.kubernetes.io/numaNode"),
+        ("aligned-dranet", "dra.net/numaNode"),
+    ] {
+        claim_and_pod_with(
+            client,
+            claim,
+            json!({
+                "requests": [
+                    {"name": "pages", "exactly": {
+                        "deviceClassName": "hugepages-2mi.hugepool.dev",
+                        "capacity": {"requests": {"memory": "2Mi"}},
+                    }},
+                    {"name": "nic", "exactly": {"deviceClassName": nic_driver}},
+                ],
+                "constraints": [{"requests": ["pages", "nic"], "matchAttribute": attribute}],
+            }),
+        )
+        .await;
+        wait_scheduled(client, claim, node).await;
+        let claims: Api<kube::api::DynamicObject> =
+            Api::namespaced_with(client.clone(), "default", &resource_claims());
+        let object = claims.get(claim).await.expect("the claim");
+        let results = object.data["status"]["allocation"]["devices"]["results"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let device_of = |request: &str| {
+            results
+                .iter()
+                .find(|r| r["request"] == request)
+                .and_then(|r| r["device"].as_str())
+                .map(str::to_string)
+        };
+        assert_eq!(
+            device_of("pages").as_deref(),
+            Some("hugepages-2mi-numa0"),
+            "{claim}: {results:?}"
+        );
+        assert!(
+            matches!(device_of("nic").as_deref(), Some("nic-b" | "nic-d")),
+            "{claim}: a NIC on NUMA node 0: {results:?}"
+        );
+    }
+}
+
+/// A ResourceClaim `name` whose `spec.devices` is `devices`, and a pod that
+/// uses it.
+async fn claim_and_pod_with(client: &Client, name: &str, devices: serde_json::Value) {
     let claims: Api<kube::api::DynamicObject> =
         Api::namespaced_with(client.clone(), "default", &resource_claims());
     let claim: kube::api::DynamicObject = serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "pages", "exactly": {
-            "deviceClassName": "hugepages-2mi.hugepool.dev",
-            "capacity": {"requests": {"memory": memory}},
-        }}]}},
+        "spec": {"devices": devices},
     }))
     .unwrap();
     claims
@@ -2127,6 +2231,7 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         (device.to_string(), 20 << 20)
     );
     assert_eq!(sysfs("nr_hugepages"), 64);
+    pages_align_with_another_drivers_devices(&client, &name).await;
     // Prepared, and then never unprepared (as when its pod goes while the
     // kubelet is down): once the claim is gone from the API, the agent
     // forgets it rather than hold its pages against every shrink.

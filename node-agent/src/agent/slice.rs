@@ -109,6 +109,11 @@ pub fn desired(
     Desired::Devices(devices)
 }
 
+/// The NUMA node attribute Kubernetes standardises for every driver.
+pub const STANDARD_NUMA_ATTRIBUTE: &str = "resource.kubernetes.io/numaNode";
+/// The NUMA node attribute of dranet's NICs and dra-driver-cpu's CPUs.
+pub const DRANET_NUMA_ATTRIBUTE: &str = "dra.net/numaNode";
+
 /// The ResourceSlice object for `devices` on `node` (owned by its Node, so
 /// it goes with it), at pool generation `generation`.
 pub fn slice_object(
@@ -124,9 +129,16 @@ pub fn slice_object(
             json!({
                 "name": d.name(),
                 "allowMultipleAllocations": true,
+                // numaNode in the driver's domain, and as other drivers
+                // name it so that a claim can align pages with their
+                // devices (`constraints: matchAttribute`): the standard
+                // attribute (KEP-6072) and dranet's, which dra-driver-cpu
+                // publishes too.
                 "attributes": {
                     "pageSize": {"string": d.size.to_string()},
                     "numaNode": {"int": d.numa},
+                    STANDARD_NUMA_ATTRIBUTE: {"int": d.numa},
+                    DRANET_NUMA_ATTRIBUTE: {"int": d.numa},
                 },
                 "capacity": {
                     "memory": {
@@ -468,6 +480,11 @@ mod tests {
         assert_eq!(first["allowMultipleAllocations"], true);
         assert_eq!(first["attributes"]["pageSize"]["string"], "2Mi");
         assert_eq!(first["attributes"]["numaNode"]["int"], 0);
+        assert_eq!(
+            first["attributes"]["resource.kubernetes.io/numaNode"]["int"],
+            0
+        );
+        assert_eq!(first["attributes"]["dra.net/numaNode"]["int"], 0);
         assert_eq!(first["capacity"]["memory"]["value"], "128Mi");
         assert_eq!(
             first["capacity"]["memory"]["requestPolicy"],
