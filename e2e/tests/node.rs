@@ -2394,6 +2394,37 @@ spec:
     node.wait_available("claims-2mi");
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
 
+    // The hooks container has no API token: the service account's is the
+    // agent's, and an empty directory takes its place.
+    let agents: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let agent = agents
+        .list(&ListParams::default().labels("app.kubernetes.io/component=agent"))
+        .await
+        .expect("agent pods")
+        .items
+        .into_iter()
+        .next()
+        .expect("an agent pod");
+    let token_mounts = |container: &str| -> Vec<String> {
+        agent
+            .spec
+            .iter()
+            .flat_map(|s| &s.containers)
+            .filter(|c| c.name == container)
+            .flat_map(|c| c.volume_mounts.iter().flatten())
+            .filter(|m| m.mount_path == "/var/run/secrets/kubernetes.io/serviceaccount")
+            .map(|m| m.name.clone())
+            .collect()
+    };
+    assert_eq!(token_mounts("hooks"), ["no-api-token"]);
+    assert!(
+        token_mounts("agent")
+            .iter()
+            .all(|m| m.starts_with("kube-api-access")),
+        "the agent keeps its token: {:?}",
+        token_mounts("agent")
+    );
+
     // A pod with no claim that names pages in its own environment.
     node.env_pod(
         "forger",
