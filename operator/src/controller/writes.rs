@@ -49,9 +49,18 @@ pub(super) struct Retry {
     pub next_try: Instant,
     pub error: String,
     /// The last attempt found the object changed (409): the cache was
-    /// behind, nothing failed, and the pool does not report it.
+    /// behind, nothing failed, and the pool does not report it, unless it
+    /// keeps happening (`CONFLICTS_NAMED` in a row).
     pub conflict: bool,
+    /// Conflicts in a row.
+    pub conflicts: u32,
 }
+
+/// Conflicts in a row after which a node's (or pool's) writes are named
+/// as failing: with the conflict backoff (200 ms doubling) about 25 s of
+/// writes that each found the object changed again (another writer, or a
+/// cache that does not catch up).
+pub const CONFLICTS_NAMED: u32 = 8;
 
 /// Nodes (or pools) whose last write did not land, each with its backoff.
 #[derive(Debug)]
@@ -82,10 +91,12 @@ impl Retries {
             next_try: Instant::now(),
             error: String::new(),
             conflict,
+            conflicts: 0,
         });
         let first_failure = !conflict && (retry.attempts == 0 || retry.conflict);
         retry.attempts += 1;
         retry.conflict = conflict;
+        retry.conflicts = if conflict { retry.conflicts + 1 } else { 0 };
         let base = if conflict {
             CONFLICT_RETRY_BASE
         } else {
@@ -116,12 +127,24 @@ impl Retries {
         self.retries.values().map(|r| r.next_try).min()
     }
 
-    /// The failures (not conflicts) by name, for the pools' status.
+    /// The failures by name, for the pools' status: not a conflict, but a
+    /// streak of `CONFLICTS_NAMED` of them.
     pub fn errors(&self) -> BTreeMap<String, String> {
         self.retries
             .iter()
-            .filter(|(_, r)| !r.conflict)
-            .map(|(name, r)| (name.clone(), r.error.clone()))
+            .filter(|(_, r)| !r.conflict || r.conflicts >= CONFLICTS_NAMED)
+            .map(|(name, r)| {
+                let error = if r.conflict {
+                    bounded_message(format!(
+                        "{} writes in a row found the object changed since it was read \
+                         (another writer changes it?): {}",
+                        r.conflicts, r.error
+                    ))
+                } else {
+                    r.error.clone()
+                };
+                (name.clone(), error)
+            })
             .collect()
     }
 
@@ -301,6 +324,36 @@ mod tests {
 
     use super::*;
     use crate::leader::Fence;
+
+    #[test]
+    fn conflicts_that_keep_coming_are_named_a_failure_does_not_wait() {
+        let conflict = Error::NodeSpec {
+            node: "w-1".into(),
+            source: kube::Error::Api(Box::new(
+                kube::core::Status::failure("the object has been modified", "Conflict")
+                    .with_code(409),
+            )),
+        };
+        assert!(conflict.is_conflict());
+        let mut retries = Retries::up_to(RETRY_MAX);
+        for _ in 1..CONFLICTS_NAMED {
+            retries.fail("w-1", &conflict);
+        }
+        assert!(
+            retries.errors().is_empty(),
+            "a few conflicts are no failure"
+        );
+        retries.fail("w-1", &conflict);
+        let named = &retries.errors()["w-1"];
+        assert!(
+            named.starts_with("8 writes in a row found the object changed"),
+            "{named}"
+        );
+        // One that landed ends the streak.
+        retries.succeeded("w-1");
+        retries.fail("w-1", &conflict);
+        assert!(retries.errors().is_empty());
+    }
 
     #[tokio::test]
     async fn a_write_slower_than_the_window_it_started_with_lands_while_the_lease_is_renewed() {
