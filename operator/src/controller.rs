@@ -102,8 +102,11 @@ const FENCE_RECHECK: Duration = Duration::from_millis(500);
 
 /// What the worker carries from one pass to the next.
 pub struct Worker {
-    /// Nodes whose last write did not land.
+    /// Nodes whose last spec write did not land.
     node_retries: Retries,
+    /// Nodes whose last drain step (pods or claims read, taints, Draining
+    /// condition) did not land.
+    drain_retries: Retries,
     /// Pools whose last write did not land.
     pool_retries: Retries,
     /// Evictions in flight, refused ones waiting out their backoff, and
@@ -121,6 +124,7 @@ impl Default for Worker {
     fn default() -> Self {
         Self {
             node_retries: Retries::up_to(writes::RETRY_MAX),
+            drain_retries: Retries::up_to(writes::RETRY_MAX),
             pool_retries: Retries::up_to(writes::POOL_RETRY_MAX),
             evictions: Evictions::default(),
             pod_watches: PodWatches::default(),
@@ -136,6 +140,7 @@ impl Worker {
         self.evictions.is_empty()
             && self.pod_watches.is_empty()
             && self.node_retries.is_empty()
+            && self.drain_retries.is_empty()
             && self.pool_retries.is_empty()
             && self.pools_seen.is_empty()
     }
@@ -309,7 +314,7 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
     }
 
     forget_what_went(ctx, worker, &plan, &snapshot);
-    let next = next_look(ctx, worker, &plan, now);
+    let next = next_look(ctx, worker, &plan, now, started);
     ctx.metrics.observe_reconcile(started.elapsed());
     Ok(Pass { next })
 }
@@ -324,6 +329,9 @@ fn plan_fleet(
 ) -> Plan {
     let planning = Instant::now();
     worker.observed.write_errors = worker.node_retries.errors();
+    for (node, error) in worker.drain_retries.errors() {
+        worker.observed.write_errors.entry(node).or_insert(error);
+    }
     worker
         .observed
         .track_acknowledgements(snapshot.states.iter().map(Arc::as_ref), now);
@@ -432,8 +440,11 @@ struct Drains {
     judged: BTreeMap<String, BTreeSet<String>>,
 }
 
-/// Carries out each node's drain as planned (in node order: they are few):
-/// the Draining condition, the taints, and the pods to evict.
+/// Carries out each node's drain as planned: the Draining condition, the
+/// taints, and the pods to evict. The reads (a node's pods and claims) and
+/// the writes run `NODE_WRITES_IN_FLIGHT` nodes at a time, as spec writes
+/// do; a drain step that fails backs off that node's drain alone
+/// (`drain_retries`), not its spec writes.
 async fn carry_out_drains(
     ctx: &Context,
     worker: &mut Worker,
@@ -446,30 +457,74 @@ async fn carry_out_drains(
     let mut to_evict = Vec::new();
     let mut evicting = BTreeSet::new();
     let mut judged = BTreeMap::new();
+    let mut due = Vec::new();
     for (node_name, node_plan) in &plan.nodes {
         let Some(node) = snapshot.node(node_name) else {
             continue;
         };
         // A node the plan no longer drains wants no eviction, whether or
         // not its drain is carried out in this pass.
-        if node_plan.drain.evict.is_empty() && node_plan.drain.evict_pods.is_empty() {
+        if !drains::evicts(node_plan) {
             judged.insert(node_name.clone(), BTreeSet::new());
         }
-        if !worker.node_retries.due(node_name, started) {
-            continue;
+        if worker.drain_retries.due(node_name, started) {
+            due.push((
+                node,
+                node_plan,
+                drain_states.get(node_name).map(Arc::as_ref),
+            ));
         }
-        let node_state = drain_states.get(node_name).map(Arc::as_ref);
-        match drains::carry_out_drain(ctx, worker, node, node_state, node_plan, now).await {
-            Ok(Some(pods)) => {
-                evicting.insert(node_name.clone());
-                let (evictions, wanted) =
-                    drains::choose_evictions(worker, node, node_state, node_plan, &pods, now);
-                to_evict.extend(evictions);
-                judged.insert(node_name.clone(), wanted);
+    }
+    // What each draining node holds, read in parallel.
+    let read: Vec<_> = futures::stream::iter(due)
+        .map(|(node, node_plan, node_state)| async move {
+            let on_node = drains::read_drain(ctx, node, node_plan).await;
+            (node, node_plan, node_state, on_node)
+        })
+        .buffered(NODE_WRITES_IN_FLIGHT)
+        .collect()
+        .await;
+    let mut to_write = Vec::new();
+    for (node, node_plan, node_state, on_node) in read {
+        match on_node {
+            Ok(on_node) => {
+                let condition =
+                    drains::draining_condition(worker, node, node_state, node_plan, &on_node, now);
+                to_write.push((node, node_plan, node_state, on_node, condition));
             }
-            Ok(None) => {}
             Err(Error::NotLeader) => return Err(Error::NotLeader),
-            Err(err) => node_write_failed(ctx, worker, node, &err).await,
+            Err(err) => drain_failed(ctx, worker, node, &err).await,
+        }
+    }
+    // The taints and conditions, written in parallel.
+    let written: Vec<_> = futures::stream::iter(to_write)
+        .map(
+            |(node, node_plan, node_state, on_node, condition)| async move {
+                let result =
+                    drains::write_drain(ctx, node, node_state, node_plan, condition.as_ref(), now)
+                        .await;
+                (node, node_plan, node_state, on_node, result)
+            },
+        )
+        .buffered(NODE_WRITES_IN_FLIGHT)
+        .collect()
+        .await;
+    for (node, node_plan, node_state, on_node, result) in written {
+        let node_name = node.name_any();
+        match result {
+            Ok(()) => {
+                worker.drain_retries.succeeded(&node_name);
+                if drains::evicts(node_plan) {
+                    evicting.insert(node_name.clone());
+                    let (evictions, wanted) = drains::choose_evictions(
+                        worker, node, node_state, node_plan, &on_node, now,
+                    );
+                    to_evict.extend(evictions);
+                    judged.insert(node_name, wanted);
+                }
+            }
+            Err(Error::NotLeader) => return Err(Error::NotLeader),
+            Err(err) => drain_failed(ctx, worker, node, &err).await,
         }
     }
     Ok(Drains {
@@ -477,6 +532,18 @@ async fn carry_out_drains(
         evicting,
         judged,
     })
+}
+
+/// A drain step on `node` (reading its pods or claims, its taints, its
+/// Draining condition) did not land: counted, the node's drain put on a
+/// retry of its own, and the first failure of a streak told as a
+/// `WriteFailed` Event.
+async fn drain_failed(ctx: &Context, worker: &mut Worker, node: &Node, err: &Error) {
+    writes::count_unlanded(ctx, err);
+    if worker.drain_retries.fail(&node.name_any(), err) {
+        ctx.publish(events::write_failed(err), &node_reference(node))
+            .await;
+    }
 }
 
 /// A write to `node` did not land: counted, the node put on a retry, and
@@ -505,13 +572,22 @@ fn forget_what_went(ctx: &Context, worker: &mut Worker, plan: &Plan, snapshot: &
         .node_retries
         .retain(|name| snapshot.node(name).is_some());
     worker
+        .drain_retries
+        .retain(|name| snapshot.node(name).is_some());
+    worker
         .evictions
         .forget_pools(|pool| plan.pools.contains_key(pool));
 }
 
 /// When to look again without an event: the earliest deadline the plan,
 /// the retries and the evictions know, at most `resync` away.
-fn next_look(ctx: &Context, worker: &Worker, plan: &Plan, now: Timestamp) -> Duration {
+fn next_look(
+    ctx: &Context,
+    worker: &Worker,
+    plan: &Plan,
+    now: Timestamp,
+    started: Instant,
+) -> Duration {
     let until = |deadline: Timestamp| {
         Duration::try_from(deadline.duration_since(now)).unwrap_or(Duration::ZERO)
             + Duration::from_millis(100)
@@ -523,11 +599,14 @@ fn next_look(ctx: &Context, worker: &Worker, plan: &Plan, now: Timestamp) -> Dur
     if let Some(deadline) = worker.evictions.next_deadline(now) {
         next = next.min(until(deadline));
     }
+    // Retries due when the pass started were tried by it (or wait on
+    // something else, such as a node the plan no longer has).
     let retry = worker
         .node_retries
-        .next()
+        .next_after(started)
         .into_iter()
-        .chain(worker.pool_retries.next())
+        .chain(worker.pool_retries.next_after(started))
+        .chain(worker.drain_retries.next_after(started))
         .min();
     if let Some(retry) = retry {
         next = next.min(retry.saturating_duration_since(Instant::now()));

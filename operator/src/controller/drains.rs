@@ -156,28 +156,37 @@ async fn read_on_node(ctx: &Context, node: &str, plan: &NodePlan) -> Result<OnNo
     Ok(OnNode { claims, pods })
 }
 
-/// Sets the Draining condition and the taints as the plan says; returns the
-/// node's pods (and their claims) when it is evicting.
-pub(super) async fn carry_out_drain(
-    ctx: &Context,
+/// Whether the plan evicts on the node (its pods and claims must be read).
+pub(super) fn evicts(plan: &NodePlan) -> bool {
+    !plan.drain.evict.is_empty() || !plan.drain.evict_pods.is_empty()
+}
+
+/// Reads what a draining node's drain needs: its pods and their claims
+/// when it evicts, nothing otherwise.
+pub(super) async fn read_drain(ctx: &Context, node: &Node, plan: &NodePlan) -> Result<OnNode> {
+    if evicts(plan) {
+        read_on_node(ctx, &node.name_any(), plan).await
+    } else {
+        Ok(OnNode::default())
+    }
+}
+
+/// The Draining condition the plan asks for, its message naming whom the
+/// drain evicts and keeps and what its evictions met; forgets the refusals
+/// of pods gone from the node.
+pub(super) fn draining_condition(
     worker: &mut Worker,
     node: &Node,
     node_state: Option<&HugePageNode>,
     plan: &NodePlan,
+    on_node: &OnNode,
     now: Timestamp,
-) -> Result<Option<OnNode>> {
-    let drain = &plan.drain;
+) -> Option<ConditionUpdate> {
     let name = node.name_any();
-    let evicts = !drain.evict.is_empty() || !drain.evict_pods.is_empty();
-    let on_node = if evicts {
-        read_on_node(ctx, &name, plan).await?
-    } else {
-        OnNode::default()
-    };
     worker.evictions.prune(&name, &on_node.pods);
-    let mut selection = select_pods(&on_node, node_state, plan);
+    let mut selection = select_pods(on_node, node_state, plan);
     selection.notes.extend(worker.evictions.notes(&name, now));
-    let condition_update = drain.condition.clone().map(|mut update| {
+    plan.drain.condition.clone().map(|mut update| {
         if update.status && !selection.notes.is_empty() {
             update.message = format!("{}; {}", update.message, selection.notes.join("; "));
         } else if !selection.kept.is_empty() {
@@ -188,11 +197,23 @@ pub(super) async fn carry_out_drain(
             );
         }
         update
-    });
+    })
+}
+
+/// Sets the taints and the Draining condition as the plan says.
+pub(super) async fn write_drain(
+    ctx: &Context,
+    node: &Node,
+    node_state: Option<&HugePageNode>,
+    plan: &NodePlan,
+    condition_update: Option<&ConditionUpdate>,
+    now: Timestamp,
+) -> Result<()> {
+    let name = node.name_any();
     // The taints first: a node whose drain is over is untainted even when
     // its condition's write must be tried again.
     let taints = [
-        (hugepool_crds::DRAINING_TAINT, drain.taint),
+        (hugepool_crds::DRAINING_TAINT, plan.drain.taint),
         (hugepool_crds::NOT_READY_TAINT, plan.not_ready_taint),
     ];
     if taints
@@ -202,7 +223,7 @@ pub(super) async fn carry_out_drain(
         let updated = set_taints(ctx, node, &taints).await?;
         ctx.deliveries.await_write("Node", &updated);
     }
-    if let (Some(update), Some(state)) = (&condition_update, node_state) {
+    if let (Some(update), Some(state)) = (condition_update, node_state) {
         let written = match write_draining(ctx, state, update, now).await {
             // The agent wrote its status since the plan read it (it does
             // at every change): once more on the version there now.
@@ -228,7 +249,7 @@ pub(super) async fn carry_out_drain(
             }
         }
     }
-    Ok(evicts.then_some(on_node))
+    Ok(())
 }
 
 /// Sets the node's Draining condition as `update` says, on the condition

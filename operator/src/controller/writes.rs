@@ -122,9 +122,14 @@ impl Retries {
         self.retries.get(name).is_none_or(|r| r.next_try <= now)
     }
 
-    /// When the first retry is due.
-    pub fn next(&self) -> Option<Instant> {
-        self.retries.values().map(|r| r.next_try).min()
+    /// When the first retry after `now` is due (one due already was tried
+    /// by the pass, or waits on something else: no deadline).
+    pub fn next_after(&self, now: Instant) -> Option<Instant> {
+        self.retries
+            .values()
+            .map(|r| r.next_try)
+            .filter(|t| *t > now)
+            .min()
     }
 
     /// The failures by name, for the pools' status: not a conflict, but a
