@@ -110,6 +110,19 @@ pub async fn apply(kernel: Arc<dyn Kernel>, targets: &BootTargets) -> Result<Vec
             });
             continue;
         }
+        // A pool claimed through DRA is grown by the agent once the kubelet
+        // runs: the kubelet advertises as hugepages-<size> every page it
+        // finds when it starts, and the slice offers claims only the rest.
+        if entry.by_claims() {
+            applied.push(Applied {
+                line: format!(
+                    "{}: consumed through DRA; the agent grows it after the kubelet starts",
+                    entry.size
+                ),
+                reached: true,
+            });
+            continue;
+        }
         for target in targets_for(entry) {
             let (_goal_tx, mut goal_rx) = watch::channel(Goal {
                 target,
@@ -210,6 +223,32 @@ mod tests {
         assert_eq!(
             kernel.pool(PageSize::SIZE_2MI).expect("pool").persistent(),
             64
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pool_claimed_through_dra_is_left_for_the_agent_after_the_kubelet_starts() {
+        let kernel = SimulatedKernel::new(SimConfig::single_node(8 << 30));
+        let shared: Arc<dyn Kernel> = Arc::new(kernel.clone());
+        let claimed = PageSizeTarget {
+            consumption: Some(hugepool_crds::settings::Consumption::DynamicResourceAllocation),
+            ..entry(64)
+        };
+        let applied = apply(Arc::clone(&shared), &BootTargets::new("w-1", vec![claimed]))
+            .await
+            .expect("apply");
+        assert_eq!(
+            applied,
+            [Applied {
+                line: "2Mi: consumed through DRA; the agent grows it after the kubelet starts"
+                    .into(),
+                reached: true
+            }]
+        );
+        assert_eq!(
+            kernel.pool(PageSize::SIZE_2MI).expect("pool").persistent(),
+            0,
+            "the kubelet starts with none of its pages to advertise"
         );
     }
 }
