@@ -98,6 +98,18 @@ pub struct HugepageClaim {
     pub pages: Vec<ClaimedPages>,
 }
 
+/// The pods `claim` (a ResourceClaim as JSON) is reserved for, each by its
+/// `field` in `status.reservedFor` (`uid` or `name`).
+pub fn reserved_for(claim: &serde_json::Value, field: &str) -> Vec<String> {
+    claim["status"]["reservedFor"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["resource"] == "pods")
+        .filter_map(|r| r[field].as_str().map(str::to_string))
+        .collect()
+}
+
 /// What `claim` (a ResourceClaim as JSON) holds on `node` from this driver,
 /// or why it holds nothing here (the kubelet plugin refuses to prepare it
 /// with that reason). Pure: the agent's DRA service calls it on the claim it
@@ -140,13 +152,8 @@ pub fn claimed_pages(claim: &serde_json::Value, node: &str) -> Result<HugepageCl
     if pages.is_empty() {
         return Err(format!("the claim has no device of driver {DRIVER}"));
     }
-    let pods = claim["status"]["reservedFor"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|r| r["resource"] == "pods")
-        .filter_map(|r| r["uid"].as_str().map(str::to_string))
-        .collect();
+    let pods = reserved_for(claim, "uid");
+
     Ok(HugepageClaim {
         namespace: metadata["namespace"]
             .as_str()

@@ -701,6 +701,29 @@ spec:
         ));
     }
 
+    /// The chart with `dra.enabled` and the 32-page 2Mi pool `claims-2mi`
+    /// consumed through DRA (drain Never, Release), Available.
+    async fn with_dra_pool(&self) {
+        let kubelet_root = format!("dra.kubeletRootDir={}", self.kubelet_root.display());
+        self.helm_install_values(&["dra.enabled=true", &kubelet_root]);
+        self.kubectl(&["label", "node", &self.name, "hugepool.dev/demo=true"]);
+        self.apply(
+            r#"
+apiVersion: hugepool.dev/v1alpha1
+kind: HugePagePool
+metadata: {name: claims-2mi}
+spec:
+  nodeSelector: {matchLabels: {hugepool.dev/demo: "true"}}
+  pageSize: 2Mi
+  pages: 32
+  consumption: DynamicResourceAllocation
+  drain: {policy: Never}
+  deletionPolicy: Release
+"#,
+        );
+        self.wait_available("claims-2mi");
+    }
+
     /// A pod with no hugepages request running `/hugepage-holder 4` with
     /// `name=value` in its environment and, unless empty, the
     /// ResourceClaim `claim`.
@@ -2085,24 +2108,7 @@ async fn after_a_grow_and_the_kubelet_restart_a_pod_faults_exactly_the_pages_it_
 async fn a_grown_dra_pool_is_claimed_and_faulted_at_once_with_no_kubelet_restart() {
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
-    let kubelet_root = format!("dra.kubeletRootDir={}", node.kubelet_root.display());
-    node.helm_install_values(&["dra.enabled=true", &kubelet_root]);
-    node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
-    node.apply(
-        r#"
-apiVersion: hugepool.dev/v1alpha1
-kind: HugePagePool
-metadata: {name: claims-2mi}
-spec:
-  nodeSelector: {matchLabels: {hugepool.dev/demo: "true"}}
-  pageSize: 2Mi
-  pages: 32
-  consumption: DynamicResourceAllocation
-  drain: {policy: Never}
-  deletionPolicy: Release
-"#,
-    );
-    node.wait_available("claims-2mi");
+    node.with_dra_pool().await;
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
     let allocatable = || async {
         nodes
@@ -2374,24 +2380,7 @@ spec:
 async fn claimed_pages_go_only_to_the_pod_the_claim_was_prepared_for() {
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
-    let kubelet_root = format!("dra.kubeletRootDir={}", node.kubelet_root.display());
-    node.helm_install_values(&["dra.enabled=true", &kubelet_root]);
-    node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
-    node.apply(
-        r#"
-apiVersion: hugepool.dev/v1alpha1
-kind: HugePagePool
-metadata: {name: claims-2mi}
-spec:
-  nodeSelector: {matchLabels: {hugepool.dev/demo: "true"}}
-  pageSize: 2Mi
-  pages: 32
-  consumption: DynamicResourceAllocation
-  drain: {policy: Never}
-  deletionPolicy: Release
-"#,
-    );
-    node.wait_available("claims-2mi");
+    node.with_dra_pool().await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
 
     // The hooks container has no API token: the service account's is the

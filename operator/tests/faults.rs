@@ -101,6 +101,22 @@ async fn drain_behind_a_webhook(
     (fleet, pool, blocked, consumer, webhook)
 }
 
+/// Plays the kubelet of [`drain_behind_a_webhook`]'s fleet: its consumer
+/// holds 300 pages on the blocked node.
+fn play_consumer(
+    fleet: &Fleet,
+    blocked: &str,
+) -> (
+    std::sync::Arc<std::sync::Mutex<support::KubeletRecord>>,
+    tokio::task::JoinHandle<()>,
+) {
+    play_kubelet(
+        fleet,
+        &fleet.scope,
+        vec![("consumer".into(), blocked.to_string(), 300)],
+    )
+}
+
 /// The chart's Lease, one replica.
 fn one_replica(scope: &str) -> Vec<LeaderConfig> {
     vec![chart_lease(scope)]
@@ -131,11 +147,7 @@ async fn a_slow_eviction_webhook_holds_up_its_pod_alone_and_its_removal_lets_the
     let (fleet, pool, blocked, consumer, webhook) =
         drain_behind_a_webhook(&env, "slowhook", "delay=20s", one_replica).await;
     let scope = fleet.scope.clone();
-    let (kubelet, kubelet_task) = play_kubelet(
-        &fleet,
-        &scope,
-        vec![("consumer".into(), blocked.clone(), 300)],
-    );
+    let (kubelet, kubelet_task) = play_consumer(&fleet, &blocked);
     let shrink = Instant::now();
     fleet.patch_pool(&pool, json!({"pages": 100})).await;
 
@@ -243,11 +255,7 @@ async fn a_change_mid_dry_run_evicts_nothing(
     let (fleet, pool, blocked, consumer, webhook) =
         drain_behind_a_webhook(&env, prefix, "delay=20s", one_replica).await;
     let scope = fleet.scope.clone();
-    let (kubelet, kubelet_task) = play_kubelet(
-        &fleet,
-        &scope,
-        vec![("consumer".into(), blocked.clone(), 300)],
-    );
+    let (kubelet, kubelet_task) = play_consumer(&fleet, &blocked);
     fleet.patch_pool(&pool, json!({"pages": 100})).await;
     support::wait_for("the dry run sent", Duration::from_secs(60), || async {
         let asked = webhook.requests();
@@ -343,11 +351,7 @@ async fn writes_slowed_by_an_admission_webhook_fail_no_rollout_and_no_drain() {
     let (fleet, pool, blocked, _consumer, webhook) =
         drain_behind_a_webhook(&env, "slowadmit", "allow", one_replica).await;
     let scope = fleet.scope.clone();
-    let (kubelet, kubelet_task) = play_kubelet(
-        &fleet,
-        &scope,
-        vec![("consumer".into(), blocked.clone(), 300)],
-    );
+    let (kubelet, kubelet_task) = play_consumer(&fleet, &blocked);
     let slow = EvictionWebhook::start_for(
         &env,
         &format!("{scope}-slow-writes"),
@@ -442,11 +446,7 @@ async fn an_eviction_refused_after_its_dry_run_is_not_recorded_and_one_accepted_
     let (fleet, pool, blocked, consumer, webhook) =
         drain_behind_a_webhook(&env, "denyreal", "deny-real", one_replica).await;
     let scope = fleet.scope.clone();
-    let (kubelet, kubelet_task) = play_kubelet(
-        &fleet,
-        &scope,
-        vec![("consumer".into(), blocked.clone(), 300)],
-    );
+    let (kubelet, kubelet_task) = play_consumer(&fleet, &blocked);
     fleet.patch_pool(&pool, json!({"pages": 100})).await;
 
     let refused = format!("eviction of {scope}/consumer refused");
@@ -860,11 +860,7 @@ async fn an_eviction_webhook_that_hangs_to_its_timeout_is_named_and_retried() {
     let (fleet, pool, blocked, consumer, webhook) =
         drain_behind_a_webhook(&env, "hanghook", "hang", one_replica).await;
     let scope = fleet.scope.clone();
-    let (kubelet, kubelet_task) = play_kubelet(
-        &fleet,
-        &scope,
-        vec![("consumer".into(), blocked.clone(), 300)],
-    );
+    let (kubelet, kubelet_task) = play_consumer(&fleet, &blocked);
     let shrink = Instant::now();
     fleet.patch_pool(&pool, json!({"pages": 100})).await;
     let unanswered = format!("eviction of {scope}/consumer unanswered since");
@@ -931,11 +927,7 @@ async fn the_leader_killed_mid_drain_the_other_replica_finishes_it_with_one_evic
     let (mut fleet, pool, blocked, consumer, webhook) =
         drain_behind_a_webhook(&env, "killdrain", "delay=8s", replicas).await;
     let scope = fleet.scope.clone();
-    let (kubelet, kubelet_task) = play_kubelet(
-        &fleet,
-        &scope,
-        vec![("consumer".into(), blocked.clone(), 300)],
-    );
+    let (kubelet, kubelet_task) = play_consumer(&fleet, &blocked);
     fleet.patch_pool(&pool, json!({"pages": 100})).await;
     // A's real eviction is at the webhook: its record is written.
     support::wait_for(

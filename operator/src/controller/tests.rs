@@ -829,6 +829,23 @@ impl Drain {
         self.log.lock().unwrap().clone()
     }
 
+    /// A drain whose dry run (then real eviction) is accepted, the dry run
+    /// sent and held until the returned Notify is notified.
+    async fn dry_run_held() -> (Drain, Arc<tokio::sync::Notify>) {
+        let held = Arc::new(tokio::sync::Notify::new());
+        let mut drain = Drain::start(Evictions {
+            dry_run: Some(StatusCode::CREATED),
+            real: Some(StatusCode::CREATED),
+            dry_run_held: Some(Arc::clone(&held)),
+        });
+        drain
+            .until("the dry run sent", |calls| {
+                calls.iter().any(|c| c.is_eviction(true))
+            })
+            .await;
+        (drain, held)
+    }
+
     async fn pass(&mut self) -> Pass {
         let pass = tokio::time::timeout(Duration::from_secs(5), pass(&self.ctx, &mut self.worker))
             .await
@@ -968,17 +985,7 @@ async fn a_pod_gone_between_the_dry_run_and_the_eviction_is_not_recorded() {
 /// want the eviction: the real eviction is never sent, no record stays, and
 /// the abandonment is told (Event, metric).
 async fn an_eviction_the_plan_no_longer_wants_is_not_sent(change: impl FnOnce(&mut Drain)) {
-    let held = Arc::new(tokio::sync::Notify::new());
-    let mut drain = Drain::start(Evictions {
-        dry_run: Some(StatusCode::CREATED),
-        real: Some(StatusCode::CREATED),
-        dry_run_held: Some(Arc::clone(&held)),
-    });
-    drain
-        .until("the dry run sent", |calls| {
-            calls.iter().any(|c| c.is_eviction(true))
-        })
-        .await;
+    let (mut drain, held) = Drain::dry_run_held().await;
     change(&mut drain);
     drain.pass().await;
     drain.pass().await;
@@ -1028,17 +1035,7 @@ async fn a_pool_deleted_mid_drain_leaves_no_eviction_waiting() {
 
 #[tokio::test]
 async fn a_replica_deposed_mid_eviction_uses_nothing_from_before_when_it_leads_again() {
-    let held = Arc::new(tokio::sync::Notify::new());
-    let mut drain = Drain::start(Evictions {
-        dry_run: Some(StatusCode::CREATED),
-        real: Some(StatusCode::CREATED),
-        dry_run_held: Some(Arc::clone(&held)),
-    });
-    drain
-        .until("the dry run sent", |calls| {
-            calls.iter().any(|c| c.is_eviction(true))
-        })
-        .await;
+    let (mut drain, held) = Drain::dry_run_held().await;
     // Deposed while its dry run waits: it stands by, and the dry run is
     // accepted only then.
     drain._leader.send_replace(false);

@@ -97,13 +97,7 @@ pub fn claim_requests(pod: &Pod, objects: &DraObjects) -> (Vec<ClaimRequest>, Ve
 fn requests_of(claim: &Value) -> Vec<ClaimRequest> {
     let name = claim["metadata"]["name"].as_str().unwrap_or_default();
     let results = claim["status"]["allocation"]["devices"]["results"].as_array();
-    let reserved_for: Vec<String> = claim["status"]["reservedFor"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|r| r["resource"] == "pods")
-        .filter_map(|r| r["name"].as_str().map(str::to_string))
-        .collect();
+    let reserved_for = hugepool_crds::dra::reserved_for(claim, "name");
     claim["spec"]["devices"]["requests"]
         .as_array()
         .into_iter()
