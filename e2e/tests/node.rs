@@ -1698,6 +1698,9 @@ spec:
     node.wait_available("consumers-2mi");
     node.start_holder("holder", 8);
     node.wait_in_use(32, 8).await;
+    // Its pages are in the kernel before the kubelet writes its status.
+    node.wait_running(&Api::namespaced(client.clone(), "default"), "holder")
+        .await;
     let before = node.untouched(&client).await;
     assert_eq!(
         before.kernel,
