@@ -421,7 +421,7 @@ async fn write_specs(
             // failure is reported and backs off.
             Err(err) => {
                 if let Some(&node) = nodes.get(node_name.as_str()) {
-                    node_write_failed(ctx, worker, node, &err).await;
+                    node_write_failed(ctx, &mut worker.node_retries, node, &err).await;
                 }
             }
         }
@@ -493,7 +493,7 @@ async fn carry_out_drains(
                 to_write.push((node, node_plan, node_state, on_node, condition));
             }
             Err(Error::NotLeader) => return Err(Error::NotLeader),
-            Err(err) => drain_failed(ctx, worker, node, &err).await,
+            Err(err) => node_write_failed(ctx, &mut worker.drain_retries, node, &err).await,
         }
     }
     // The taints and conditions, written in parallel.
@@ -524,7 +524,7 @@ async fn carry_out_drains(
                 }
             }
             Err(Error::NotLeader) => return Err(Error::NotLeader),
-            Err(err) => drain_failed(ctx, worker, node, &err).await,
+            Err(err) => node_write_failed(ctx, &mut worker.drain_retries, node, &err).await,
         }
     }
     Ok(Drains {
@@ -534,23 +534,14 @@ async fn carry_out_drains(
     })
 }
 
-/// A drain step on `node` (reading its pods or claims, its taints, its
-/// Draining condition) did not land: counted, the node's drain put on a
-/// retry of its own, and the first failure of a streak told as a
+/// A write to `node` did not land (a spec write, with `retries` the
+/// worker's `node_retries`; a drain step, reading its pods or claims, its
+/// taints or its Draining condition, with `drain_retries`): counted, put on
+/// a retry in `retries`, and the first failure of a streak told as a
 /// `WriteFailed` Event.
-async fn drain_failed(ctx: &Context, worker: &mut Worker, node: &Node, err: &Error) {
+async fn node_write_failed(ctx: &Context, retries: &mut Retries, node: &Node, err: &Error) {
     writes::count_unlanded(ctx, err);
-    if worker.drain_retries.fail(&node.name_any(), err) {
-        ctx.publish(events::write_failed(err), &node_reference(node))
-            .await;
-    }
-}
-
-/// A write to `node` did not land: counted, the node put on a retry, and
-/// the first failure of a streak told as a `WriteFailed` Event.
-async fn node_write_failed(ctx: &Context, worker: &mut Worker, node: &Node, err: &Error) {
-    writes::count_unlanded(ctx, err);
-    if worker.node_retries.fail(&node.name_any(), err) {
+    if retries.fail(&node.name_any(), err) {
         ctx.publish(events::write_failed(err), &node_reference(node))
             .await;
     }
