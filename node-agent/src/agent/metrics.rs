@@ -188,6 +188,8 @@ pub struct Metrics {
     pub claimable_pages: Family<NumaLabels, Gauge>,
     /// ResourceSlice writes (apply or delete) by result.
     pub slice_writes: Family<ResultLabels, Counter>,
+    /// HugePageNode status writes by result.
+    pub status_writes: Family<ResultLabels, Counter>,
 }
 
 impl Metrics {
@@ -215,6 +217,7 @@ impl Metrics {
             free_lists_readable: Gauge::default(),
             claimable_pages: Family::default(),
             slice_writes: Family::default(),
+            status_writes: Family::default(),
         };
         // At 0 from the start: increase() over a series born at 1 is 0, so
         // a node's first stall would never fire HugepoolResizeStalled.
@@ -346,6 +349,11 @@ impl Metrics {
             "resource_slice_writes",
             "Writes of the node's ResourceSlice (apply or delete) by result (ok, error)",
             metrics.slice_writes.clone(),
+        );
+        prefix.register(
+            "status_writes",
+            "Writes of the node's HugePageNode status by result (ok, error): what the agent costs the API server",
+            metrics.status_writes.clone(),
         );
         metrics
     }
@@ -779,6 +787,10 @@ mod tests {
         }]);
         metrics
             .slice_writes
+            .get_or_create(&ResultLabels::ok())
+            .inc();
+        metrics
+            .status_writes
             .get_or_create(&ResultLabels::ok())
             .inc();
         let text = encode(&registry);

@@ -90,7 +90,7 @@ pub(super) async fn write_status(
             shared
                 .metrics
                 .set_obtainable(snapshot.free_lists.is_ok(), &fresh);
-            status::settle_obtainable(&mut memory, &fresh);
+            status::settle_obtainable(&mut memory, &fresh, std::time::Instant::now());
             if let Some(reported) = memory.reported_conditions.take() {
                 conditions = reported;
             }
@@ -142,6 +142,11 @@ pub(super) async fn write_status(
                 .await
             {
                 Ok(_) => {
+                    shared
+                        .metrics
+                        .status_writes
+                        .get_or_create(&metrics::ResultLabels::ok())
+                        .inc();
                     last_sent = Some(status);
                     last_patch = Instant::now();
                     backoff = Duration::from_millis(250);
@@ -150,6 +155,11 @@ pub(super) async fn write_status(
                     shared.ready.store(true, Ordering::Relaxed);
                 }
                 Err(err) => {
+                    shared
+                        .metrics
+                        .status_writes
+                        .get_or_create(&metrics::ResultLabels::error())
+                        .inc();
                     // Jittered, so that a fleet of agents does not retry in
                     // step after an API outage.
                     let wait = jittered(backoff);
