@@ -165,6 +165,49 @@ pub fn claimed_pages(claim: &serde_json::Value, node: &str) -> Result<HugepageCl
     })
 }
 
+/// What the allocated `claims` (ResourceClaims as JSON) hold on each node
+/// from this driver, by page size and NUMA node, sorted: what the operator
+/// tells each node's agent to hold (`status.allocatedClaims`). A claim that
+/// names no node's pool of this driver, or holds nothing a node could
+/// prepare, counts nowhere.
+pub fn allocated_by_node<'a>(
+    claims: impl IntoIterator<Item = &'a serde_json::Value>,
+) -> std::collections::BTreeMap<String, Vec<crate::node::ClaimedPagesOnNuma>> {
+    let mut held: std::collections::BTreeMap<
+        String,
+        std::collections::BTreeMap<(PageSize, u32), u64>,
+    > = Default::default();
+    for claim in claims {
+        let node = claim["status"]["allocation"]["devices"]["results"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|r| r["driver"] == DRIVER)
+            .and_then(|r| r["pool"].as_str());
+        let Some(node) = node else { continue };
+        let Ok(holding) = claimed_pages(claim, node) else {
+            continue;
+        };
+        let on_node = held.entry(node.to_string()).or_default();
+        for pages in holding.pages {
+            *on_node.entry((pages.size, pages.numa)).or_default() += pages.pages;
+        }
+    }
+    held.into_iter()
+        .map(|(node, pages)| {
+            let pages = pages
+                .into_iter()
+                .map(|((size, numa), pages)| crate::node::ClaimedPagesOnNuma {
+                    size,
+                    numa: i32::try_from(numa).unwrap_or(i32::MAX),
+                    pages: i64::try_from(pages).unwrap_or(i64::MAX),
+                })
+                .collect();
+            (node, pages)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,6 +266,39 @@ mod tests {
                 share_id: Some("9f3c".into()),
             }]
         );
+    }
+
+    #[test]
+    fn allocated_claims_add_up_per_node_size_and_numa_node() {
+        let on = |pool: &str, device: &str, memory: &str| {
+            claim(json!([{
+                "request": "pages", "driver": DRIVER, "pool": pool,
+                "device": device, "consumedCapacity": {"memory": memory},
+            }]))
+        };
+        let claims = [
+            on("w-1", "hugepages-2mi-numa0", "20Mi"),
+            on("w-1", "hugepages-2mi-numa0", "4Mi"),
+            on("w-1", "hugepages-2mi-numa1", "2Mi"),
+            on("w-1", "hugepages-1gi-numa0", "1Gi"),
+            on("w-2", "hugepages-2mi-numa0", "2Mi"),
+            // Not allocated, another driver, a torn result: nowhere.
+            json!({"metadata": {"name": "pending"}}),
+            claim(json!([{"driver": "gpu.example.com", "pool": "w-1", "device": "gpu-0"}])),
+            on("w-1", "hugepages-2mi-numa0", "3Mi"),
+        ];
+        let held = allocated_by_node(&claims);
+        let pages = |size, numa, pages| crate::node::ClaimedPagesOnNuma { size, numa, pages };
+        assert_eq!(
+            held["w-1"],
+            [
+                pages(PageSize::SIZE_2MI, 0, 12),
+                pages(PageSize::SIZE_2MI, 1, 1),
+                pages(PageSize::SIZE_1GI, 0, 1),
+            ]
+        );
+        assert_eq!(held["w-2"], [pages(PageSize::SIZE_2MI, 0, 1)]);
+        assert_eq!(held.len(), 2);
     }
 
     #[test]

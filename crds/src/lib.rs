@@ -28,6 +28,10 @@ pub const GROUP: &str = "hugepool.dev";
 pub const VERSION: &str = "v1alpha1";
 /// Field manager of the operator: it owns HugePageNode `.spec` and pool status.
 pub const OPERATOR_MANAGER: &str = "hugepool-operator";
+/// Field manager of the operator's `status.allocatedClaims` of each
+/// HugePageNode (a manager of its own: an apply by the operator's manager
+/// without its Draining condition would take that condition away).
+pub const CLAIMS_MANAGER: &str = "hugepool-operator-claims";
 /// Field manager of the node agent: it owns HugePageNode `.status`.
 pub const AGENT_MANAGER: &str = "hugepool-agent";
 /// Taint the operator puts on a node while it evicts hugepage consumers.

@@ -174,6 +174,31 @@ pub struct HugePageNodeStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 128))]
     pub memory_manager_pods: Vec<String>,
+    /// Pages that ResourceClaims allocated on this node hold, by page size
+    /// and NUMA node, as the operator last read the claims (written by the
+    /// operator, for pools consumed through DRA). The agent holds them
+    /// against a shrink from the moment the scheduler allocates a claim,
+    /// before the kubelet prepares it. Empty when no claim is allocated
+    /// here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128))]
+    #[x_kube(merge_strategy = ListMerge::Atomic)]
+    pub allocated_claims: Vec<ClaimedPagesOnNuma>,
+}
+
+/// Pages of one size that claims allocated on one NUMA node hold.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimedPagesOnNuma {
+    /// The page size, such as 2Mi or 1Gi.
+    #[schemars(regex(pattern = crate::pool::PAGE_SIZE_PATTERN), length(max = 8))]
+    pub size: crate::PageSize,
+    /// The NUMA node's id.
+    #[schemars(range(min = 0, max = 1023))]
+    pub numa: i32,
+    /// Pages the claims allocated there hold together.
+    #[schemars(range(min = 0, max = 16777216))]
+    pub pages: i64,
 }
 
 #[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]

@@ -149,6 +149,32 @@ pub fn claimed_of(claimed: &Claimed, size: PageSize, numa: Option<u32>) -> u64 {
         .sum()
 }
 
+/// What claims hold, prepared or only allocated: on each size and NUMA
+/// node the larger of the two (an allocated claim is prepared later, and
+/// the operator's view of the allocations may lag the kubelet's).
+pub fn held(prepared: &Claimed, allocated: &Claimed) -> Claimed {
+    let mut held = prepared.clone();
+    for (key, pages) in allocated {
+        let entry = held.entry(*key).or_default();
+        *entry = (*entry).max(*pages);
+    }
+    held.retain(|_, pages| *pages > 0);
+    held
+}
+
+/// What the operator tells the agent the allocated claims hold
+/// (`status.allocatedClaims`).
+pub fn allocated(object: &hugepool_crds::HugePageNode) -> Claimed {
+    let mut allocated = Claimed::new();
+    for entry in object.status.iter().flat_map(|s| &s.allocated_claims) {
+        let (Ok(numa), Ok(pages)) = (u32::try_from(entry.numa), u64::try_from(entry.pages)) else {
+            continue;
+        };
+        *allocated.entry((entry.size, numa)).or_default() += pages;
+    }
+    allocated
+}
+
 /// What `claims` hold together, by page size and NUMA node.
 pub fn claimed<'a>(claims: impl IntoIterator<Item = &'a PreparedClaim>) -> Claimed {
     let mut held = Claimed::new();
@@ -516,6 +542,31 @@ pub async fn serve(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_hold_is_the_larger_of_prepared_and_allocated_on_each_numa_node() {
+        let mi2 = PageSize::SIZE_2MI;
+        let mut object = hugepool_crds::HugePageNode::new("w-1", Default::default());
+        let on = |numa, pages| hugepool_crds::node::ClaimedPagesOnNuma {
+            size: mi2,
+            numa,
+            pages,
+        };
+        object.status = Some(hugepool_crds::HugePageNodeStatus {
+            allocated_claims: vec![on(0, 10), on(1, 4), on(-1, 9)],
+            ..Default::default()
+        });
+        let allocated = allocated(&object);
+        assert_eq!(allocated, Claimed::from([((mi2, 0), 10), ((mi2, 1), 4)]));
+        // NUMA node 0: 6 prepared of the 10 allocated (the rest not
+        // prepared yet); node 1: 7 prepared, the operator not caught up.
+        let prepared = Claimed::from([((mi2, 0), 6), ((mi2, 1), 7), ((mi2, 2), 0)]);
+        assert_eq!(
+            held(&prepared, &allocated),
+            Claimed::from([((mi2, 0), 10), ((mi2, 1), 7)])
+        );
+        assert_eq!(held(&Claimed::new(), &Claimed::new()), Claimed::new());
+    }
 
     fn claim(results: serde_json::Value) -> serde_json::Value {
         json!({

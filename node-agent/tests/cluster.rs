@@ -2128,6 +2128,273 @@ fn dra_claim(name: &str, uid: &str) -> hugepool_agent::dra::proto::v1::Claim {
 /// seconds with no kubelet restart and no KubeletCapacityStale; a kubelet
 /// that advertises the pool takes it out of the slice; a pool no longer
 /// consumed through DRA deletes the slice.
+// The scheduler allocates a claim before the kubelet prepares it. A shrink
+// in that gap must leave the claim's pages, or the kubelet's prepare finds
+// the pool short and the pod stays in ContainerCreating for good. The real
+// scheduler allocates, the operator (in this process, watching claims)
+// tells the agent, the agent holds; the test plays the kubelet's prepare.
+#[tokio::test]
+async fn a_claim_the_scheduler_allocated_holds_its_pages_against_a_shrink_before_it_is_prepared() {
+    let Some(_shared) = setup().await else { return };
+    let Some(real) = RealKernel::acquire(GIB) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    let dir = std::env::temp_dir().join(unique_name("dra-gap"));
+    let own = OwnedControlPlane::start_with_args(&dir, &["--scheduler"])
+        .expect("a private control plane with kube-scheduler");
+    let client = own.control_plane.client().await.expect("client");
+    install_crds(client.clone()).await.expect("CRDs");
+    let (minor, _) = hugepool_e2e::server_minor(&client).await;
+    if minor < hugepool_e2e::DRA_MINOR {
+        // No consumable capacity before 1.36: no claim takes pages
+        // (a_dra_pool_is_published_... shows the slice refused there).
+        eprintln!("1.{minor}: claims for pages need 1.36; nothing to hold");
+        drop(real);
+        return;
+    }
+
+    let name = unique_name("agent-gap");
+    let label = "pool.test/gap";
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {label: "true"}},
+    }))
+    .unwrap();
+    nodes
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("create Node");
+    let schedulable = json!({"status": {
+        "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110", "hugepages-2Mi": "0"},
+        "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110", "hugepages-2Mi": "0"},
+    }});
+    nodes
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&schedulable))
+        .await
+        .expect("make the Node schedulable");
+    let classes: Api<kube::api::DynamicObject> = Api::all_with(
+        client.clone(),
+        &kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "DeviceClass"),
+            "deviceclasses",
+        ),
+    );
+    let class = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": "hugepages-2mi.hugepool.dev"},
+        "spec": {"selectors": [{"cel": {"expression":
+            "device.driver == 'hugepages.hugepool.dev' && device.attributes['hugepages.hugepool.dev'].pageSize == '2Mi'"}}]},
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &class)
+        .await
+        .expect("create DeviceClass");
+
+    let kubelet_dirs = tempfile::tempdir().expect("the kubelet's plugin directories");
+    let plugins = kubelet_dirs.path().join("plugins");
+    let cdi = kubelet_dirs.path().join("cdi");
+    let agent = AgentProcess::start(
+        &own.control_plane.kubeconfig,
+        &name,
+        &[
+            "--resource-slices",
+            "--kubelet-plugin",
+            "--kubelet-plugins-dir",
+            plugins.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+        ],
+    );
+    // The operator on a runtime of its own, as its binary runs it.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let operator_client = client.clone();
+    let operator = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("the operator's runtime")
+            .block_on(hugepool_operator::run(
+                operator_client,
+                hugepool_operator::Config {
+                    watch_claims: true,
+                    ..Default::default()
+                },
+                async move {
+                    let _ = stopped.await;
+                },
+            ))
+    });
+
+    // A pool of 16 pages taken through claims; its shrinks evict nobody.
+    let pools: Api<hugepool_crds::HugePagePool> = Api::all(client.clone());
+    let pool: hugepool_crds::HugePagePool = serde_json::from_value(json!({
+        "apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePagePool",
+        "metadata": {"name": "gap"},
+        "spec": {
+            "nodeSelector": {"matchLabels": {label: "true"}},
+            "pageSize": "2Mi", "pages": 16,
+            "consumption": "DynamicResourceAllocation",
+            "drain": {"policy": "Never"},
+        },
+    }))
+    .unwrap();
+    pools
+        .create(&PostParams::default(), &pool)
+        .await
+        .expect("create the pool");
+    wait_for(
+        &client,
+        &name,
+        &agent,
+        Duration::from_secs(120),
+        "convergence at 16",
+        |o| converged_at(o, 16),
+    )
+    .await;
+    let slices: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &resource_slices());
+    let device = "hugepages-2mi-numa0";
+    wait_for_slice(&slices, &name, &agent, Some(&[(device, 16 * MI2.bytes())])).await;
+
+    // 10 pages claimed and allocated by the scheduler; no kubelet prepares
+    // them yet. The operator tells the agent.
+    claim_and_pod(&client, "held", "20Mi").await;
+    assert_eq!(
+        wait_scheduled(&client, "held", &name).await,
+        (device.to_string(), 20 << 20)
+    );
+    wait_for(
+        &client,
+        &name,
+        &agent,
+        Duration::from_secs(60),
+        "the allocated claim told to the agent",
+        |o| {
+            o.status.as_ref().is_some_and(|s| {
+                s.allocated_claims
+                    == [hugepool_crds::node::ClaimedPagesOnNuma {
+                        size: MI2,
+                        numa: 0,
+                        pages: 10,
+                    }]
+            })
+        },
+    )
+    .await;
+
+    // The shrink to 0 in the gap stops at the claim's 10 pages, and says
+    // why, on the node and on the pool.
+    pools
+        .patch(
+            "gap",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"pages": 0}})),
+        )
+        .await
+        .expect("shrink the pool");
+    let (blocked, _) = wait_for_condition(
+        &client,
+        &name,
+        &agent,
+        Duration::from_secs(120),
+        NodeConditionType::ShrinkBlocked,
+        "True",
+        "PagesInUse",
+    )
+    .await;
+    assert!(
+        blocked
+            .message
+            .contains("the 10 pages claims hold (DRA: 0 prepared by the kubelet, 10 allocated by the scheduler"),
+        "{}",
+        blocked.message
+    );
+    assert_eq!(sysfs("nr_hugepages"), 10);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let pool = pools.get("gap").await.expect("the pool");
+        let progressing = pool
+            .status
+            .as_ref()
+            .and_then(|s| {
+                find_condition(&s.conditions, hugepool_crds::PoolConditionType::Progressing)
+            })
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        if progressing.contains(&format!("shrink held by claims on {name}")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pool does not name the claims holding its shrink: {progressing}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The kubelet comes to prepare the claim: its pages are there.
+    let endpoint = plugins.join("hugepages.hugepool.dev/dra.sock");
+    let mut kubelet = DraPluginClient::new(unix_channel(&endpoint).await);
+    let uid = claim_uid(&client, "held").await;
+    let prepared = prepare(&mut kubelet, &[("held", &uid)]).await;
+    assert_eq!(prepared[&uid].error, "", "{:?}", prepared[&uid]);
+
+    // The pod goes and its claim with it: the shrink finishes.
+    let unprepared = kubelet
+        .node_unprepare_resources(NodeUnprepareResourcesRequest {
+            claims: vec![dra_claim("held", &uid)],
+        })
+        .await
+        .expect("NodeUnprepareResources")
+        .into_inner()
+        .claims;
+    assert_eq!(unprepared[&uid].error, "");
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let claims: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(client.clone(), "default", &resource_claims());
+    pods.delete("held", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete pod");
+    claims
+        .delete("held", &DeleteParams::default())
+        .await
+        .expect("delete claim");
+    // No resourceclaim controller here to deallocate it: its finalizer
+    // goes by hand.
+    let _ = claims
+        .patch(
+            "held",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await;
+    wait_for(
+        &client,
+        &name,
+        &agent,
+        Duration::from_secs(120),
+        "convergence at 0 once the claim went",
+        |o| {
+            converged_at(o, 0)
+                && o.status
+                    .as_ref()
+                    .is_some_and(|s| s.allocated_claims.is_empty())
+        },
+    )
+    .await;
+    assert_eq!(sysfs("nr_hugepages"), 0);
+    let _ = stop.send(());
+    operator
+        .join()
+        .expect("the operator's thread")
+        .expect("the operator ran");
+    drop(agent);
+    drop(real);
+}
+
 #[tokio::test]
 async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize() {
     let Some(_shared) = setup().await else { return };

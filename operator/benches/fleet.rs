@@ -6,9 +6,10 @@
 //! Node objects (no status), the operator's release binary as a process of
 //! its own, and simulated agents in this process that report each new
 //! target converged `HUGEPOOL_FLEET_AGENT_DELAY` (1 s) after they see it
-//! and, as the real agent does at each refresh when an estimate moved,
-//! write their status again every `HUGEPOOL_FLEET_REFRESH` (15 s, spread
-//! over the period; here every time: the real agent's worst case).
+//! and, as the real agent on a busy node does (its page cache filled and
+//! dropped, the free blocks a grow gets at once moved at every refresh),
+//! write their status again every `HUGEPOOL_FLEET_REFRESH` (5 min, spread
+//! over the period: the agent shows such a move at most that often).
 //! Then:
 //!
 //! 1. the pools at maxUnavailable 100% are applied: time until every
@@ -17,7 +18,14 @@
 //!    and the operator's API writes per node for the change (counted by the
 //!    apiserver, `apiserver_request_total`, all kinds but the agents'
 //!    `hugepagenodes/status`);
-//! 3. a rollout at maxUnavailable 10%: time until every pool is Available.
+//! 3. a rollout at maxUnavailable 10%: time until every pool is Available;
+//! 4. a drain wave: back to 128 pages at maxUnavailable 100%, which every
+//!    tenth node cannot finish (its agent reports the 256 pages in use and
+//!    the shrink blocked): time until each of those carries the draining
+//!    taint and Draining=True (its pods listed: none). Its lower bound is
+//!    the change's floor, the agents' delay, and a bare client's drain steps
+//!    for those nodes (pods listed, Node tainted, condition written, 32
+//!    nodes at a time).
 //!
 //! Before the operator starts, a bare client does the same writes at the
 //! same concurrency on the same apiserver (the bare floors, the headline):
@@ -34,7 +42,7 @@
 //! (`hugepool_plan_duration_seconds`). Environment: HUGEPOOL_FLEET_NODES
 //! (default "2000,10000"), HUGEPOOL_FLEET_POOLS (default "1,5"),
 //! HUGEPOOL_FLEET_AGENT_DELAY and HUGEPOOL_FLEET_REFRESH (Go durations,
-//! default 1s and 15s), HUGEPOOL_FLEET_OPERATOR (another operator binary,
+//! default 1s and 5m), HUGEPOOL_FLEET_OPERATOR (another operator binary,
 //! such as the image's musl build). Under `cargo test` (no `--bench`) it
 //! runs 50 nodes with 200 ms agents refreshing every 2 s and fails above 3
 //! operator writes per node per change.
@@ -76,6 +84,9 @@ struct Row {
     apply: Duration,
     change: Duration,
     rollout: Duration,
+    /// A tenth of the nodes blocked by pages in use: until each is tainted
+    /// and Draining.
+    drain_wave: Duration,
     writes_per_node: f64,
     /// Writes of the operator's that met a newer object (409, or a failed
     /// JSON-patch test) and were retried, in apply, change and rollout.
@@ -104,11 +115,27 @@ struct Targets {
     refreshed: usize,
     /// One writer at a time per node, as one agent writes.
     writers: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
+    /// The drain wave's nodes: their agents report a shrink below `held`
+    /// blocked by pages in use.
+    blocking: std::collections::HashSet<String>,
+    held: i64,
+    /// Nodes whose HugePageNode carries Draining=True, and Nodes that carry
+    /// the draining taint, as the bench's watches saw them.
+    draining: std::collections::HashSet<String>,
+    tainted: std::collections::HashSet<String>,
 }
 
 impl Targets {
     fn writer(&mut self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
         self.writers.entry(name.to_string()).or_default().clone()
+    }
+
+    /// Drain wave nodes not yet both tainted and Draining.
+    fn not_draining(&self) -> usize {
+        self.blocking
+            .iter()
+            .filter(|n| !(self.draining.contains(*n) && self.tainted.contains(*n)))
+            .count()
     }
 
     fn count(&self, pages: i64) -> usize {
@@ -188,6 +215,10 @@ struct Floors {
     apply_with_agents: Duration,
     /// The change likewise, on objects that carry the agents' status.
     change_with_agents: Duration,
+    /// A drain wave's lower bound: the change's spec writes, the agents'
+    /// delay, then each draining node's drain steps (its pods listed, its
+    /// Node tainted, its Draining condition written), 32 nodes at a time.
+    drain_wave: Duration,
     /// Each phase's profile, by name.
     profiles: Vec<(String, Profile)>,
 }
@@ -215,6 +246,44 @@ fn converged_status(state: &HugePageNode, pages: i64) -> serde_json::Value {
                 "status": "True",
                 "reason": "AtTarget",
                 "message": format!("2Mi: {pages}/{pages} pages"),
+                "observedGeneration": generation,
+                "lastTransitionTime": now,
+            }],
+        },
+    })
+}
+
+/// The status an agent writes when a shrink to `target` stops at `held`
+/// pages in use.
+fn blocked_status(state: &HugePageNode, target: i64, held: i64) -> serde_json::Value {
+    let generation = state.metadata.generation.unwrap_or(0);
+    let now = jiff::Timestamp::now().to_string();
+    json!({
+        "apiVersion": "hugepool.dev/v1alpha1",
+        "kind": "HugePageNode",
+        "status": {
+            "observedGeneration": generation,
+            "pageSizes": [{
+                "size": PageSize::SIZE_2MI,
+                "target": target,
+                "total": held,
+                "free": 0,
+                "reserved": 0,
+                "surplus": 0,
+                "inUse": held,
+            }],
+            "conditions": [{
+                "type": "Converged",
+                "status": "False",
+                "reason": "PagesInUse",
+                "message": format!("2Mi: {held}/{target} pages"),
+                "observedGeneration": generation,
+                "lastTransitionTime": now,
+            }, {
+                "type": "ShrinkBlocked",
+                "status": "True",
+                "reason": "PagesInUse",
+                "message": format!("2Mi: target {target} is below {held} pages in use + 0 reserved"),
                 "observedGeneration": generation,
                 "lastTransitionTime": now,
             }],
@@ -252,6 +321,19 @@ fn start_agents(
                         .by_node
                         .insert(name.clone(), pages);
                 }
+                let draining = state.status.as_ref().is_some_and(|s| {
+                    hugepool_crds::conditions::is_true(
+                        &s.conditions,
+                        hugepool_crds::NodeConditionType::Draining,
+                    )
+                });
+                if draining {
+                    targets
+                        .lock()
+                        .expect("targets")
+                        .draining
+                        .insert(name.clone());
+                }
                 let reported = state
                     .status
                     .as_ref()
@@ -271,7 +353,14 @@ fn start_agents(
                     let writer = targets.lock().expect("targets").writer(&name);
                     let _writer = writer.lock().await;
                     let params = PatchParams::apply(AGENT_MANAGER).force();
-                    let status = converged_status(&state, pages);
+                    let held = {
+                        let targets = targets.lock().expect("targets");
+                        targets.blocking.contains(&name).then_some(targets.held)
+                    };
+                    let status = match held {
+                        Some(held) if pages < held => blocked_status(&state, pages, held),
+                        _ => converged_status(&state, pages),
+                    };
                     for _ in 0..5 {
                         if api
                             .patch_status(&name, &params, &Patch::Apply(&status))
@@ -292,12 +381,36 @@ fn start_agents(
     })
 }
 
+/// Follows the Nodes' draining taints into `targets.tainted`.
+fn watch_taints(client: Client, targets: Arc<Mutex<Targets>>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let api: Api<Node> = Api::all(client);
+        let mut events = watcher(api, watcher::Config::default().labels("bench=true"))
+            .default_backoff()
+            .applied_objects()
+            .boxed();
+        while let Some(event) = events.next().await {
+            let Ok(node) = event else { continue };
+            let tainted = node
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.key == hugepool_crds::DRAINING_TAINT));
+            let mut targets = targets.lock().expect("targets");
+            if tainted {
+                targets.tainted.insert(node.name_any());
+            } else {
+                targets.tainted.remove(&node.name_any());
+            }
+        }
+    })
+}
+
 /// The agents' refreshes: every node whose agent has reported writes its
 /// status again once per `refresh`, the fleet's writes spread evenly over
-/// the period, each with its estimates moved. A real agent re-reads its
-/// kernel at every refresh (15 s by default) and writes only when a figure
-/// moved by more than a tenth; these agents write every time, its worst
-/// case. Each write is the node's last status with `obtainable` changed, so
+/// the period, each with its estimates moved: a busy node's agent, whose
+/// free blocks move at every refresh and are shown at most every 5
+/// minutes. Each write is the node's last status with `obtainable` changed, so
 /// it never reports a target the node has not reached.
 fn start_refreshes(
     client: Client,
@@ -787,6 +900,15 @@ async fn apiserver_floors(
         .await
         .expect("floor rollout writes");
     let rollout = started.elapsed().max(10 * delay);
+    let reading = Reading::take(client, up, None).await;
+    let started = Instant::now();
+    drain_steps(client, nodes).await;
+    let steps = started.elapsed();
+    profiles.push((
+        "floor: drain steps of a tenth".into(),
+        reading.finish(client, steps).await,
+    ));
+    let drain_wave = change + delay + steps;
     delete_floor_objects(&api).await;
     let mut loaded = floors_with_agents(client, nodes, delay, refresh, up)
         .await
@@ -801,8 +923,84 @@ async fn apiserver_floors(
         rollout,
         apply_with_agents,
         change_with_agents,
+        drain_wave,
         profiles,
     }
+}
+
+/// The drain wave's nodes: every tenth.
+fn drain_wave_nodes(nodes: usize) -> Vec<usize> {
+    (0..nodes).step_by(10).collect()
+}
+
+/// What a drain does on each draining node, done by a bare client 32 nodes
+/// at a time: list the node's pods (by field selector), taint its Node, and
+/// write the Draining condition of its HugePageNode (`floor-*`); then the
+/// taints are taken off again, untimed.
+async fn drain_steps(client: &Client, nodes: usize) {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::all(client.clone());
+    let node_api: Api<Node> = Api::all(client.clone());
+    let states: Api<HugePageNode> = Api::all(client.clone());
+    let params = PatchParams::apply("bench-floor").force();
+    let taints = |on: bool| {
+        let taints = if on {
+            json!([{"key": hugepool_crds::DRAINING_TAINT, "effect": "NoSchedule"}])
+        } else {
+            json!(null)
+        };
+        json!({"spec": {"taints": taints}})
+    };
+    futures::stream::iter(drain_wave_nodes(nodes))
+        .map(|i| {
+            let (pods, node_api, states, params) =
+                (pods.clone(), node_api.clone(), states.clone(), params.clone());
+            let taint = taints(true);
+            async move {
+                let node = format!("node-{i:05}");
+                pods.list(
+                    &kube::api::ListParams::default().fields(&format!("spec.nodeName={node}")),
+                )
+                .await?;
+                node_api
+                    .patch(&node, &PatchParams::default(), &Patch::Merge(&taint))
+                    .await?;
+                let condition = json!({
+                    "apiVersion": "hugepool.dev/v1alpha1",
+                    "kind": "HugePageNode",
+                    "status": {"conditions": [{
+                        "type": "Draining", "status": "True", "reason": "EvictingPods",
+                        "message": "evicting pods that request hugepages-2Mi so the shrink of pool bench-0 can finish",
+                        "lastTransitionTime": jiff::Timestamp::now().to_string(),
+                    }]},
+                });
+                states
+                    .patch_status(&format!("floor-{i:05}"), &params, &Patch::Apply(&condition))
+                    .await
+                    .map(|_| ())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await
+        .expect("floor drain steps");
+    futures::stream::iter(drain_wave_nodes(nodes))
+        .map(|i| {
+            let (node_api, untaint) = (node_api.clone(), taints(false));
+            async move {
+                node_api
+                    .patch(
+                        &format!("node-{i:05}"),
+                        &PatchParams::default(),
+                        &Patch::Merge(&untaint),
+                    )
+                    .await
+                    .map(|_| ())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await
+        .expect("floor untaints");
 }
 
 async fn delete_floor_objects(api: &Api<HugePageNode>) {
@@ -1024,9 +1222,38 @@ async fn measure(
     all_available(rolled).await;
     let rollout = t.elapsed();
     conflicts[2] = operator.conflicts() - conflicts_before;
+    let passes = operator.reconciles().saturating_sub(passes_before);
+
+    // 4. A drain wave: a shrink back to 128 at maxUnavailable 100%, which
+    // a tenth of the nodes cannot finish (their agents report the 256 pages
+    // in use), until each of those is tainted and Draining.
+    {
+        let mut targets = targets.lock().expect("targets");
+        targets.blocking = drain_wave_nodes(nodes)
+            .into_iter()
+            .map(|i| format!("node-{i:05}"))
+            .collect();
+        targets.held = 256;
+    }
+    let taints = watch_taints(client.clone(), targets.clone());
+    let reading = Reading::take(&client, up, operator_pid).await;
+    let t = Instant::now();
+    patch_all(json!({"spec": {"pages": 128, "rollout": {"maxUnavailable": "100%"}}})).await;
+    wait_until("every draining node tainted and Draining", budget, || {
+        let left = targets.lock().expect("targets").not_draining();
+        (left == 0)
+            .then_some(())
+            .ok_or(format!("{left} nodes not draining yet"))
+    })
+    .await;
+    let drain_wave = t.elapsed();
+    profiles.push((
+        "operator: drain wave".into(),
+        reading.finish(&client, drain_wave).await,
+    ));
+    taints.abort();
     let agent_writes_per_second =
         (agent_writes() - agent_writes_before) as f64 / run_started.elapsed().as_secs_f64();
-    let passes = operator.reconciles().saturating_sub(passes_before);
     let _ = stop_sampling.send(());
     let samples = sampler.await.expect("the rollout's samples");
     let picture = root.join(format!("rollout-{nodes}-{pool_count}.svg"));
@@ -1045,6 +1272,7 @@ async fn measure(
         apply,
         change,
         rollout,
+        drain_wave,
         writes_per_node: writes / nodes as f64,
         conflicts,
         agent_writes_per_second,
@@ -1131,15 +1359,17 @@ fn main() -> ExitCode {
             .filter_map(|n| n.trim().parse().ok())
             .collect()
     };
-    // The agent's default refresh; shorter in the smoke run, so that its 50
-    // nodes' refreshes are under way while the operator writes.
+    // How often a busy node's agent writes what a grow gets at once
+    // (hugepool_agent::agent::status::ESTIMATE_SHOWN_FOR); shorter in the
+    // smoke run, so that its 50 nodes' refreshes are under way while the
+    // operator writes.
     let refresh = std::env::var("HUGEPOOL_FLEET_REFRESH")
         .ok()
         .and_then(|d| hugepool_crds::duration::parse(&d).ok())
         .unwrap_or(if smoke {
             Duration::from_secs(2)
         } else {
-            Duration::from_secs(15)
+            Duration::from_secs(300)
         });
     let mut rows = Vec::new();
     for nodes in sizes {
@@ -1162,9 +1392,9 @@ fn main() -> ExitCode {
     );
     println!();
     println!(
-        "| nodes | pools | apply -> all targets (floor, x) | change -> all targets (floor, x) | rollout at 10% (lower bound, x) | apply, change against the floors with agents (x) | conflicts retried (apply, change, rollout) | agent writes/s | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
+        "| nodes | pools | apply -> all targets (floor, x) | change -> all targets (floor, x) | rollout at 10% (lower bound, x) | drain wave of a tenth (lower bound, x) | apply, change against the floors with agents (x) | conflicts retried (apply, change, rollout) | agent writes/s | writes/node per change | operator peak RSS | operator CPU (passes) | planning per pass |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let versus = |ours: Duration, floor: Duration| {
         format!(
             "{:.1} s ({:.1} s, {:.2}x)",
@@ -1175,12 +1405,13 @@ fn main() -> ExitCode {
     };
     for row in &rows {
         println!(
-            "| {} | {} | {} | {} | {} | {}; {} | {}, {}, {} | {:.0} | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
+            "| {} | {} | {} | {} | {} | {} | {}; {} | {}, {}, {} | {:.0} | {:.2} | {:.0} MiB | {:.1} s ({}) | {:.1} ms |",
             row.nodes,
             row.pools,
             versus(row.apply, row.floor.apply),
             versus(row.change, row.floor.change),
             versus(row.rollout, row.floor.rollout),
+            versus(row.drain_wave, row.floor.drain_wave),
             versus(row.apply, row.floor.apply_with_agents),
             versus(row.change, row.floor.change_with_agents),
             row.conflicts[0],

@@ -22,6 +22,7 @@
 //! leads, bounded by the Lease's safe window, and conditioned on the version
 //! the plan read, so that a deposed leader's late write lands nothing.
 
+mod claims;
 mod drains;
 mod evictions;
 mod specs;
@@ -40,7 +41,7 @@ use futures::{FutureExt, StreamExt};
 use hugepool_crds::{HugePageNode, HugePagePool, OPERATOR_MANAGER};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
-use kube::api::Api;
+use kube::api::{Api, DynamicObject};
 use kube::runtime::events::{Event, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -77,6 +78,9 @@ pub struct Config {
     pub resync: Duration,
     /// The Nodes the agents run on (see `planner::PlanInput::agent_nodes`).
     pub agent_nodes: Option<kube::core::Selector>,
+    /// Follow every ResourceClaim and tell each node's agent what the
+    /// claims allocated there hold (pools consumed through DRA).
+    pub watch_claims: bool,
 }
 
 impl Default for Config {
@@ -87,6 +91,7 @@ impl Default for Config {
             instance: "hugepool-operator".into(),
             resync: Duration::from_secs(300),
             agent_nodes: None,
+            watch_claims: false,
         }
     }
 }
@@ -107,6 +112,8 @@ pub struct Worker {
     /// Nodes whose last drain step (pods or claims read, taints, Draining
     /// condition) did not land.
     drain_retries: Retries,
+    /// Nodes whose last `status.allocatedClaims` write did not land.
+    claim_retries: Retries,
     /// Pools whose last write did not land.
     pool_retries: Retries,
     /// Evictions in flight, refused ones waiting out their backoff, and
@@ -125,6 +132,7 @@ impl Default for Worker {
         Self {
             node_retries: Retries::up_to(writes::RETRY_MAX),
             drain_retries: Retries::up_to(writes::RETRY_MAX),
+            claim_retries: Retries::up_to(writes::RETRY_MAX),
             pool_retries: Retries::up_to(writes::POOL_RETRY_MAX),
             evictions: Evictions::default(),
             pod_watches: PodWatches::default(),
@@ -141,6 +149,7 @@ impl Worker {
             && self.pod_watches.is_empty()
             && self.node_retries.is_empty()
             && self.drain_retries.is_empty()
+            && self.claim_retries.is_empty()
             && self.pool_retries.is_empty()
             && self.pools_seen.is_empty()
     }
@@ -185,6 +194,8 @@ pub struct Context {
     pub deliveries: Arc<Deliveries>,
     /// Wakes the worker: watch events, and evictions that answered.
     pub wake: Arc<Notify>,
+    /// Every ResourceClaim, with `Config::watch_claims`.
+    pub claims: Option<Store<DynamicObject>>,
 }
 
 impl Context {
@@ -216,6 +227,7 @@ impl Context {
             now: Timestamp::now,
             deliveries: Arc::default(),
             wake: Arc::default(),
+            claims: None,
         }
     }
 
@@ -306,6 +318,7 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
         |node| plan.nodes.contains_key(node),
         |pool| plan.pools.contains_key(pool),
     );
+    tell_allocated_claims(ctx, worker, &snapshot, started).await?;
     statuses::write_statuses(ctx, worker, &plan, pools, started).await?;
     for eviction in to_evict {
         worker
@@ -329,7 +342,12 @@ fn plan_fleet(
 ) -> Plan {
     let planning = Instant::now();
     worker.observed.write_errors = worker.node_retries.errors();
-    for (node, error) in worker.drain_retries.errors() {
+    for (node, error) in worker
+        .drain_retries
+        .errors()
+        .into_iter()
+        .chain(worker.claim_retries.errors())
+    {
         worker.observed.write_errors.entry(node).or_insert(error);
     }
     worker
@@ -427,6 +445,48 @@ async fn write_specs(
         }
     }
     Ok(drain_states)
+}
+
+/// Tells each node's agent what the claims allocated there hold
+/// (claims.rs), `NODE_WRITES_IN_FLIGHT` nodes at a time; a node whose write
+/// fails backs off on its own.
+async fn tell_allocated_claims(
+    ctx: &Context,
+    worker: &mut Worker,
+    snapshot: &Snapshot,
+    started: Instant,
+) -> Result<()> {
+    let Some(store) = &ctx.claims else {
+        return Ok(());
+    };
+    let due: Vec<_> = claims::to_tell(store, &snapshot.states)
+        .into_iter()
+        .filter(|(node, _)| worker.claim_retries.due(node, started))
+        .collect();
+    let written: Vec<_> = futures::stream::iter(due)
+        .map(|(node, allocated)| async move {
+            let result = claims::write_allocated(ctx, &node, &allocated).await;
+            (node, result)
+        })
+        .buffer_unordered(NODE_WRITES_IN_FLIGHT)
+        .collect()
+        .await;
+    for (node_name, result) in written {
+        match result {
+            Ok(updated) => {
+                worker.claim_retries.succeeded(&node_name);
+                ctx.deliveries.await_write("HugePageNode", &updated);
+            }
+            Err(Error::NotLeader) => return Err(Error::NotLeader),
+            Err(err) => match snapshot.node(&node_name) {
+                Some(node) => node_write_failed(ctx, &mut worker.claim_retries, node, &err).await,
+                None => {
+                    writes::count_unlanded(ctx, &err);
+                }
+            },
+        }
+    }
+    Ok(())
 }
 
 /// What carrying out the drains found.
@@ -566,6 +626,9 @@ fn forget_what_went(ctx: &Context, worker: &mut Worker, plan: &Plan, snapshot: &
         .drain_retries
         .retain(|name| snapshot.node(name).is_some());
     worker
+        .claim_retries
+        .retain(|name| snapshot.node(name).is_some());
+    worker
         .evictions
         .forget_pools(|pool| plan.pools.contains_key(pool));
 }
@@ -598,6 +661,7 @@ fn next_look(
         .into_iter()
         .chain(worker.pool_retries.next_after(started))
         .chain(worker.drain_retries.next_after(started))
+        .chain(worker.claim_retries.next_after(started))
         .min();
     if let Some(retry) = retry {
         next = next.min(retry.saturating_duration_since(Instant::now()));
@@ -659,7 +723,7 @@ pub async fn run(
     let (pools, pool_writer) = reflector::store();
     let (nodes, node_writer) = reflector::store();
     let (node_states, state_writer) = reflector::store();
-    let ctx = Context::new(
+    let mut ctx = Context::new(
         client.clone(),
         pools.clone(),
         nodes.clone(),
@@ -671,6 +735,30 @@ pub async fn run(
     );
     let wake = Arc::clone(&ctx.wake);
     let deliveries = Arc::clone(&ctx.deliveries);
+    let mut claims = None;
+    if ctx.config.watch_claims {
+        let resource = hugepool_crds::dra::resource_claims();
+        let writer = reflector::store::Writer::new(resource.clone());
+        ctx.claims = Some(writer.as_reader());
+        claims = ctx.claims.clone();
+        let mut ours = watches::ClaimTrigger::default();
+        tasks.0.push(follow(
+            "ResourceClaim",
+            reflector::reflector(
+                writer,
+                watcher(
+                    Api::<DynamicObject>::all_with(client.clone(), &resource),
+                    watcher::Config::default(),
+                )
+                .modify(|claim: &mut DynamicObject| claim.metadata.managed_fields = None),
+            )
+            .default_backoff(),
+            Arc::clone(&deliveries),
+            Arc::clone(&wake),
+            metrics.watch_errors_of("ResourceClaim"),
+            move |event| ours.wakes(event),
+        ));
+    }
     tasks.0.push(follow(
         "HugePagePool",
         reflector::reflector(
@@ -727,6 +815,12 @@ pub async fn run(
         )
         .await;
         if synced.is_err() {
+            return;
+        }
+        // Nor tell an agent no claim holds pages before the claims are read.
+        if let Some(claims) = &claims
+            && claims.wait_until_ready().await.is_err()
+        {
             return;
         }
         ready.store(true, Ordering::Relaxed);

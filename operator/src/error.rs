@@ -7,6 +7,8 @@ pub enum Error {
     NodeSpec { node: String, source: kube::Error },
     #[error("writing the Draining condition of HugePageNode {node}: {source}")]
     DrainCondition { node: String, source: kube::Error },
+    #[error("writing the allocated claims of HugePageNode {node}: {source}")]
+    AllocatedClaims { node: String, source: kube::Error },
     #[error("updating the draining taint of Node {node}: {source}")]
     Taint { node: String, source: kube::Error },
     #[error("listing the pods on Node {node}: {source}")]
@@ -42,6 +44,7 @@ impl Error {
         match self {
             Error::NodeSpec { .. } => "node_spec",
             Error::DrainCondition { .. } => "drain_condition",
+            Error::AllocatedClaims { .. } => "allocated_claims",
             Error::Taint { .. } => "taint",
             Error::ListPods { .. } => "list_pods",
             Error::ListClaims { .. } => "list_claims",
@@ -63,6 +66,7 @@ impl Error {
         let source = match self {
             Error::NodeSpec { source, .. }
             | Error::DrainCondition { source, .. }
+            | Error::AllocatedClaims { source, .. }
             | Error::Taint { source, .. }
             | Error::PoolStatus { source, .. }
             | Error::Finalizer { source, .. } => source,

@@ -56,6 +56,13 @@ struct RunArgs {
     /// a grow can get. Unset: only the nodes pools select.
     #[arg(long, value_parser = parse_node_labels)]
     agent_node_labels: Option<kube::core::Selector>,
+    /// Follow every ResourceClaim and tell each node's agent the pages the
+    /// claims allocated there hold (`status.allocatedClaims`), so that a
+    /// shrink never frees pages the scheduler gave a pod the kubelet has
+    /// not started yet (the chart's `dra.enabled`; needs `list` and
+    /// `watch` on resourceclaims.resource.k8s.io).
+    #[arg(long)]
+    watch_claims: bool,
     #[arg(long, env = "HUGEPOOL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
 }
@@ -144,6 +151,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         instance: identity,
         resync: args.resync,
         agent_nodes: args.agent_node_labels,
+        watch_claims: args.watch_claims,
     };
     hugepool_operator::run(kube_client().await?, config, shutdown_signal())
         .await

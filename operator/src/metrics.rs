@@ -53,6 +53,7 @@ pub struct BuildLabels {
 pub const RECONCILE_ERROR_LABELS: &[&str] = &[
     "node_spec",
     "drain_condition",
+    "allocated_claims",
     "taint",
     "list_pods",
     "list_claims",
@@ -416,6 +417,10 @@ mod tests {
                 node: "w-1".into(),
                 source: kube(),
             },
+            Error::AllocatedClaims {
+                node: "w-1".into(),
+                source: kube(),
+            },
             Error::Taint {
                 node: "w-1".into(),
                 source: kube(),
@@ -452,6 +457,7 @@ mod tests {
             match error {
                 Error::NodeSpec { .. }
                 | Error::DrainCondition { .. }
+                | Error::AllocatedClaims { .. }
                 | Error::Taint { .. }
                 | Error::ListPods { .. }
                 | Error::ListClaims { .. }

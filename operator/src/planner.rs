@@ -335,6 +335,10 @@ struct Member {
     in_use: i64,
     stalled: bool,
     shrink_blocked: bool,
+    /// ResourceClaims hold more of the size than pods have in use: what
+    /// holds up a blocked shrink is claims (prepared, or allocated by the
+    /// scheduler and not prepared yet).
+    held_by_claims: bool,
     /// Converged, but the Node's capacity for the size is not the target.
     capacity_stale: bool,
     /// Why the node does not answer (see [`unresponsive`]), if it does not.
@@ -673,6 +677,8 @@ fn classify(
             (Some(state), Some(entry)) => shrink_blocked(state, entry),
             _ => false,
         },
+        held_by_claims: reported
+            .is_some_and(|r| r.claimed.unwrap_or(0) > r.in_use.max(0) + r.reserved.max(0)),
         capacity_stale: false,
         unresponsive: None,
         silent_until: None,
@@ -841,10 +847,12 @@ fn settle_pool(
         &|m| matches!(&m.state, NodeState::Failed { reason, .. } if reason == Reason::DrainTimeout.as_str()),
     );
     let blocked = if pool.drain_policy() == DrainPolicy::Never {
-        names(&|m| m.shrink_blocked && m.state == NodeState::Updating)
+        names(&|m| m.shrink_blocked && m.state == NodeState::Updating && !m.held_by_claims)
     } else {
         Vec::new()
     };
+    let held_by_claims =
+        names(&|m| m.shrink_blocked && m.state == NodeState::Updating && m.held_by_claims);
     let status = HugePagePoolStatus {
         observed_generation: Some(pool.generation),
         pages_per_node: pool.invalid.is_none().then_some(pool.pages),
@@ -868,6 +876,7 @@ fn settle_pool(
         admitted,
         conflicts,
         blocked,
+        held_by_claims,
         stalled,
         capacity_stale,
         draining: Vec::new(),

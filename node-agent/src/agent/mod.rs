@@ -180,6 +180,32 @@ impl Shared {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Records what prepared claims (the kubelet plugin) or allocated ones
+    /// (the operator's `status.allocatedClaims`) hold, whichever is given;
+    /// the resize loop and the status follow the hold when it changes.
+    pub fn set_claims(
+        &self,
+        prepared: Option<crate::dra::Claimed>,
+        allocated: Option<crate::dra::Claimed>,
+    ) {
+        let mut memory = self.memory();
+        let given = prepared.is_some();
+        if let Some(prepared) = prepared {
+            memory.prepared = prepared;
+        }
+        if let Some(allocated) = allocated {
+            memory.allocated = allocated;
+        }
+        let held = crate::dra::held(&memory.prepared, &memory.allocated);
+        if held == memory.claimed && !given {
+            return;
+        }
+        memory.claimed = held.clone();
+        drop(memory);
+        self.claimed.send_replace(held);
+        self.touch(true);
+    }
+
     /// Something the status shows changed; `urgent` skips the rate limit.
     fn touch(&self, urgent: bool) {
         if urgent {
@@ -245,11 +271,7 @@ pub async fn run(
                         .map_err(|err| format!("cannot read NUMA node {numa}'s {size} pool: {err}"))
                 })
             })
-            .on_change(move |held| {
-                claimed.memory().claimed = held.clone();
-                claimed.claimed.send_replace(held);
-                claimed.touch(true);
-            }),
+            .on_change(move |prepared| claimed.set_claims(Some(prepared), None)),
         );
         let checked = Arc::clone(&plugin);
         let mut stop = shutdown.clone();

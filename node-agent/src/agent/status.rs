@@ -163,9 +163,16 @@ pub struct RestartFailure {
 /// Everything besides the kernel that the status is built from.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AgentMemory {
-    /// Pages the kubelet plugin's prepared claims hold (DRA): shrinks leave
-    /// them, and a target below them is blocked.
+    /// Pages claims hold (DRA): on each size and NUMA node the larger of
+    /// `prepared` and `allocated`. Shrinks leave them, and a target below
+    /// them is blocked.
     pub claimed: crate::dra::Claimed,
+    /// Pages the kubelet plugin's prepared claims hold.
+    pub prepared: crate::dra::Claimed,
+    /// Pages the claims the scheduler allocated on this node hold, as the
+    /// operator tells (`status.allocatedClaims`): held from allocation on,
+    /// before the kubelet prepares them.
+    pub allocated: crate::dra::Claimed,
     pub generation: Option<i64>,
     pub targets: Vec<PageSizeTarget>,
     pub sizes: BTreeMap<PageSize, SizeRecord>,
@@ -439,7 +446,14 @@ pub fn conditions(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Vec<Condit
                 entry.size,
                 scope_label(numa.map_or(PoolScope::Global, PoolScope::Node)),
                 if claimed > in_use + reserved {
-                    format!("the {claimed} pages prepared claims hold (DRA; {in_use} in use)")
+                    let of =
+                        |held: &crate::dra::Claimed| crate::dra::claimed_of(held, entry.size, numa);
+                    format!(
+                        "the {claimed} pages claims hold (DRA: {} prepared by the kubelet, {} \
+                         allocated by the scheduler; {in_use} in use)",
+                        of(&memory.prepared),
+                        of(&memory.allocated)
+                    )
                 } else {
                     format!("{in_use} pages in use + {reserved} reserved")
                 }
@@ -1004,6 +1018,8 @@ pub fn build(
         page_sizes,
         conditions: conditions_list.clone(),
         memory_manager_pods: memory_manager_pods(conditions_list, memory),
+        // The operator's (claims.rs there): never in the agent's apply.
+        allocated_claims: Vec::new(),
     }
 }
 
@@ -1343,7 +1359,8 @@ mod tests {
     fn pages_prepared_claims_hold_block_the_shrink_and_are_named() {
         // 60 free pages, target 10, 50 held by prepared DRA claims.
         let mut held = memory(vec![target("2Mi", 10)]);
-        held.claimed = crate::dra::Claimed::from([((PageSize::SIZE_2MI, 0), 50)]);
+        held.prepared = crate::dra::Claimed::from([((PageSize::SIZE_2MI, 0), 50)]);
+        held.claimed = held.prepared.clone();
         let status = built(&snapshot(60, 60, 0, 0), &held);
         let blocked = cond(&status, NodeConditionType::ShrinkBlocked);
         assert_eq!(
@@ -1353,7 +1370,7 @@ mod tests {
         assert!(
             blocked
                 .message
-                .contains("target 10 is below the 50 pages prepared claims hold"),
+                .contains("target 10 is below the 50 pages claims hold (DRA: 50 prepared by the kubelet, 0 allocated by the scheduler"),
             "{}",
             blocked.message
         );

@@ -23,11 +23,22 @@ pub(super) async fn watch_own_node_spec(
                     // Nothing to converge or report: ready as it is.
                     shared.ready.store(true, Ordering::Relaxed);
                 }
+                let allocated = listed
+                    .as_ref()
+                    .map(crate::dra::allocated)
+                    .unwrap_or_default();
+                shared.set_claims(None, Some(allocated));
                 publish_spec(&spec_tx, listed.take());
                 let _ = seen_tx.send(true);
             }
-            Ok(watcher::Event::Apply(object)) => publish_spec(&spec_tx, Some(object)),
-            Ok(watcher::Event::Delete(_)) => publish_spec(&spec_tx, None),
+            Ok(watcher::Event::Apply(object)) => {
+                shared.set_claims(None, Some(crate::dra::allocated(&object)));
+                publish_spec(&spec_tx, Some(object));
+            }
+            Ok(watcher::Event::Delete(_)) => {
+                shared.set_claims(None, Some(Default::default()));
+                publish_spec(&spec_tx, None);
+            }
             Err(err) => {
                 warn!(error = %err, "watch of the HugePageNode failed; retrying with backoff")
             }

@@ -647,6 +647,8 @@ struct Evictions {
     real: Option<StatusCode>,
     /// The dry run's answer waits for this (a slow webhook the test ends).
     dry_run_held: Option<Arc<tokio::sync::Notify>>,
+    /// The node's pods list is refused (403: RBAC).
+    pods_forbidden: bool,
 }
 
 /// Plays an API server by route (a drain's calls come from a pass and from
@@ -696,7 +698,14 @@ fn serve(
                 );
                 continue;
             }
-            let (code, reply) = if call.path == "/api/v1/pods" {
+            let (code, reply) = if call.path == "/api/v1/pods" && evictions.pods_forbidden {
+                let refusal = json!({
+                    "apiVersion": "v1", "kind": "Status", "status": "Failure",
+                    "message": "pods is forbidden: User \"hugepool-operator\" cannot list resource \"pods\"",
+                    "reason": "Forbidden", "code": 403,
+                });
+                (StatusCode::FORBIDDEN, refusal)
+            } else if call.path == "/api/v1/pods" {
                 let pods = json!({
                     "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "40"},
                     "items": [consumer("dpdk", "hugepages-2Mi"), consumer("web", "memory")],
@@ -837,6 +846,7 @@ impl Drain {
             dry_run: Some(StatusCode::CREATED),
             real: Some(StatusCode::CREATED),
             dry_run_held: Some(Arc::clone(&held)),
+            ..Evictions::default()
         });
         drain
             .until("the dry run sent", |calls| {
@@ -1235,6 +1245,41 @@ async fn a_pod_that_goes_from_a_draining_node_wakes_the_worker() {
         watch.query.contains("fieldSelector=spec.nodeName%3Dw-1"),
         "only w-1's pods: {}",
         watch.query
+    );
+}
+
+// A drain step that fails (the node's pods cannot be listed) backs off
+// that node's drain, not its spec writes, and is shown on the pool as a
+// write error like theirs.
+#[tokio::test]
+async fn a_failed_drain_step_backs_off_the_drain_alone() {
+    let mut drain = Drain::start(Evictions {
+        pods_forbidden: true,
+        ..Evictions::default()
+    });
+    let pass = drain.pass().await;
+    let errors = drain.worker.drain_retries.errors();
+    assert_eq!(errors.keys().collect::<Vec<_>>(), ["w-1"]);
+    assert!(errors["w-1"].contains("forbidden"), "{}", errors["w-1"]);
+    assert!(
+        drain.worker.node_retries.is_empty(),
+        "the spec writes of w-1 wait for nothing: {:?}",
+        drain.worker.node_retries.errors()
+    );
+    assert!(pass.next <= RETRY_BASE, "{:?}", pass.next);
+    // The next pass (before the retry is due) plans with the failure: the
+    // pool names it. No eviction without the node's pods.
+    drain.pass().await;
+    let calls = drain.calls();
+    assert!(!calls.iter().any(|c| c.is_eviction(true)), "{calls:#?}");
+    let status = calls
+        .iter()
+        .rev()
+        .find_map(Call::pool_status)
+        .expect("the pool's status written");
+    assert!(
+        status.to_string().contains("forbidden"),
+        "the pool's status names the failed drain step: {status}"
     );
 }
 

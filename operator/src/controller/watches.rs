@@ -67,6 +67,49 @@ pub fn slim_node_state(state: &mut HugePageNode) {
     }
 }
 
+/// Whether ResourceClaim events can change what an agent is told: a claim
+/// allocated from hugepool's driver, or one that was and is no longer
+/// (deallocated or deleted). Claims of other drivers wake nothing.
+#[derive(Default)]
+pub struct ClaimTrigger {
+    ours: HashSet<String>,
+}
+
+impl ClaimTrigger {
+    pub fn wakes(&mut self, event: &watcher::Event<kube::api::DynamicObject>) -> bool {
+        let key = |claim: &kube::api::DynamicObject| {
+            format!(
+                "{}/{}",
+                claim.metadata.namespace.as_deref().unwrap_or_default(),
+                claim.metadata.name.as_deref().unwrap_or_default()
+            )
+        };
+        let allocated_here = |claim: &kube::api::DynamicObject| {
+            claim.data["status"]["allocation"]["devices"]["results"]
+                .as_array()
+                .is_some_and(|results| {
+                    results
+                        .iter()
+                        .any(|r| r["driver"] == hugepool_crds::dra::DRIVER)
+                })
+        };
+        match event {
+            watcher::Event::Apply(claim) | watcher::Event::InitApply(claim) => {
+                let key = key(claim);
+                if allocated_here(claim) {
+                    self.ours.insert(key);
+                    true
+                } else {
+                    self.ours.remove(&key)
+                }
+            }
+            watcher::Event::Delete(claim) => self.ours.remove(&key(claim)),
+            watcher::Event::Init => false,
+            watcher::Event::InitDone => true,
+        }
+    }
+}
+
 /// Whether Node events can change a plan: a Node is new or deleted, or its
 /// labels, taints or hugepage capacity changed (a hash of each Node's is
 /// kept). Heartbeats, images and conditions plan nothing.

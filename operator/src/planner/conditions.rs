@@ -101,7 +101,7 @@ pub(super) fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [Conditi
 
     let changing = counts.updating + counts.failed;
     let waiting = counts.pending - conflict_nodes.len() as i64;
-    let blocked_note = if plan.blocked.is_empty() {
+    let mut blocked_note = if plan.blocked.is_empty() {
         String::new()
     } else {
         format!(
@@ -109,6 +109,13 @@ pub(super) fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [Conditi
             name_nodes(&plan.blocked)
         )
     };
+    if !plan.held_by_claims.is_empty() {
+        blocked_note.push_str(&format!(
+            "; shrink held by claims on {} (pages ResourceClaims hold there, prepared or \
+             allocated by the scheduler: they come back when the claims are deallocated)",
+            name_nodes(&plan.held_by_claims)
+        ));
+    }
     // Nodes that hold a slot and have not answered yet: named before they
     // are passed over, so a rollout that waits on them says on whom.
     let silent_note = if plan.silent.is_empty() {

@@ -1432,6 +1432,32 @@ fn drain_policy_never_leaves_the_node_blocked_and_says_so() {
     );
 }
 
+#[test]
+fn a_shrink_held_by_claims_says_claims_not_pages_in_use() {
+    // No page in use: 10 held by claims (prepared, or allocated and not
+    // prepared yet), on a pool that never drains.
+    let (pools, nodes, mut hpns) = blocked_shrink(DrainPolicy::Never);
+    let reported = &mut status_of(&mut hpns[0]).page_sizes[0];
+    (reported.in_use, reported.surplus, reported.total) = (0, 0, 10);
+    reported.claimed = Some(10);
+    let plan = run_plan(&pools, &nodes, &hpns, 10);
+    assert!(plan.pools["dpdk"].blocked.is_empty());
+    assert_eq!(plan.pools["dpdk"].held_by_claims, ["w-00"]);
+    let progressing = find_condition(
+        &plan.pools["dpdk"].status.conditions,
+        PoolConditionType::Progressing,
+    )
+    .unwrap();
+    assert!(
+        progressing
+            .message
+            .contains("shrink held by claims on w-00")
+            && !progressing.message.contains("pages in use"),
+        "{}",
+        progressing.message
+    );
+}
+
 // ---- property tests ----
 
 /// A random fleet: pools over labels a/b, sizes 2Mi/1Gi, random limits,

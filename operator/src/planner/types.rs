@@ -67,8 +67,12 @@ pub struct PoolPlan {
     pub admitted: Vec<String>,
     /// Nodes the pool selects that an older pool owns, with that pool's name.
     pub conflicts: Vec<(String, String)>,
-    /// Nodes where the pool's shrink is blocked and its drain policy is Never.
+    /// Nodes where the pool's shrink is blocked by pages in use and its
+    /// drain policy is Never.
     pub blocked: Vec<String>,
+    /// Nodes where the pool's shrink is held by the pages ResourceClaims
+    /// hold there (any drain policy).
+    pub held_by_claims: Vec<String>,
     /// Nodes whose agent reports Stalled.
     pub stalled: Vec<String>,
     /// Converged nodes whose kubelet reports a different `hugepages-<size>`

@@ -206,6 +206,9 @@ pub struct Fleet {
     /// The operators started from now on give every Node this selects a
     /// HugePageNode before a pool selects it (`Config::agent_nodes`).
     pub agent_nodes: Option<kube::core::Selector>,
+    /// The operators started from now on follow ResourceClaims
+    /// (`Config::watch_claims`).
+    pub watch_claims: bool,
     kubeconfig: std::path::PathBuf,
     operators: Vec<OperatorHandle>,
     pools: Vec<String>,
@@ -283,6 +286,7 @@ impl Fleet {
             kubeconfig: env.control_plane.kubeconfig.clone(),
             operators: Vec::new(),
             agent_nodes: None,
+            watch_claims: false,
             pools: Vec::new(),
         };
         let names: Vec<String> = (0..spec.nodes)
@@ -414,6 +418,7 @@ impl Fleet {
             instance: format!("{}-operator-{index}", self.scope),
             resync: Duration::from_secs(60),
             agent_nodes: self.agent_nodes.clone(),
+            watch_claims: self.watch_claims,
         };
         let mut kube_config = self.kube_config().await;
         if let Some(url) = url {
