@@ -62,7 +62,7 @@ api_enum! {
         NotBlocked,
         // KubeletCapacityStale
         KubeletRestartRequired, KubeletRestarted, KubeletRestartFailed, CapacityMatches,
-        MemoryManagerAssignments,
+        MemoryManagerAssignments, KubeletAdvertisesClaimPool,
         // KernelLogUnavailable
         KernelLogUnreadable, KernelLogDisabled, KernelLogWatched,
         // Restoring

@@ -12,7 +12,8 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use hugepool_crds::{HugePageNode, HugePagePool, PageSize};
+use hugepool_crds::conditions::find_condition;
+use hugepool_crds::{HugePageNode, HugePagePool, NodeConditionType, PageSize, PoolConditionType};
 use hugepool_e2e::{OwnedControlPlane, in_ci_mode, lock_machine_kernel};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -2339,7 +2340,9 @@ async fn a_grown_dra_pool_is_claimed_and_faulted_at_once_with_no_kubelet_restart
     // A kubelet restarted by someone else deletes the node's slices when it
     // starts, and then advertises the whole pool as hugepages-2Mi: the agent
     // publishes the slice again (a newer generation), its device no longer
-    // below the 10 pages a running claim holds, and the claim keeps them.
+    // below the 10 pages a running claim holds, and the claim keeps them;
+    // the node and the pool say that the kubelet offers the claim's pages
+    // too (KubeletAdvertisesClaimPool).
     node.claim_pod("keeper", 10, &["/hugepage-holder", "10"]);
     node.wait_in_use(20, 10).await;
     let generation =
@@ -2360,6 +2363,59 @@ async fn a_grown_dra_pool_is_claimed_and_faulted_at_once_with_no_kubelet_restart
                 other => Err(format!(
                     "(generation, memory, allocatable) {other:?}, before {before:?}"
                 )),
+            }
+        },
+    )
+    .await;
+    let hpns: Api<HugePageNode> = Api::all(client.clone());
+    let stale = wait_for(
+        "the node names the kubelet that advertises the claim pool",
+        Duration::from_secs(120),
+        || async {
+            let object = hpns.get(&node.name).await.map_err(|e| e.to_string())?;
+            let condition = object
+                .status
+                .as_ref()
+                .and_then(|s| {
+                    find_condition(&s.conditions, NodeConditionType::KubeletCapacityStale)
+                })
+                .cloned();
+            match condition {
+                Some(c) if c.status == "True" && c.reason == "KubeletAdvertisesClaimPool" => Ok(c),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(
+        stale
+            .message
+            .contains("the kubelet advertises 20 of the 20 pages of pool claims-2mi")
+            && stale
+                .message
+                .contains("10 of the 10 pages claims hold are offered both ways"),
+        "{}",
+        stale.message
+    );
+    let pools: Api<HugePagePool> = Api::all(client.clone());
+    wait_for(
+        "the pool names the kubelet that advertises it",
+        Duration::from_secs(120),
+        || async {
+            let pool = pools.get("claims-2mi").await.map_err(|e| e.to_string())?;
+            let available = pool
+                .status
+                .as_ref()
+                .and_then(|s| find_condition(&s.conditions, PoolConditionType::Available))
+                .cloned();
+            match available {
+                Some(c)
+                    if c.reason == "KubeletAdvertisesClaimPool"
+                        && c.message.contains(&node.name) =>
+                {
+                    Ok(())
+                }
+                other => Err(format!("{other:?}")),
             }
         },
     )

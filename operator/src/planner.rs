@@ -341,6 +341,10 @@ struct Member {
     held_by_claims: bool,
     /// Converged, but the Node's capacity for the size is not the target.
     capacity_stale: bool,
+    /// A pool taken through claims, converged, whose pages the node's
+    /// kubelet advertises as `hugepages-<size>` (it restarted after they
+    /// were grown): claims get only the rest.
+    advertises_claim_pool: bool,
     /// Why the node does not answer (see [`unresponsive`]), if it does not.
     unresponsive: Option<String>,
     /// Silent for now: passed over from this time on unless it answers.
@@ -680,6 +684,7 @@ fn classify(
         held_by_claims: reported
             .is_some_and(|r| r.claimed.unwrap_or(0) > r.in_use.max(0) + r.reserved.max(0)),
         capacity_stale: false,
+        advertises_claim_pool: false,
         unresponsive: None,
         silent_until: None,
     };
@@ -703,6 +708,10 @@ fn classify(
         // kubelet is not meant to advertise them.
         member.capacity_stale =
             !desired.by_claims() && kubelet_capacity_stale(node, pool.size, desired.pages);
+        member.advertises_claim_pool = desired.by_claims()
+            && node
+                .and_then(hugepool_crds::kubelet::hugepage_capacity)
+                .is_some_and(|capacity| capacity.get(&pool.size).copied().unwrap_or(0) > 0);
     }
     if matches!(want, Want::Release(_))
         && held.is_some_and(|e| e.pages == 0)
@@ -843,6 +852,8 @@ fn settle_pool(
     };
     let stalled = names(&|m| m.stalled);
     let capacity_stale = names(&|m| m.capacity_stale && m.state == NodeState::Converged);
+    let advertising_claim_pool =
+        names(&|m| m.advertises_claim_pool && m.state == NodeState::Converged);
     let drain_timeouts = names(
         &|m| matches!(&m.state, NodeState::Failed { reason, .. } if reason == Reason::DrainTimeout.as_str()),
     );
@@ -879,6 +890,7 @@ fn settle_pool(
         held_by_claims,
         stalled,
         capacity_stale,
+        advertising_claim_pool,
         draining: Vec::new(),
         tainted: Vec::new(),
         drain_timeouts,

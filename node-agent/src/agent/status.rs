@@ -905,7 +905,15 @@ fn kubelet_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Option<
             ));
         }
     }
-    Some(if stale.is_empty() {
+    let claim_pools = claim_pools_advertised(snapshot, memory, capacity);
+    Some(if stale.is_empty() && !claim_pools.is_empty() {
+        ConditionUpdate::new(
+            Type::KubeletCapacityStale,
+            true,
+            Reason::KubeletAdvertisesClaimPool,
+            claim_pools.join("; "),
+        )
+    } else if stale.is_empty() {
         ConditionUpdate::new(
             Type::KubeletCapacityStale,
             false,
@@ -960,6 +968,48 @@ fn kubelet_condition(snapshot: &KernelSnapshot, memory: &AgentMemory) -> Option<
             message,
         )
     })
+}
+
+/// Pools taken through claims whose pages the kubelet advertises as
+/// `hugepages-<size>` (it read the pool when it last started: a restart
+/// after the pool grew): pods that request the size may be placed on them,
+/// and claims get only the rest. Each part names the size, the pool, the
+/// pages and how many of those claims hold too (offered both ways).
+fn claim_pools_advertised(
+    snapshot: &KernelSnapshot,
+    memory: &AgentMemory,
+    capacity: &BTreeMap<PageSize, u64>,
+) -> Vec<String> {
+    memory
+        .targets
+        .iter()
+        .filter(|entry| entry.by_claims())
+        .filter_map(|entry| {
+            let size = entry.size;
+            let advertised = capacity.get(&size).copied().unwrap_or(0) / size.bytes();
+            if advertised == 0 {
+                return None;
+            }
+            let pool = snapshot.size(size).map_or(0, |s| s.pool.persistent());
+            let held = crate::dra::claimed_of(&memory.claimed, size, None);
+            let mut part = format!(
+                "{}: the kubelet advertises {advertised} of the {pool} pages of pool {}, \
+                 which pods take through ResourceClaims (it read the pool when it last \
+                 started): pods that request {} may be placed on them, and claims get \
+                 only the rest",
+                size.resource_name(),
+                entry.pool,
+                size.resource_name()
+            );
+            let both = (advertised + held).saturating_sub(pool);
+            if both > 0 {
+                part.push_str(&format!(
+                    "; {both} of the {held} pages claims hold are offered both ways"
+                ));
+            }
+            Some(part)
+        })
+        .collect()
 }
 
 /// Builds the whole status. `conditions` is the agent's own condition list,
@@ -1542,6 +1592,55 @@ mod tests {
         assert_ne!(
             cond(&status, NodeConditionType::KubeletCapacityStale).status,
             "True"
+        );
+    }
+
+    // A kubelet restarted after a DRA pool grew advertises the pool: pods
+    // that request hugepages-2Mi may be placed on its pages, some of which
+    // claims hold. Said on the node, with how many are offered both ways.
+    #[test]
+    fn a_kubelet_that_advertises_a_claim_pool_is_named_with_the_pages_offered_both_ways() {
+        let mut claimed = target("2Mi", 20);
+        claimed.consumption = Some(hugepool_crds::settings::Consumption::DynamicResourceAllocation);
+        let mut memory = memory(vec![claimed]);
+        // All 20 advertised, 10 held by a prepared claim.
+        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 40 << 20)]));
+        memory.claimed = crate::dra::Claimed::from([((PageSize::SIZE_2MI, 0), 10)]);
+        let status = built(&snapshot(20, 10, 0, 0), &memory);
+        let stale = cond(&status, NodeConditionType::KubeletCapacityStale);
+        assert_eq!(
+            (stale.status.as_str(), stale.reason.as_str()),
+            ("True", "KubeletAdvertisesClaimPool")
+        );
+        assert!(
+            stale
+                .message
+                .contains("the kubelet advertises 20 of the 20 pages of pool p")
+                && stale
+                    .message
+                    .contains("10 of the 10 pages claims hold are offered both ways"),
+            "{}",
+            stale.message
+        );
+        // 5 advertised: claims get 15, and the 10 they hold are not offered
+        // to pods that request the size.
+        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 10 << 20)]));
+        let stale = cond(
+            &built(&snapshot(20, 10, 0, 0), &memory),
+            NodeConditionType::KubeletCapacityStale,
+        )
+        .clone();
+        assert_eq!(stale.reason, "KubeletAdvertisesClaimPool");
+        assert!(!stale.message.contains("both ways"), "{}", stale.message);
+        // None advertised: nothing to say.
+        memory.kubelet.capacity = Some(BTreeMap::from([(PageSize::SIZE_2MI, 0)]));
+        assert_eq!(
+            cond(
+                &built(&snapshot(20, 10, 0, 0), &memory),
+                NodeConditionType::KubeletCapacityStale
+            )
+            .status,
+            "False"
         );
     }
 

@@ -83,6 +83,21 @@ pub(super) fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [Conditi
                 ways_to_refresh_the_kubelet(pool.pool.spec.kubelet.restart),
             ),
         )
+    } else if counts.converged == counts.selected && !plan.advertising_claim_pool.is_empty() {
+        update(
+            Available,
+            false,
+            Reason::KubeletAdvertisesClaimPool,
+            format!(
+                "{summary}; the kubelet on {} advertises this pool's pages as {} (it \
+                 restarted after they were grown): pods that request {} may be placed on \
+                 them, and claims get only the rest (the node's KubeletCapacityStale says how \
+                 many; troubleshooting.md, KubeletAdvertisesClaimPool)",
+                name_nodes(&plan.advertising_claim_pool),
+                pool.size.resource_name(),
+                pool.size.resource_name(),
+            ),
+        )
     } else if counts.converged == counts.selected && !plan.tainted.is_empty() {
         update(
             Available,
@@ -193,7 +208,7 @@ pub(super) fn pool_conditions(pool: &PoolRules<'_>, plan: &PoolPlan) -> [Conditi
             true,
             Reason::Draining,
             format!(
-                "draining {} for the shrink; {summary}{silent_note}",
+                "draining {} for the shrink; {summary}{blocked_note}{silent_note}",
                 name_nodes(&plan.draining)
             ),
         )

@@ -1890,9 +1890,10 @@ fn with_capacity(mut node: Node, resource: &str, quantity: &str) -> Node {
 
 /// Pods claim a DRA pool's pages from the agent's ResourceSlice: a kubelet
 /// that advertises none of them is as it should be, and the entries carry
-/// the consumption to the agent.
+/// the consumption to the agent. One that advertises them (restarted after
+/// the grow) offers them to pods that request the size: named.
 #[test]
-fn a_dra_pool_is_available_whatever_the_kubelets_advertise() {
+fn a_dra_pool_is_available_while_no_kubelet_advertises_its_pages() {
     use hugepool_crds::settings::Consumption;
     let mut claimed =
         with_max_unavailable(pool("claims", 0, "dpdk", "2Mi", 64), IntOrString::Int(2));
@@ -1916,6 +1917,17 @@ fn a_dra_pool_is_available_whatever_the_kubelets_advertise() {
             Some(Consumption::DynamicResourceAllocation)
         );
     }
+    // w-01's kubelet restarted and advertises 10 of the pages.
+    let nodes = vec![
+        nodes[0].clone(),
+        with_capacity(nodes[1].clone(), "hugepages-2Mi", "20Mi"),
+    ];
+    let plan = run_plan(&pools, &nodes, &hpns, 10);
+    assert_eq!(plan.pools["claims"].advertising_claim_pool, ["w-01"]);
+    assert_eq!(
+        condition(&plan, "claims", PoolConditionType::Available),
+        ("False", "KubeletAdvertisesClaimPool")
+    );
 }
 
 #[test]

@@ -78,6 +78,9 @@ pub struct PoolPlan {
     /// Converged nodes whose kubelet reports a different `hugepages-<size>`
     /// capacity than the pool (pods cannot use the pages until it restarts).
     pub capacity_stale: Vec<String>,
+    /// Converged nodes of a pool taken through claims whose kubelet
+    /// advertises its pages as `hugepages-<size>`.
+    pub advertising_claim_pool: Vec<String>,
     /// Nodes being drained for the pool.
     pub draining: Vec<String>,
     /// Nodes of the pool whose Node still carries the draining taint
