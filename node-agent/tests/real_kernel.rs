@@ -643,3 +643,175 @@ fn simulated_kernel_matches_the_real_kernel_on_pages_in_use() {
         assert_eq!(real_counts, sim_counts, "after {step}");
     }
 }
+
+/// The agent's reader of pod cgroups (what the node's pods request) on this
+/// kernel's own cgroup2 hierarchy with the hugetlb controller: mounted in a
+/// mount namespace of the test's thread, hugetlb freed from a v1 hierarchy
+/// a test node left. The kernel's file names and values (`hugetlb.2MB.max`,
+/// `max`, bytes rounded to pages), not a fixture's.
+#[test]
+fn pod_cgroups_are_read_from_a_real_cgroup2_hierarchy() {
+    let Some(real) = RealKernel::acquire(GIB) else {
+        return;
+    };
+    let requested = std::thread::spawn(read_pod_cgroups_on_cgroup2)
+        .join()
+        .expect("the cgroup2 thread");
+    let requested = requested.unwrap_or_else(|why| panic!("{why}"));
+    // Pod a asks 4 x 2Mi (burstable), pod b 1 x 1Gi and no 2Mi (max), pod
+    // c nothing (0).
+    let want: std::collections::BTreeMap<PageSize, u64> =
+        if std::path::Path::new("/sys/kernel/mm/hugepages/hugepages-1048576kB").exists() {
+            [(MI2, 4), (PageSize::SIZE_1GI, 1)].into()
+        } else {
+            [(MI2, 4)].into()
+        };
+    assert_eq!(requested, want);
+    drop(real);
+}
+
+/// In a mount namespace of this thread: frees hugetlb for v2, mounts
+/// cgroup2, lays out pod cgroups as a kubelet with the cgroupfs driver
+/// does, reads them with `PodCgroups`, and takes it all down again.
+fn read_pod_cgroups_on_cgroup2() -> Result<std::collections::BTreeMap<PageSize, u64>, String> {
+    use std::ffi::CString;
+    let c = |s: &str| CString::new(s).expect("a C string");
+    // SAFETY: unshare and mount with valid C strings; the new namespace is
+    // this thread's alone (CLONE_NEWNS implies CLONE_FS).
+    if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+        return Err(format!("unshare: {}", std::io::Error::last_os_error()));
+    }
+    let root = c("/");
+    // SAFETY: as above.
+    if unsafe {
+        libc::mount(
+            std::ptr::null(),
+            root.as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    } != 0
+    {
+        return Err(format!(
+            "make / private: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let mount = |fs: &str, dir: &std::path::Path, data: &str| -> Result<(), String> {
+        let (none, target, fs, data) =
+            (c("none"), c(dir.to_str().expect("a path")), c(fs), c(data));
+        // SAFETY: valid C strings.
+        let done = unsafe {
+            libc::mount(
+                none.as_ptr(),
+                target.as_ptr(),
+                fs.as_ptr(),
+                0,
+                data.as_ptr().cast(),
+            )
+        };
+        (done == 0)
+            .then_some(())
+            .ok_or_else(|| format!("mount {dir:?}: {}", std::io::Error::last_os_error()))
+    };
+    let umount = |dir: &std::path::Path| {
+        let target = c(dir.to_str().expect("a path"));
+        // SAFETY: a valid C string.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    };
+    let hierarchy = || -> u32 {
+        std::fs::read_to_string("/proc/cgroups")
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| {
+                let mut fields = l.split_whitespace();
+                (fields.next() == Some("hugetlb")).then(|| fields.next()?.parse().ok())?
+            })
+            .unwrap_or(0)
+    };
+    let remove_empty = |top: &std::path::Path| {
+        let mut dirs = Vec::new();
+        let mut stack = vec![top.to_path_buf()];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    stack.push(entry.path());
+                    dirs.push(entry.path());
+                }
+            }
+        }
+        dirs.sort_by_key(|d| std::cmp::Reverse(d.as_os_str().len()));
+        for dir in dirs {
+            let _ = std::fs::remove_dir(dir);
+        }
+    };
+    let scratch = tempfile::tempdir().map_err(|e| e.to_string())?;
+    for _ in 0..50 {
+        if hierarchy() == 0 {
+            break;
+        }
+        let v1 = scratch.path().join("v1");
+        std::fs::create_dir_all(&v1).map_err(|e| e.to_string())?;
+        mount("cgroup", &v1, "hugetlb")?;
+        remove_empty(&v1);
+        umount(&v1);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    if hierarchy() != 0 {
+        return Err(
+            "the hugetlb controller is held by a v1 hierarchy (a test node running?)".into(),
+        );
+    }
+    let unified = scratch.path().join("v2");
+    std::fs::create_dir_all(&unified).map_err(|e| e.to_string())?;
+    mount("cgroup2", &unified, "")?;
+    let write = |path: std::path::PathBuf, value: &str| {
+        std::fs::write(&path, value).map_err(|e| format!("write {value} to {path:?}: {e}"))
+    };
+    let subtree = unified.join("cgroup.subtree_control");
+    let enabled = std::fs::read_to_string(&subtree).unwrap_or_default();
+    if !enabled.contains("hugetlb") {
+        write(subtree.clone(), "+hugetlb")?;
+    }
+    let top = unified.join(format!("hugepool-test-{}", std::process::id()));
+    let result = (|| {
+        for dir in ["", "kubepods", "kubepods/burstable"] {
+            let dir = top.join(dir);
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{dir:?}: {e}"))?;
+            write(dir.join("cgroup.subtree_control"), "+hugetlb")?;
+        }
+        let pod = |path: &str, two_mi: &str, one_gi: &str| -> Result<(), String> {
+            let dir = top.join(path);
+            std::fs::create_dir(&dir).map_err(|e| format!("{dir:?}: {e}"))?;
+            write(dir.join("hugetlb.2MB.max"), two_mi)?;
+            if dir.join("hugetlb.1GB.max").exists() {
+                write(dir.join("hugetlb.1GB.max"), one_gi)?;
+            }
+            Ok(())
+        };
+        // As the kubelet writes them: a request in bytes, none as 0.
+        pod(
+            "kubepods/burstable/poda",
+            &(4 * MI2.bytes()).to_string(),
+            "0",
+        )?;
+        pod(
+            "kubepods/podb",
+            "max",
+            &PageSize::SIZE_1GI.bytes().to_string(),
+        )?;
+        pod("kubepods/burstable/podc", "0", "0")?;
+        hugepool_agent::pod_cgroups::PodCgroups::new(&top)
+            .requested()
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| "no hugetlb controller found below kubepods".to_string())
+    })();
+    remove_empty(&top);
+    let _ = std::fs::remove_dir(&top);
+    if !enabled.contains("hugetlb") {
+        let _ = write(subtree, "-hugetlb");
+    }
+    umount(&unified);
+    result
+}
