@@ -375,8 +375,9 @@ fn rbac_is_the_designs_list() {
             rule("events.k8s.io", "events", &["create", "patch"]),
         ])
     );
-    // With DRA the operator lists ResourceClaims, to drain the pods whose
-    // claims hold a shrinking pool's pages; without it, none.
+    // With DRA the operator follows ResourceClaims, to hold what allocated
+    // claims hold and to drain the pods whose claims hold a shrinking
+    // pool's pages; without it, none.
     if let Some(helm) = helm() {
         let dra = documents(&helm_template(
             &helm,
@@ -386,7 +387,7 @@ fn rbac_is_the_designs_list() {
         rules.as_array_mut().expect("rules").push(rule(
             "resource.k8s.io",
             "resourceclaims",
-            &["list"],
+            &["list", "watch"],
         ));
         assert_eq!(
             find(&dra, "ClusterRole", "hugepool-operator")["rules"],
@@ -413,6 +414,98 @@ fn rbac_is_the_designs_list() {
         );
         find(&docs, "ServiceAccount", account);
     }
+}
+
+/// With DRA the node hooks write pod cgroups' hugetlb limits: of the host's
+/// cgroups they mount only what holds the pod cgroups (v1: the hugetlb
+/// hierarchy; v2: the kubelet's pods cgroup, and cgroup.controllers read
+/// only), and the operator follows claims.
+#[test]
+fn with_dra_the_hooks_mount_only_the_pod_cgroups_and_the_operator_follows_claims() {
+    let Some(helm) = helm() else { return };
+    let render = |extra: &[&str]| {
+        let mut args = vec!["--set", "dra.enabled=true", "--kube-version", "1.36.0"];
+        args.extend_from_slice(extra);
+        documents(&helm_template(&helm, &args))
+    };
+    let hooks_cgroups = |docs: &[Value]| -> Vec<(String, bool, String)> {
+        let pod = &find(docs, "DaemonSet", "hugepool-agent")["spec"]["template"]["spec"];
+        let volumes = pod["volumes"].as_array().expect("volumes");
+        let hooks = pod["containers"]
+            .as_array()
+            .expect("containers")
+            .iter()
+            .find(|c| c["name"] == "hooks")
+            .expect("the hooks container");
+        hooks["volumeMounts"]
+            .as_array()
+            .expect("mounts")
+            .iter()
+            .filter(|m| {
+                m["mountPath"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .starts_with("/host/sys/fs/cgroup")
+            })
+            .map(|m| {
+                let volume = volumes
+                    .iter()
+                    .find(|v| v["name"] == m["name"])
+                    .expect("the mount's volume");
+                (
+                    m["mountPath"].as_str().unwrap_or_default().to_string(),
+                    m["readOnly"] == true,
+                    volume["hostPath"]["path"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                )
+            })
+            .collect()
+    };
+    let mounted =
+        |path: &str, read_only: bool, host: &str| (path.to_string(), read_only, host.to_string());
+    let v2 = render(&[]);
+    assert_eq!(
+        hooks_cgroups(&v2),
+        [
+            mounted(
+                "/host/sys/fs/cgroup/kubepods.slice",
+                false,
+                "/sys/fs/cgroup/kubepods.slice"
+            ),
+            mounted(
+                "/host/sys/fs/cgroup/cgroup.controllers",
+                true,
+                "/sys/fs/cgroup/cgroup.controllers"
+            ),
+        ]
+    );
+    assert_eq!(
+        hooks_cgroups(&render(&["--set", "dra.cgroup.kubepodsCgroup=kubepods"]))[0],
+        mounted(
+            "/host/sys/fs/cgroup/kubepods",
+            false,
+            "/sys/fs/cgroup/kubepods"
+        )
+    );
+    assert_eq!(
+        hooks_cgroups(&render(&["--set", "dra.cgroup.version=v1"])),
+        [mounted(
+            "/host/sys/fs/cgroup/hugetlb",
+            false,
+            "/sys/fs/cgroup/hugetlb"
+        )]
+    );
+    let args = &find(&v2, "Deployment", "hugepool-operator")["spec"]["template"]["spec"]["containers"]
+        [0]["args"];
+    assert!(
+        args.as_array()
+            .expect("args")
+            .iter()
+            .any(|a| a == "--watch-claims"),
+        "{args}"
+    );
 }
 
 #[test]

@@ -706,7 +706,8 @@ spec:
     /// consumed through DRA (drain Never, Release), Available.
     async fn with_dra_pool(&self) {
         let kubelet_root = format!("dra.kubeletRootDir={}", self.kubelet_root.display());
-        self.helm_install_values(&["dra.enabled=true", &kubelet_root]);
+        // The test node is cgroup v1 (hugetlb its own hierarchy).
+        self.helm_install_values(&["dra.enabled=true", "dra.cgroup.version=v1", &kubelet_root]);
         self.kubectl(&["label", "node", &self.name, "hugepool.dev/demo=true"]);
         self.apply(
             r#"
@@ -2472,6 +2473,19 @@ async fn claimed_pages_go_only_to_the_pod_the_claim_was_prepared_for() {
         "the agent keeps its token: {:?}",
         token_mounts("agent")
     );
+    // Of the host's cgroups the hooks see only the hugetlb hierarchy, the
+    // one they write (and pods faulting claims through it prove it is the
+    // one that counts).
+    let cgroup_mounts: Vec<String> = agent
+        .spec
+        .iter()
+        .flat_map(|s| &s.containers)
+        .filter(|c| c.name == "hooks")
+        .flat_map(|c| c.volume_mounts.iter().flatten())
+        .filter(|m| m.mount_path.starts_with("/host/sys/fs/cgroup"))
+        .map(|m| m.mount_path.clone())
+        .collect();
+    assert_eq!(cgroup_mounts, ["/host/sys/fs/cgroup/hugetlb"]);
 
     // A pod with no claim that names pages in its own environment.
     node.env_pod(
@@ -3941,7 +3955,7 @@ async fn bench_apply_to_usable_dra_against_the_kubelet_restart() {
     let Some(node) = Node::start() else { return };
     let client = node.client().await;
     let kubelet_root = format!("dra.kubeletRootDir={}", node.kubelet_root.display());
-    node.helm_install_with(&["dra.enabled=true", &kubelet_root]);
+    node.helm_install_with(&["dra.enabled=true", "dra.cgroup.version=v1", &kubelet_root]);
     node.kubectl(&["label", "node", &node.name, "hugepool.dev/demo=true"]);
     let reps: usize = std::env::var("HUGEPOOL_BENCH_REPS")
         .ok()
