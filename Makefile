@@ -1,6 +1,11 @@
 # hugepool: the two commands a newcomer needs are `make demo` and `make test`.
 SHELL := /bin/bash
 CARGO ?= cargo
+# The Rust of rust-toolchain.toml, available before any cargo command runs.
+RUST_TOOLCHAIN_CHECK := $(shell bash hack/rust-toolchain.sh >&2; echo $$?)
+ifneq ($(RUST_TOOLCHAIN_CHECK),0)
+$(error hack/rust-toolchain.sh could not make rust-toolchain.toml's Rust available (above))
+endif
 CONTROLPLANE_DIR := e2e/controlplane
 # The oldest Kubernetes minor the chart admits (Chart.yaml kubeVersion, k8s-openapi's feature).
 OLDEST_K8S := 1.33

@@ -1987,3 +1987,67 @@ async fn the_operator_may_only_set_its_taint_and_report_its_own_events() {
         "",
     );
 }
+
+/// Every GitHub Actions workflow names each action by the commit SHA (a
+/// tag can be moved to other code) and its job containers by digest, and
+/// the release builds with the Rust rust-toolchain.toml pins, installed by
+/// a rustup-init checked against its sha256, not whatever `sh.rustup.rs`
+/// serves that day.
+#[test]
+fn workflows_pin_actions_by_sha_containers_by_digest_and_rust_by_the_toolchain_file() {
+    let dir = repo().join(".github/workflows");
+    let mut workflows = 0;
+    for entry in std::fs::read_dir(&dir).expect("the workflows") {
+        let path = entry.expect("entry").path();
+        let text = std::fs::read_to_string(&path).expect("a workflow");
+        workflows += 1;
+        for line in text.lines().map(str::trim) {
+            let line = line.strip_prefix("- ").unwrap_or(line);
+            if let Some(action) = line.strip_prefix("uses:") {
+                let action = action.split('#').next().unwrap_or_default().trim();
+                let pinned = action.split_once('@').is_some_and(|(_, rev)| {
+                    rev.len() == 40 && rev.chars().all(|c| c.is_ascii_hexdigit())
+                });
+                assert!(
+                    pinned || action.starts_with("./"),
+                    "{}: `{action}` is not pinned by a commit SHA (write owner/repo@<sha> # vX.Y.Z)",
+                    path.display()
+                );
+            }
+            if let Some(image) = line
+                .strip_prefix("container:")
+                .or_else(|| line.strip_prefix("image:"))
+            {
+                let image = image.trim();
+                assert!(
+                    image.contains("@sha256:"),
+                    "{}: container `{image}` is not pinned by digest",
+                    path.display()
+                );
+            }
+        }
+        assert!(
+            !text.contains("sh.rustup.rs"),
+            "{}: Rust from whatever sh.rustup.rs serves",
+            path.display()
+        );
+    }
+    assert!(workflows > 0, "no workflow in {}", dir.display());
+    let release = std::fs::read_to_string(dir.join("release.yml")).expect("release.yml");
+    assert!(
+        release.contains("rust-toolchain.toml") && release.contains("sha256sum -c"),
+        "the release installs rust-toolchain.toml's Rust with a checked rustup-init"
+    );
+    let toolchain =
+        std::fs::read_to_string(repo().join("rust-toolchain.toml")).expect("rust-toolchain.toml");
+    assert!(
+        toolchain.lines().any(|l| {
+            l.strip_prefix("channel = \"")
+                .and_then(|v| v.strip_suffix('"'))
+                .is_some_and(|v| {
+                    v.split('.').count() == 3 && v.split('.').all(|n| n.parse::<u32>().is_ok())
+                })
+        }),
+        "rust-toolchain.toml pins an exact version (x.y.z), not a channel:\n{toolchain}"
+    );
+}
