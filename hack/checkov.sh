@@ -2,7 +2,8 @@
 # Prints the path of the checkov binary the rendered manifests are linted
 # with (e2e/tests/lint_manifests.rs), installing it once from PyPI into a
 # virtualenv under target/tools/ (pip's normal cache). Nothing has to be
-# installed by hand beyond python3 with venv. The install output goes to
+# installed by hand beyond python3: Debian's python3-venv (what `-m venv`
+# needs there) is installed when missing. The install output goes to
 # stderr; stdout is only the path.
 #
 #   CHECKOV_VERSION  the checkov version on PyPI (default below)
@@ -35,6 +36,15 @@ if [[ ! -x "$bin" || "$(installed_version)" != "$version" ]]; then
     # A virtualenv cannot be moved (its scripts name their interpreter by
     # path), so it is made in place and removed whole if the install fails:
     # no half-made one is ever taken for installed.
+    # Debian splits venv's pip bootstrap (ensurepip) into python3-venv.
+    if ! "$python" -c 'import ensurepip, venv' 2>/dev/null && command -v apt-get >/dev/null; then
+      echo "hack/checkov.sh: apt-get install python3-venv" >&2
+      exec 8>"${TMPDIR:-/tmp}/hugepool-apt.lock"
+      flock 8
+      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null
+      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq python3-venv >/dev/null
+      exec 8>&-
+    fi
     rm -rf "$venv"
     trap 'rm -rf "$venv"' ERR
     "$python" -m venv "$venv" >&2

@@ -62,6 +62,8 @@ say() { printf 'images.sh: %-58s %4ss\n' "$1" "$((SECONDS - start))"; }
 # Tools, installed when missing (Debian packages; the musl std from rustup).
 need_pkgs=()
 command -v umoci >/dev/null || need_pkgs+=(umoci)
+# To tell a static busybox from a dynamic one (below).
+command -v file >/dev/null || need_pkgs+=(file)
 [[ -f /etc/ssl/certs/ca-certificates.crt ]] || need_pkgs+=(ca-certificates)
 if [[ -z "$cross" ]]; then
   command -v musl-gcc >/dev/null || need_pkgs+=(musl-tools)
