@@ -2573,6 +2573,33 @@ spec:
         .and_then(|s| s.phase);
     assert_ne!(phase.as_deref(), Some("Running"));
     node.wait_in_use(32, 14).await;
+
+    // A claim's pages are also a hugetlbfs of their size holding at most
+    // them (what DPDK without --in-memory and SPDK map files in): a file
+    // of the claim's 6 pages maps and faults there, one more does not.
+    node.claim_pod(
+        "filer",
+        6,
+        &[
+            "/hugepage-holder",
+            "6",
+            "--and-one-more",
+            "--hugetlbfs",
+            "from-env",
+        ],
+    );
+    node.wait_running(&pods, "filer").await;
+    let mount = node.wait_log_line("filer", "hugetlbfs").await;
+    assert!(
+        mount.contains("/hugepages/") && mount.contains(": 6 pages of 2048kB"),
+        "{mount}"
+    );
+    node.wait_in_use(32, 20).await;
+    let one_more = node.wait_log_line("filer", "one more page:").await;
+    assert!(
+        one_more.contains("refused by mmap"),
+        "a 7th page in the claim's hugetlbfs: {one_more}"
+    );
     for pod in ["forger", "copier", "second"] {
         let status = pods.get(pod).await.expect("pod").status.unwrap_or_default();
         let started = status.container_statuses.into_iter().flatten().any(|c| {

@@ -95,8 +95,22 @@ pub fn cdi_device_ids(uid: &str, claim: &PreparedClaim) -> Vec<String> {
         .collect()
 }
 
-/// The CDI spec of a prepared claim: one device per allocation result whose
-/// only edit is its environment variable ([`ENV_PREFIX`]).
+/// The variable naming where allocation result `n` of a claim is mounted as
+/// hugetlbfs: `HUGEPOOL_HUGETLBFS_<claim uid>_<n>=/hugepages/<claim uid>-<n>`.
+pub const HUGETLBFS_ENV_PREFIX: &str = "HUGEPOOL_HUGETLBFS_";
+
+/// Where allocation result `index` of the claim with `uid` is mounted as a
+/// hugetlbfs of its page size in each container that uses it.
+pub fn hugetlbfs_path(uid: &str, index: usize) -> String {
+    format!("/hugepages/{}", cdi_device(uid, index))
+}
+
+/// The CDI spec of a prepared claim: one device per allocation result, whose
+/// edits are its environment variable ([`ENV_PREFIX`]) and a hugetlbfs of
+/// its page size ([`hugetlbfs_path`], named by [`HUGETLBFS_ENV_PREFIX`])
+/// that holds at most the result's pages (`size=`): for what maps files
+/// there (DPDK without `--in-memory`, SPDK), as `emptyDir: {medium:
+/// HugePages}` is for a pod that requests `hugepages-<size>`.
 pub fn cdi_spec(uid: &str, claim: &PreparedClaim) -> serde_json::Value {
     let env_uid = uid.replace('-', "_").to_uppercase();
     let devices: Vec<_> = claim
@@ -104,13 +118,30 @@ pub fn cdi_spec(uid: &str, claim: &PreparedClaim) -> serde_json::Value {
         .iter()
         .enumerate()
         .map(|(index, pages)| {
+            let path = hugetlbfs_path(uid, index);
             serde_json::json!({
                 "name": cdi_device(uid, index),
                 "containerEdits": {
-                    "env": [format!(
-                        "{ENV_PREFIX}{env_uid}_{index}=size={},numa={},pages={}",
-                        pages.size, pages.numa, pages.pages
-                    )],
+                    "env": [
+                        format!(
+                            "{ENV_PREFIX}{env_uid}_{index}=size={},numa={},pages={}",
+                            pages.size, pages.numa, pages.pages
+                        ),
+                        format!("{HUGETLBFS_ENV_PREFIX}{env_uid}_{index}={path}"),
+                    ],
+                    "mounts": [{
+                        "hostPath": "nodev",
+                        "containerPath": path,
+                        "type": "hugetlbfs",
+                        "options": [
+                            "nosuid",
+                            "nodev",
+                            "noexec",
+                            format!("pagesize={}", pages.size.bytes()),
+                            format!("size={}", pages.pages.saturating_mul(pages.size.bytes())),
+                            "mode=0777",
+                        ],
+                    }],
                 },
             })
         })
@@ -609,13 +640,29 @@ mod tests {
             [
                 (
                     json!("6d1e-42-0"),
-                    json!(["HUGEPOOL_PAGES_6D1E_42_0=size=2Mi,numa=1,pages=16"])
+                    json!([
+                        "HUGEPOOL_PAGES_6D1E_42_0=size=2Mi,numa=1,pages=16",
+                        "HUGEPOOL_HUGETLBFS_6D1E_42_0=/hugepages/6d1e-42-0"
+                    ])
                 ),
                 (
                     json!("6d1e-42-1"),
-                    json!(["HUGEPOOL_PAGES_6D1E_42_1=size=1Gi,numa=0,pages=2"])
+                    json!([
+                        "HUGEPOOL_PAGES_6D1E_42_1=size=1Gi,numa=0,pages=2",
+                        "HUGEPOOL_HUGETLBFS_6D1E_42_1=/hugepages/6d1e-42-1"
+                    ])
                 ),
             ]
+        );
+        // Each result a hugetlbfs of its size holding at most its pages.
+        assert_eq!(
+            spec["devices"][1]["containerEdits"]["mounts"],
+            json!([{
+                "hostPath": "nodev",
+                "containerPath": "/hugepages/6d1e-42-1",
+                "type": "hugetlbfs",
+                "options": ["nosuid", "nodev", "noexec", "pagesize=1073741824", "size=2147483648", "mode=0777"],
+            }])
         );
         let dirs = PluginDirs {
             plugins: "/p".into(),

@@ -2622,10 +2622,28 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     assert_eq!(spec["devices"][0]["name"], format!("{first_uid}-0"));
     assert_eq!(
         spec["devices"][0]["containerEdits"]["env"],
-        serde_json::json!([format!(
-            "HUGEPOOL_PAGES_{}_0=size=2Mi,numa=0,pages=20",
-            first_uid.replace('-', "_").to_uppercase()
-        )])
+        serde_json::json!([
+            format!(
+                "HUGEPOOL_PAGES_{}_0=size=2Mi,numa=0,pages=20",
+                first_uid.replace('-', "_").to_uppercase()
+            ),
+            format!(
+                "HUGEPOOL_HUGETLBFS_{}_0=/hugepages/{first_uid}-0",
+                first_uid.replace('-', "_").to_uppercase()
+            )
+        ])
+    );
+    // And a hugetlbfs of 2Mi pages holding at most the claim's 20.
+    assert_eq!(
+        spec["devices"][0]["containerEdits"]["mounts"][0]["options"],
+        serde_json::json!([
+            "nosuid",
+            "nodev",
+            "noexec",
+            "pagesize=2097152",
+            "size=41943040",
+            "mode=0777"
+        ])
     );
     assert_eq!(
         std::fs::read_dir(&cdi).unwrap().count(),
