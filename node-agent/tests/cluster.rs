@@ -1858,6 +1858,146 @@ async fn claim_and_pod(client: &Client, name: &str, memory: &str) {
     .await;
 }
 
+/// A claim larger than one NUMA node's pages: one request of `count: N`
+/// takes N devices, each its own pages, so 2 x 1Gi is placed on a node
+/// whose 2Mi pool holds 512 pages on each of two NUMA nodes (a slice
+/// published as the agent there publishes it), where 2Gi in one device
+/// cannot be; and no page counts twice: 2Mi more does not fit there.
+async fn a_claim_spans_numa_nodes_one_device_each(client: &Client) {
+    let node = unique_name("two-numa");
+    let label = "pool.test/two-numa";
+    let nodes: Api<Node> = Api::all(client.clone());
+    let object: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": node, "labels": {label: "true"}},
+    }))
+    .unwrap();
+    nodes
+        .create(&PostParams::default(), &object)
+        .await
+        .expect("the two-NUMA Node");
+    let schedulable = json!({"status": {
+        "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110"},
+        "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110"},
+    }});
+    nodes
+        .patch_status(&node, &PatchParams::default(), &Patch::Merge(&schedulable))
+        .await
+        .expect("make the Node schedulable");
+    let devices: Vec<hugepool_agent::agent::slice::Device> = (0..2)
+        .map(|numa| hugepool_agent::agent::slice::Device {
+            size: MI2,
+            numa,
+            pages: 512,
+        })
+        .collect();
+    let slices: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &resource_slices());
+    let slice: kube::api::DynamicObject = serde_json::from_value(
+        hugepool_agent::agent::slice::slice_object(&node, None, 1, &devices),
+    )
+    .unwrap();
+    slices
+        .create(&PostParams::default(), &slice)
+        .await
+        .expect("the two-NUMA slice");
+    let claims: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(client.clone(), "default", &resource_claims());
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let claim_and_pod_there = |name: &'static str, request: serde_json::Value| {
+        let (claims, pods) = (claims.clone(), pods.clone());
+        async move {
+            let claim: kube::api::DynamicObject = serde_json::from_value(json!({
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": name},
+                "spec": {"devices": {"requests": [request]}},
+            }))
+            .unwrap();
+            claims
+                .create(&PostParams::default(), &claim)
+                .await
+                .expect("create ResourceClaim");
+            let pod = serde_json::from_value(json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name},
+                "spec": {
+                    "nodeSelector": {label: "true"},
+                    "resourceClaims": [{"name": "pages", "resourceClaimName": name}],
+                    "containers": [{"name": "c", "image": "pause", "resources": {"claims": [{"name": "pages"}]}}],
+                    "tolerations": [{"operator": "Exists"}],
+                },
+            }))
+            .unwrap();
+            pods.create(&PostParams::default(), &pod)
+                .await
+                .expect("create Pod");
+        }
+    };
+    let pages = |memory: &str| json!({"deviceClassName": "hugepages-2mi.hugepool.dev", "capacity": {"requests": {"memory": memory}}});
+    // 2Gi from one device: no NUMA node holds it.
+    claim_and_pod_there(
+        "span-one",
+        json!({"name": "pages", "exactly": pages("2Gi")}),
+    )
+    .await;
+    let why = wait_unschedulable(client, "span-one").await;
+    assert!(!why.is_empty());
+    // 2 x 1Gi: one device per NUMA node.
+    let mut two = pages("1Gi");
+    two["allocationMode"] = json!("ExactCount");
+    two["count"] = json!(2);
+    claim_and_pod_there("span-two", json!({"name": "pages", "exactly": two})).await;
+    wait_scheduled(client, "span-two", &node).await;
+    let allocated = claims.get("span-two").await.expect("span-two");
+    let mut results: Vec<(String, String)> =
+        allocated.data["status"]["allocation"]["devices"]["results"]
+            .as_array()
+            .expect("results")
+            .iter()
+            .map(|r| {
+                (
+                    r["device"].as_str().unwrap_or_default().to_string(),
+                    r["consumedCapacity"]["memory"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                )
+            })
+            .collect();
+    results.sort();
+    assert_eq!(
+        results,
+        [
+            ("hugepages-2mi-numa0".to_string(), "1Gi".to_string()),
+            ("hugepages-2mi-numa1".to_string(), "1Gi".to_string()),
+        ]
+    );
+    // Every page of the node is claimed: 2Mi more does not fit there.
+    claim_and_pod_there(
+        "span-more",
+        json!({"name": "pages", "exactly": pages("2Mi")}),
+    )
+    .await;
+    let why = wait_unschedulable(client, "span-more").await;
+    assert!(!why.is_empty());
+    for name in ["span-one", "span-two", "span-more"] {
+        let _ = pods
+            .delete(name, &DeleteParams::default().grace_period(0))
+            .await;
+        let _ = claims.delete(name, &DeleteParams::default()).await;
+        let _ = claims
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+            )
+            .await;
+    }
+    let _ = slices
+        .delete(&slice_name(&node), &DeleteParams::default())
+        .await;
+    let _ = nodes.delete(&node, &DeleteParams::default()).await;
+}
+
 /// A claim for pages and a NIC of another driver on the same NUMA node
 /// (`matchAttribute` on the standard attribute, and on dranet's): the
 /// scheduler takes a NIC on the pages' NUMA node 0 (one each: a NIC is not
@@ -2692,6 +2832,7 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     );
     assert_eq!(sysfs("nr_hugepages"), 64);
     pages_align_with_another_drivers_devices(&client, &name).await;
+    a_claim_spans_numa_nodes_one_device_each(&client).await;
     // Prepared, and then never unprepared (as when its pod goes while the
     // kubelet is down): once the claim is gone from the API, the agent
     // forgets it rather than hold its pages against every shrink.
