@@ -15,7 +15,7 @@ CONTROLPLANE_TESTS := -p hugepool-e2e --test api --test manifests --test prometh
 	-p hugepool-operator --test faults --test fleet --test kubectl_hugepool \
 	-p hugepool-agent --test cluster
 
-.PHONY: all build test test-oldest-k8s lint fmt crds manifests controlplane images previous krew release bench bench-fragment bench-usable bench-fleet demo diagrams clean
+.PHONY: all build test test-hosted test-oldest-k8s lint fmt crds manifests controlplane images previous krew release bench bench-fragment bench-usable bench-fleet demo diagrams clean
 
 all: build
 
@@ -29,6 +29,16 @@ test: lint controlplane images previous
 
 ## The control-plane tests again on the oldest Kubernetes the chart admits (v$(OLDEST_K8S), built
 ## from $(CONTROLPLANE_DIR)/k8s-$(OLDEST_K8S)); .ci/run runs it after `make test` when CI's time allows.
+## What a hosted CI runner can run before a release: lint, the unit tests, and the
+## control-plane tests (their real-kernel parts skip there: no writable hugetlb sysctls).
+## The real-kernel and node tests (e2e/tests/node.rs: a kubelet and containerd on a
+## root machine with the hugetlb controller) and the upgrade test run in `make test`
+## on the project's own CI (.ci/run).
+test-hosted: lint controlplane
+	cd hooks && CGO_ENABLED=0 go test ./...
+	$(CARGO) test --workspace --lib --bins
+	bash e2e/with-controlplane.sh $(CARGO) test $(CONTROLPLANE_TESTS)
+
 test-oldest-k8s:
 	bash $(CONTROLPLANE_DIR)/build.sh k8s-$(OLDEST_K8S)
 	HUGEPOOL_CONTROLPLANE_BIN=$(CURDIR)/$(CONTROLPLANE_DIR)/bin-$(OLDEST_K8S) \

@@ -2038,6 +2038,29 @@ fn workflows_pin_actions_by_sha_containers_by_digest_and_rust_by_the_toolchain_f
         release.contains("rust-toolchain.toml") && release.contains("sha256sum -c"),
         "the release installs rust-toolchain.toml's Rust with a checked rustup-init"
     );
+    // Gated: the release job needs the checks job, which runs the tests.
+    // A job's lines: from `  NAME:` to the next line indented by two.
+    let job = |name: &str| -> String {
+        let head = format!("  {name}:");
+        let lines: Vec<&str> = release.lines().skip_while(|l| *l != head).collect();
+        assert!(!lines.is_empty(), "no job {name} in release.yml");
+        lines[1..]
+            .iter()
+            .take_while(|l| !(l.starts_with("  ") && !l.starts_with("   ")))
+            .copied()
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(
+        job("release").contains("needs: checks"),
+        "{}",
+        job("release")
+    );
+    assert!(
+        job("checks").contains("make test-hosted"),
+        "{}",
+        job("checks")
+    );
     let toolchain =
         std::fs::read_to_string(repo().join("rust-toolchain.toml")).expect("rust-toolchain.toml");
     assert!(
