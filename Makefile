@@ -79,7 +79,7 @@ images:
 ## The chart and images of an earlier version (hack/previous.sh), for the upgrade test; after
 ## `images`, whose compiled dependencies it copies.
 previous: images
-	bash hack/previous.sh >/dev/null
+	@bash hack/previous.sh >/dev/null || echo "make previous: no earlier version to upgrade from (above); every other test runs, the upgrade test says what it needs"
 
 ## kubectl-hugepool as krew installs it: target/krew/ (archive + manifest from .krew.yaml).
 krew:

@@ -25,8 +25,14 @@ if compgen -G "$dir/images/hugepool-agent-*.tar" >/dev/null &&
   exit 0
 fi
 if ! git -C "$root" cat-file -e "$commit^{commit}" 2>/dev/null; then
-  echo "previous.sh: commit $commit is not in this clone (a shallow clone? git fetch --unshallow)" >&2
-  exit 1
+  # A shallow clone: that one commit, from where the clone came from.
+  echo "previous.sh: commit $commit is not in this clone: git fetch --depth=1 origin $commit" >&2
+  if ! git -C "$root" fetch --quiet --depth=1 origin "$commit" >&2 ||
+    ! git -C "$root" cat-file -e "$commit^{commit}" 2>/dev/null; then
+    echo "previous.sh: commit $commit could not be fetched (no git history, or no remote that has it):" \
+      "the upgrade test needs it; fetch it, or clone with history" >&2
+    exit 1
+  fi
 fi
 rm -rf "$dir"
 mkdir -p "$dir/src"
