@@ -114,6 +114,10 @@ pub struct Worker {
     drain_retries: Retries,
     /// Nodes whose last `status.allocatedClaims` write did not land.
     claim_retries: Retries,
+    /// The API server dropped `status.allocatedClaims` from a write: its
+    /// HugePageNode CRD predates the field (said once; not written again
+    /// by this worker, which would write every pass for nothing).
+    claims_field_unknown: bool,
     /// Pools whose last write did not land.
     pool_retries: Retries,
     /// Evictions in flight, refused ones waiting out their backoff, and
@@ -133,6 +137,7 @@ impl Default for Worker {
             node_retries: Retries::up_to(writes::RETRY_MAX),
             drain_retries: Retries::up_to(writes::RETRY_MAX),
             claim_retries: Retries::up_to(writes::RETRY_MAX),
+            claims_field_unknown: false,
             pool_retries: Retries::up_to(writes::POOL_RETRY_MAX),
             evictions: Evictions::default(),
             pod_watches: PodWatches::default(),
@@ -459,6 +464,9 @@ async fn tell_allocated_claims(
     let Some(store) = &ctx.claims else {
         return Ok(());
     };
+    if worker.claims_field_unknown {
+        return Ok(());
+    }
     let due: Vec<_> = claims::to_tell(store, &snapshot.states)
         .into_iter()
         .filter(|(node, _)| worker.claim_retries.due(node, started))
@@ -466,16 +474,30 @@ async fn tell_allocated_claims(
     let written: Vec<_> = futures::stream::iter(due)
         .map(|(node, allocated)| async move {
             let result = claims::write_allocated(ctx, &node, &allocated).await;
-            (node, result)
+            (node, allocated, result)
         })
         .buffer_unordered(NODE_WRITES_IN_FLIGHT)
         .collect()
         .await;
-    for (node_name, result) in written {
+    for (node_name, allocated, result) in written {
         match result {
             Ok(updated) => {
                 worker.claim_retries.succeeded(&node_name);
                 ctx.deliveries.await_write("HugePageNode", &updated);
+                let shown = updated
+                    .status
+                    .as_ref()
+                    .map_or(&[][..], |s| s.allocated_claims.as_slice());
+                if shown != allocated.as_slice() && !worker.claims_field_unknown {
+                    worker.claims_field_unknown = true;
+                    warn!(
+                        node = %node_name,
+                        "the API server dropped status.allocatedClaims: the HugePageNode CRD predates it, so \
+                         agents cannot hold claims the scheduler allocated before the kubelet prepares them; \
+                         apply the chart's CRDs (kubectl apply --server-side --force-conflicts -f \
+                         charts/hugepool/crds/) and restart the operator"
+                    );
+                }
             }
             Err(Error::NotLeader) => return Err(Error::NotLeader),
             Err(err) => match snapshot.node(&node_name) {

@@ -1512,3 +1512,83 @@ async fn a_refused_pod_watch_is_counted_not_swallowed() {
     }
     panic!("not counted: {}", metrics.encode());
 }
+
+// An API server whose HugePageNode CRD predates `status.allocatedClaims`
+// prunes it from every write: the operator says so once and stops writing
+// it, rather than writing every node with claims at every pass.
+#[tokio::test]
+async fn allocated_claims_pruned_by_an_older_crd_are_said_once_and_not_written_again() {
+    let (mock, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(mock, "default");
+    let (_leader, leading) = watch::channel(true);
+    let node = node("w-1", &[]);
+    let state = hpn("w-1", 1, vec![]);
+    let mut ctx = Context::new(
+        client,
+        Writer::<HugePagePool>::default().as_reader(),
+        store_of(std::slice::from_ref(&node)),
+        store_of(std::slice::from_ref(&state)),
+        Arc::new(Metrics::default()),
+        crate::leader::Fence::following(leading),
+        Arc::new(AtomicBool::new(true)),
+        Config::default(),
+    );
+    let mut claims = Writer::new(hugepool_crds::dra::resource_claims());
+    claims.apply_watcher_event(&watcher::Event::Apply(
+        serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": "apps", "name": "pages"},
+            "status": {"allocation": {"devices": {"results": [{
+                "request": "pages", "driver": hugepool_crds::dra::DRIVER, "pool": "w-1",
+                "device": "hugepages-2mi-numa0", "consumedCapacity": {"memory": "8Mi"},
+            }]}}},
+        }))
+        .unwrap(),
+    ));
+    ctx.claims = Some(claims.as_reader());
+    let writes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&writes);
+    let server = tokio::spawn(async move {
+        while let Some((request, send)) = handle.next_request().await {
+            let (parts, body) = request.into_parts();
+            let body: Value = serde_json::from_slice(&body.collect_bytes().await.unwrap()).unwrap();
+            seen.lock()
+                .unwrap()
+                .push((parts.uri.path().to_string(), body["status"].clone()));
+            // Written, and the field pruned from what comes back.
+            let reply = json!({
+                "apiVersion": "hugepool.dev/v1alpha1", "kind": "HugePageNode",
+                "metadata": {"name": "w-1", "generation": 1, "resourceVersion": "2"},
+                "spec": {"pageSizes": []}, "status": {},
+            });
+            send.send_response(
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                    .unwrap(),
+            );
+        }
+    });
+    let snapshot = Snapshot {
+        nodes: ctx.nodes.state(),
+        states: ctx.node_states.state(),
+    };
+    let mut worker = Worker::default();
+    tell_allocated_claims(&ctx, &mut worker, &snapshot, Instant::now())
+        .await
+        .expect("told");
+    assert_eq!(
+        *writes.lock().unwrap(),
+        [(
+            "/apis/hugepool.dev/v1alpha1/hugepagenodes/w-1/status".to_string(),
+            json!({"allocatedClaims": [{"size": "2Mi", "numa": 0, "pages": 4}]})
+        )]
+    );
+    assert!(worker.claims_field_unknown);
+    // The next pass writes nothing.
+    tell_allocated_claims(&ctx, &mut worker, &snapshot, Instant::now())
+        .await
+        .expect("told");
+    assert_eq!(writes.lock().unwrap().len(), 1);
+    server.abort();
+}
