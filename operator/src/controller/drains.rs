@@ -141,7 +141,15 @@ async fn read_on_node(ctx: &Context, node: &str, plan: &NodePlan) -> Result<OnNo
         .page_sizes
         .iter()
         .any(|e| e.by_claims() && plan.drain.evict.contains(&e.size));
-    let claims = if by_claims {
+    let claims = if by_claims && let Some(store) = &ctx.claims {
+        // The operator follows every claim: no list per draining node.
+        let cached: Vec<serde_json::Value> = store
+            .state()
+            .iter()
+            .filter_map(|claim| serde_json::to_value(claim.as_ref()).ok())
+            .collect();
+        drain::Claims::on_node(&cached, node)
+    } else if by_claims {
         tokio::time::timeout(WRITE_TIMEOUT, drain::Claims::read(&ctx.client, node, &pods))
             .await
             .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?
