@@ -554,13 +554,14 @@ async fn carry_out_drains(
                 node,
                 node_plan,
                 drain_states.get(node_name).map(Arc::as_ref),
+                worker.pod_watches.pods(node_name),
             ));
         }
     }
     // What each draining node holds, read in parallel.
     let read: Vec<_> = futures::stream::iter(due)
-        .map(|(node, node_plan, node_state)| async move {
-            let on_node = drains::read_drain(ctx, node, node_plan).await;
+        .map(|(node, node_plan, node_state, watched)| async move {
+            let on_node = drains::read_drain(ctx, node, node_plan, watched).await;
             (node, node_plan, node_state, on_node)
         })
         .buffered(NODE_WRITES_IN_FLIGHT)

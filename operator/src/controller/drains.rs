@@ -122,20 +122,31 @@ fn select_pods<'a>(
 /// through DRA, the claims of this driver they use (read from the
 /// namespaces of the pods that have claims; a drain of a classic pool reads
 /// none, so the operator needs no claim access without DRA).
-async fn read_on_node(ctx: &Context, node: &str, plan: &NodePlan) -> Result<OnNode> {
-    let pods: Api<Pod> = Api::all(ctx.client.clone());
-    let listed = tokio::time::timeout(
-        WRITE_TIMEOUT,
-        pods.list(&ListParams::default().fields(&format!("spec.nodeName={node}"))),
-    )
-    .await
-    .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?;
-    let pods = listed
-        .map_err(|source| Error::ListPods {
-            node: node.to_string(),
-            source,
-        })?
-        .items;
+async fn read_on_node(
+    ctx: &Context,
+    node: &str,
+    plan: &NodePlan,
+    watched: Option<Vec<Pod>>,
+) -> Result<OnNode> {
+    let pods = match watched {
+        // The node's pods as its watch holds them: no list per pass.
+        Some(pods) => pods,
+        None => {
+            let pods: Api<Pod> = Api::all(ctx.client.clone());
+            let listed = tokio::time::timeout(
+                WRITE_TIMEOUT,
+                pods.list(&ListParams::default().fields(&format!("spec.nodeName={node}"))),
+            )
+            .await
+            .map_err(|_| Error::Timeout(WRITE_TIMEOUT))?;
+            listed
+                .map_err(|source| Error::ListPods {
+                    node: node.to_string(),
+                    source,
+                })?
+                .items
+        }
+    };
     let by_claims = plan
         .spec
         .page_sizes
@@ -171,9 +182,14 @@ pub(super) fn evicts(plan: &NodePlan) -> bool {
 
 /// Reads what a draining node's drain needs: its pods and their claims
 /// when it evicts, nothing otherwise.
-pub(super) async fn read_drain(ctx: &Context, node: &Node, plan: &NodePlan) -> Result<OnNode> {
+pub(super) async fn read_drain(
+    ctx: &Context,
+    node: &Node,
+    plan: &NodePlan,
+    watched: Option<Vec<Pod>>,
+) -> Result<OnNode> {
     if evicts(plan) {
-        read_on_node(ctx, &node.name_any(), plan).await
+        read_on_node(ctx, &node.name_any(), plan, watched).await
     } else {
         Ok(OnNode::default())
     }

@@ -1592,3 +1592,40 @@ async fn allocated_claims_pruned_by_an_older_crd_are_said_once_and_not_written_a
     assert_eq!(writes.lock().unwrap().len(), 1);
     server.abort();
 }
+
+// A draining node's pods are listed once: its watch, started by the pass
+// that found it evicting, holds them for the passes after (a wave of 1,000
+// draining nodes was 1,000 lists a pass).
+#[tokio::test]
+async fn a_draining_nodes_pods_come_from_its_watch_after_the_first_list() {
+    let mut drain = Drain::start(Evictions {
+        dry_run: None,
+        real: None,
+        ..Evictions::default()
+    });
+    let lists = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter(|c| c.path == "/api/v1/pods" && !c.query.contains("watch=true"))
+            .count()
+    };
+    drain.pass().await;
+    // The pass's list, and perhaps already its watch's first.
+    assert!((1..=2).contains(&lists(&drain.calls())), "{:#?}", drain.calls());
+    // The watch's own first list fills its cache.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while drain.worker.pod_watches.pods("w-1").is_none() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the pod watch never listed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let before = lists(&drain.calls());
+    for _ in 0..3 {
+        drain.pass().await;
+    }
+    assert_eq!(lists(&drain.calls()), before, "{:#?}", drain.calls());
+    let pods = drain.worker.pod_watches.pods("w-1").expect("watched");
+    assert!(pods.iter().any(|p| p.name_any() == "dpdk"), "{pods:?}");
+}

@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Client, Resource, ResourceExt};
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::Notify;
@@ -234,7 +234,13 @@ where
 /// selector on `spec.nodeName`): a drain hears within a second of a pod
 /// that went or changed, without watching every pod of the cluster.
 #[derive(Default)]
-pub(super) struct PodWatches(BTreeMap<String, tokio::task::JoinHandle<()>>);
+pub(super) struct PodWatches(BTreeMap<String, PodWatch>);
+
+/// One draining node's pods, watched: the task and the cache it fills.
+struct PodWatch {
+    task: tokio::task::JoinHandle<()>,
+    pods: reflector::Store<Pod>,
+}
 
 impl PodWatches {
     pub fn is_empty(&self) -> bool {
@@ -249,39 +255,58 @@ impl PodWatches {
         errors: &Counter,
         nodes: BTreeSet<String>,
     ) {
-        self.0.retain(|node, task| {
+        self.0.retain(|node, watch| {
             let keep = nodes.contains(node);
             if !keep {
-                task.abort();
+                watch.task.abort();
             }
             keep
         });
         for node in nodes {
             self.0.entry(node.clone()).or_insert_with(|| {
-                tokio::spawn(wake_on_pods(
+                let (pods, writer) = reflector::store();
+                let task = tokio::spawn(wake_on_pods(
                     Api::all(client.clone()),
                     node,
+                    writer,
                     Arc::clone(wake),
                     errors.clone(),
-                ))
+                ));
+                PodWatch { task, pods }
             });
         }
+    }
+
+    /// `node`'s pods as its watch holds them, once it has listed them; None
+    /// before (or for a node not watched): the drain lists them then.
+    pub fn pods(&self, node: &str) -> Option<Vec<Pod>> {
+        let watch = self.0.get(node)?;
+        watch.pods.wait_until_ready().now_or_never()?.ok()?;
+        Some(watch.pods.state().iter().map(|p| (**p).clone()).collect())
     }
 }
 
 impl Drop for PodWatches {
     fn drop(&mut self) {
-        for task in self.0.values() {
-            task.abort();
+        for watch in self.0.values() {
+            watch.task.abort();
         }
     }
 }
 
-/// Wakes the worker on every change of a pod on `node` after the first
-/// listing (the pass that started the watch has just listed them).
-async fn wake_on_pods(api: Api<Pod>, node: String, wake: Arc<Notify>, errors: Counter) {
+/// Keeps `node`'s pods in `cache` and wakes the worker on every change of
+/// one after the first listing (the pass that started the watch has just
+/// listed them).
+async fn wake_on_pods(
+    api: Api<Pod>,
+    node: String,
+    cache: reflector::store::Writer<Pod>,
+    wake: Arc<Notify>,
+    errors: Counter,
+) {
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-    let mut events = std::pin::pin!(watcher(api, config).default_backoff());
+    let mut events =
+        std::pin::pin!(reflector::reflector(cache, watcher(api, config)).default_backoff());
     let mut listed = false;
     while let Some(event) = events.next().await {
         match event {
