@@ -1858,6 +1858,48 @@ async fn claim_and_pod(client: &Client, name: &str, memory: &str) {
     .await;
 }
 
+/// The selector of the DeviceClass the chart installs for 2Mi pages.
+const TWO_MI_CLASS: &str = "device.driver == 'hugepages.hugepool.dev' && device.attributes['hugepages.hugepool.dev'].pageSize == '2Mi'";
+
+/// Creates DeviceClass `name` selecting devices by the CEL `expression`.
+async fn create_device_class(client: &Client, name: &str, expression: &str) {
+    let classes: Api<kube::api::DynamicObject> = Api::all_with(
+        client.clone(),
+        &kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "DeviceClass"),
+            "deviceclasses",
+        ),
+    );
+    let class: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": expression}}]},
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &class)
+        .await
+        .unwrap_or_else(|e| panic!("create DeviceClass {name}: {e}"));
+}
+
+/// The agent as the chart runs it with `dra.enabled`: its ResourceSlice and
+/// its kubelet plugin, with the kubelet's directories in `plugins` and `cdi`.
+fn start_dra_agent(kubeconfig: &Path, node: &str, plugins: &Path, cdi: &Path) -> AgentProcess {
+    AgentProcess::start(
+        kubeconfig,
+        node,
+        &[
+            "--resource-slices",
+            "--kubelet-plugin",
+            "--kubelet-plugins-dir",
+            plugins.to_str().unwrap(),
+            "--cdi-dir",
+            cdi.to_str().unwrap(),
+        ],
+    )
+}
+
 /// A claim larger than one NUMA node's pages: one request of `count: N`
 /// takes N devices, each its own pages, so 2 x 1Gi is placed on a node
 /// whose 2Mi pool holds 512 pages on each of two NUMA nodes (a slice
@@ -2027,24 +2069,12 @@ async fn pages_align_with_another_drivers_devices(client: &Client, node: &str) {
         .create(&PostParams::default(), &slice)
         .await
         .expect("the NIC driver's slice");
-    let classes: Api<kube::api::DynamicObject> = Api::all_with(
-        client.clone(),
-        &kube::api::ApiResource::from_gvk_with_plural(
-            &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "DeviceClass"),
-            "deviceclasses",
-        ),
-    );
-    let class: kube::api::DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": nic_driver},
-        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{nic_driver}'")}}]},
-    }))
-    .unwrap();
-    classes
-        .create(&PostParams::default(), &class)
-        .await
-        .expect("the NIC DeviceClass");
+    create_device_class(
+        client,
+        nic_driver,
+        &format!("device.driver == '{nic_driver}'"),
+    )
+    .await;
     for (claim, attribute) in [
         ("aligned-std", "resource.kubernetes.io/numaNode"),
         ("aligned-dranet", "dra.net/numaNode"),
@@ -2314,41 +2344,14 @@ async fn a_claim_the_scheduler_allocated_holds_its_pages_against_a_shrink_before
         .patch_status(&name, &PatchParams::default(), &Patch::Merge(&schedulable))
         .await
         .expect("make the Node schedulable");
-    let classes: Api<kube::api::DynamicObject> = Api::all_with(
-        client.clone(),
-        &kube::api::ApiResource::from_gvk_with_plural(
-            &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "DeviceClass"),
-            "deviceclasses",
-        ),
-    );
-    let class = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": "hugepages-2mi.hugepool.dev"},
-        "spec": {"selectors": [{"cel": {"expression":
-            "device.driver == 'hugepages.hugepool.dev' && device.attributes['hugepages.hugepool.dev'].pageSize == '2Mi'"}}]},
-    }))
-    .unwrap();
-    classes
-        .create(&PostParams::default(), &class)
-        .await
-        .expect("create DeviceClass");
+    create_device_class(&client, "hugepages-2mi.hugepool.dev", TWO_MI_CLASS).await;
 
     let kubelet_dirs = tempfile::tempdir().expect("the kubelet's plugin directories");
-    let plugins = kubelet_dirs.path().join("plugins");
-    let cdi = kubelet_dirs.path().join("cdi");
-    let agent = AgentProcess::start(
-        &own.control_plane.kubeconfig,
-        &name,
-        &[
-            "--resource-slices",
-            "--kubelet-plugin",
-            "--kubelet-plugins-dir",
-            plugins.to_str().unwrap(),
-            "--cdi-dir",
-            cdi.to_str().unwrap(),
-        ],
+    let (plugins, cdi) = (
+        kubelet_dirs.path().join("plugins"),
+        kubelet_dirs.path().join("cdi"),
     );
+    let agent = start_dra_agent(&own.control_plane.kubeconfig, &name, &plugins, &cdi);
     // The operator on a runtime of its own, as its binary runs it.
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let operator_client = client.clone();
@@ -2566,20 +2569,11 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         .await
         .expect("make the Node schedulable");
     let kubelet_dirs = tempfile::tempdir().expect("the kubelet's plugin directories");
-    let plugins = kubelet_dirs.path().join("plugins");
-    let cdi = kubelet_dirs.path().join("cdi");
-    let agent = AgentProcess::start(
-        &own.control_plane.kubeconfig,
-        &name,
-        &[
-            "--resource-slices",
-            "--kubelet-plugin",
-            "--kubelet-plugins-dir",
-            plugins.to_str().unwrap(),
-            "--cdi-dir",
-            cdi.to_str().unwrap(),
-        ],
+    let (plugins, cdi) = (
+        kubelet_dirs.path().join("plugins"),
+        kubelet_dirs.path().join("cdi"),
     );
+    let agent = start_dra_agent(&own.control_plane.kubeconfig, &name, &plugins, &cdi);
     wait_for(
         &client,
         &name,
@@ -2665,25 +2659,7 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
     );
 
     // The DeviceClass the chart installs for 2Mi pages.
-    let classes: Api<kube::api::DynamicObject> = Api::all_with(
-        client.clone(),
-        &kube::api::ApiResource::from_gvk_with_plural(
-            &kube::api::GroupVersionKind::gvk("resource.k8s.io", "v1", "DeviceClass"),
-            "deviceclasses",
-        ),
-    );
-    let class = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": "hugepages-2mi.hugepool.dev"},
-        "spec": {"selectors": [{"cel": {"expression":
-            "device.driver == 'hugepages.hugepool.dev' && device.attributes['hugepages.hugepool.dev'].pageSize == '2Mi'"}}]},
-    }))
-    .unwrap();
-    classes
-        .create(&PostParams::default(), &class)
-        .await
-        .expect("create DeviceClass");
+    create_device_class(&client, "hugepages-2mi.hugepool.dev", TWO_MI_CLASS).await;
 
     // 20 of the 22 claimable pages: allocated on the node's device.
     claim_and_pod(&client, "first", "40Mi").await;

@@ -1754,18 +1754,23 @@ mod tests {
         assert_eq!(status.page_sizes[0].numa[0].obtainable, None);
     }
 
+    /// What a 2Mi grow can get machine-wide: `now` and after compaction.
+    fn estimates_2mi(
+        now: u64,
+        after_compaction: u64,
+    ) -> BTreeMap<(PageSize, Option<u32>), GrowEstimate> {
+        BTreeMap::from([(
+            (PageSize::SIZE_2MI, None),
+            GrowEstimate {
+                obtainable_now: now,
+                after_compaction,
+            },
+        )])
+    }
+
     #[test]
     fn what_a_grow_can_get_is_shown_at_once_when_it_falls_and_after_a_tenth_when_it_rises() {
-        let key = (PageSize::SIZE_2MI, None);
-        let at = |now, after_compaction| {
-            BTreeMap::from([(
-                key,
-                GrowEstimate {
-                    obtainable_now: now,
-                    after_compaction,
-                },
-            )])
-        };
+        let at = estimates_2mi;
         let mut memory = AgentMemory::default();
         let start = Instant::now();
         // Each settle is a refresh long after the last: both figures count.
@@ -1806,15 +1811,7 @@ mod tests {
     #[test]
     fn a_busy_node_shows_free_blocks_at_most_every_few_minutes_and_a_plans_figure_at_once() {
         let key = (PageSize::SIZE_2MI, None);
-        let at = |now, after_compaction| {
-            BTreeMap::from([(
-                key,
-                GrowEstimate {
-                    obtainable_now: now,
-                    after_compaction,
-                },
-            )])
-        };
+        let at = estimates_2mi;
         let refresh = Duration::from_secs(15);
         let start = Instant::now();
         let mut memory = AgentMemory::default();

@@ -1611,7 +1611,11 @@ async fn a_draining_nodes_pods_come_from_its_watch_after_the_first_list() {
     };
     drain.pass().await;
     // The pass's list, and perhaps already its watch's first.
-    assert!((1..=2).contains(&lists(&drain.calls())), "{:#?}", drain.calls());
+    assert!(
+        (1..=2).contains(&lists(&drain.calls())),
+        "{:#?}",
+        drain.calls()
+    );
     // The watch's own first list fills its cache.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while drain.worker.pod_watches.pods("w-1").is_none() {
