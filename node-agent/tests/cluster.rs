@@ -1858,6 +1858,30 @@ async fn claim_and_pod(client: &Client, name: &str, memory: &str) {
     .await;
 }
 
+/// A Node `name` labelled `label=true`, with room for pods and no kubelet
+/// (its pods never start); the Nodes' API.
+async fn schedulable_node(client: &Client, name: &str, label: &str) -> Api<Node> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {label: "true"}},
+    }))
+    .unwrap();
+    nodes
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("create Node");
+    let schedulable = json!({"status": {
+        "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110", "hugepages-2Mi": "0"},
+        "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110", "hugepages-2Mi": "0"},
+    }});
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&schedulable))
+        .await
+        .expect("make the Node schedulable");
+    nodes
+}
+
 /// The selector of the DeviceClass the chart installs for 2Mi pages.
 const TWO_MI_CLASS: &str = "device.driver == 'hugepages.hugepool.dev' && device.attributes['hugepages.hugepool.dev'].pageSize == '2Mi'";
 
@@ -1908,24 +1932,7 @@ fn start_dra_agent(kubeconfig: &Path, node: &str, plugins: &Path, cdi: &Path) ->
 async fn a_claim_spans_numa_nodes_one_device_each(client: &Client) {
     let node = unique_name("two-numa");
     let label = "pool.test/two-numa";
-    let nodes: Api<Node> = Api::all(client.clone());
-    let object: Node = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": node, "labels": {label: "true"}},
-    }))
-    .unwrap();
-    nodes
-        .create(&PostParams::default(), &object)
-        .await
-        .expect("the two-NUMA Node");
-    let schedulable = json!({"status": {
-        "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110"},
-        "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110"},
-    }});
-    nodes
-        .patch_status(&node, &PatchParams::default(), &Patch::Merge(&schedulable))
-        .await
-        .expect("make the Node schedulable");
+    let nodes = schedulable_node(client, &node, label).await;
     let devices: Vec<hugepool_agent::agent::slice::Device> = (0..2)
         .map(|numa| hugepool_agent::agent::slice::Device {
             size: MI2,
@@ -2326,24 +2333,7 @@ async fn a_claim_the_scheduler_allocated_holds_its_pages_against_a_shrink_before
 
     let name = unique_name("agent-gap");
     let label = "pool.test/gap";
-    let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "labels": {label: "true"}},
-    }))
-    .unwrap();
-    nodes
-        .create(&PostParams::default(), &node)
-        .await
-        .expect("create Node");
-    let schedulable = json!({"status": {
-        "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110", "hugepages-2Mi": "0"},
-        "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110", "hugepages-2Mi": "0"},
-    }});
-    nodes
-        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&schedulable))
-        .await
-        .expect("make the Node schedulable");
+    schedulable_node(&client, &name, label).await;
     create_device_class(&client, "hugepages-2mi.hugepool.dev", TWO_MI_CLASS).await;
 
     let kubelet_dirs = tempfile::tempdir().expect("the kubelet's plugin directories");
