@@ -2282,7 +2282,9 @@ async fn a_grown_dra_pool_is_claimed_and_faulted_at_once_with_no_kubelet_restart
             let blocked = node_condition(&client, &node.name, "ShrinkBlocked").await;
             match (read_sys("nr_hugepages"), &blocked) {
                 (40, Some((status, _, message)))
-                    if status == "True" && message.contains("40 pages prepared claims hold") =>
+                    if status == "True"
+                        && message
+                            .contains("40 pages claims hold (DRA: 40 prepared by the kubelet") =>
                 {
                     Ok(())
                 }
