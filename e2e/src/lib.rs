@@ -369,8 +369,21 @@ pub async fn install_crds(client: Client) -> Result<(), E2eError> {
 /// A name no other test (in this or another process) uses: `prefix-pid-n`.
 pub fn unique_name(prefix: &str) -> String {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
+    // The pid alone repeats (pid_max is 32768 here, and a `make test` starts
+    // far more processes than that): a run's objects and /tmp directories
+    // then met an earlier run's of the same pid (a private control plane
+    // started on that run's etcd data; a recording script's calls file
+    // already holding calls). A word of this process's start time keeps
+    // runs apart.
+    static RUN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let run = RUN.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{:05x}", (nanos / 1000) as u32 & 0xfffff)
+    });
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix}-{}-{n}", std::process::id())
+    format!("{prefix}-{}-{run}-{n}", std::process::id())
 }
 
 /// A node's cgroup file system as a kubelet leaves it, for an agent's
