@@ -2046,7 +2046,7 @@ fn workflows_pin_actions_by_sha_containers_by_digest_and_rust_by_the_toolchain_f
         assert!(!lines.is_empty(), "no job {name} in release.yml");
         lines[1..]
             .iter()
-            .take_while(|l| !(l.starts_with("  ") && !l.starts_with("   ")))
+            .take_while(|l| !l.starts_with("  ") || l.starts_with("   "))
             .copied()
             .collect::<Vec<_>>()
             .join("\n")
