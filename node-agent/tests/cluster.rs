@@ -1858,6 +1858,18 @@ async fn claim_and_pod(client: &Client, name: &str, memory: &str) {
     .await;
 }
 
+/// A control plane of the test's own with kube-scheduler (DRA allocates
+/// there), the CRDs installed: it, a client, and its Kubernetes minor.
+async fn control_plane_with_scheduler(prefix: &str) -> (OwnedControlPlane, Client, u32) {
+    let dir = std::env::temp_dir().join(unique_name(prefix));
+    let own = OwnedControlPlane::start_with_args(&dir, &["--scheduler"])
+        .expect("a private control plane with kube-scheduler");
+    let client = own.control_plane.client().await.expect("client");
+    install_crds(client.clone()).await.expect("CRDs");
+    let (minor, _) = hugepool_e2e::server_minor(&client).await;
+    (own, client, minor)
+}
+
 /// A Node `name` labelled `label=true`, with room for pods and no kubelet
 /// (its pods never start); the Nodes' API.
 async fn schedulable_node(client: &Client, name: &str, label: &str) -> Api<Node> {
@@ -2298,13 +2310,6 @@ fn dra_claim(name: &str, uid: &str) -> hugepool_agent::dra::proto::v1::Claim {
     }
 }
 
-/// A pool consumed through DRA on a control plane with kube-scheduler (the
-/// Node is written by the test, no kubelet): the agent publishes the pages
-/// the kubelet does not advertise, per NUMA node, as consumable capacity;
-/// the real scheduler allocates claims from it; a grow is claimable within
-/// seconds with no kubelet restart and no KubeletCapacityStale; a kubelet
-/// that advertises the pool takes it out of the slice; a pool no longer
-/// consumed through DRA deletes the slice.
 // The scheduler allocates a claim before the kubelet prepares it. A shrink
 // in that gap must leave the claim's pages, or the kubelet's prepare finds
 // the pool short and the pod stays in ContainerCreating for good. The real
@@ -2317,12 +2322,7 @@ async fn a_claim_the_scheduler_allocated_holds_its_pages_against_a_shrink_before
         return;
     };
     real.set_pool(MI2, 0);
-    let dir = std::env::temp_dir().join(unique_name("dra-gap"));
-    let own = OwnedControlPlane::start_with_args(&dir, &["--scheduler"])
-        .expect("a private control plane with kube-scheduler");
-    let client = own.control_plane.client().await.expect("client");
-    install_crds(client.clone()).await.expect("CRDs");
-    let (minor, _) = hugepool_e2e::server_minor(&client).await;
+    let (own, client, minor) = control_plane_with_scheduler("dra-gap").await;
     if minor < hugepool_e2e::DRA_MINOR {
         // No consumable capacity before 1.36: no claim takes pages
         // (a_dra_pool_is_published_... shows the slice refused there).
@@ -2528,6 +2528,13 @@ async fn a_claim_the_scheduler_allocated_holds_its_pages_against_a_shrink_before
     drop(real);
 }
 
+/// A pool consumed through DRA on a control plane with kube-scheduler (the
+/// Node is written by the test, no kubelet): the agent publishes the pages
+/// the kubelet does not advertise, per NUMA node, as consumable capacity;
+/// the real scheduler allocates claims from it; a grow is claimable within
+/// seconds with no kubelet restart and no KubeletCapacityStale; a kubelet
+/// that advertises the pool takes it out of the slice; a pool no longer
+/// consumed through DRA deletes the slice.
 #[tokio::test]
 async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize() {
     let Some(_shared) = setup().await else { return };
@@ -2535,12 +2542,7 @@ async fn a_dra_pool_is_published_as_claimable_capacity_that_follows_each_resize(
         return;
     };
     real.set_pool(MI2, 0);
-    let dir = std::env::temp_dir().join(unique_name("dra"));
-    let own = OwnedControlPlane::start_with_args(&dir, &["--scheduler"])
-        .expect("a private control plane with kube-scheduler");
-    let client = own.control_plane.client().await.expect("client");
-    install_crds(client.clone()).await.expect("CRDs");
-    let (minor, _) = hugepool_e2e::server_minor(&client).await;
+    let (own, client, minor) = control_plane_with_scheduler("dra").await;
 
     let name = unique_name("agent-dra");
     let dra = |pages| PageSizeTarget {
