@@ -7,6 +7,10 @@ ifneq ($(RUST_TOOLCHAIN_CHECK),0)
 $(error hack/rust-toolchain.sh could not make rust-toolchain.toml's Rust available (above))
 endif
 CONTROLPLANE_DIR := e2e/controlplane
+# CI builds once from a fresh clone: incremental state (3 GB there) would never be reused.
+ifeq ($(CI),true)
+export CARGO_INCREMENTAL := 0
+endif
 # The oldest Kubernetes minor the chart admits (Chart.yaml kubeVersion, k8s-openapi's feature).
 OLDEST_K8S := 1.33
 # Every test that needs only a control plane (no node): the API, the chart on the
