@@ -2074,3 +2074,224 @@ fn workflows_pin_actions_by_sha_containers_by_digest_and_rust_by_the_toolchain_f
         "rust-toolchain.toml pins an exact version (x.y.z), not a channel:\n{toolchain}"
     );
 }
+
+/// What one container gets on its node, in the terms of docs/security.md's
+/// "At a glance" table.
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Privileges {
+    capabilities: BTreeSet<String>,
+    namespaces: BTreeSet<String>,
+    ports: BTreeSet<String>,
+    writable: BTreeSet<String>,
+    read_only: BTreeSet<String>,
+}
+
+impl Privileges {
+    fn fields(&self) -> [(&'static str, &BTreeSet<String>); 5] {
+        [
+            ("capabilities", &self.capabilities),
+            ("host namespaces", &self.namespaces),
+            ("ports", &self.ports),
+            ("host paths, writable", &self.writable),
+            ("host paths, read only", &self.read_only),
+        ]
+    }
+
+    /// What `self` has that `base` has not, field by field.
+    fn beyond(&self, base: &Privileges) -> Privileges {
+        let less = |a: &BTreeSet<String>, b: &BTreeSet<String>| a.difference(b).cloned().collect();
+        Privileges {
+            capabilities: less(&self.capabilities, &base.capabilities),
+            namespaces: less(&self.namespaces, &base.namespaces),
+            ports: less(&self.ports, &base.ports),
+            writable: less(&self.writable, &base.writable),
+            read_only: less(&self.read_only, &base.read_only),
+        }
+    }
+}
+
+/// Every container of every pod the chart renders with `--set values`
+/// (none for the defaults), by container name. Also checks what the table's
+/// prose says of all of them: every other capability dropped, never
+/// privileged, no escalation.
+fn rendered_privileges(helm: &Path, values: Option<&str>) -> BTreeMap<String, Privileges> {
+    let mut args = vec!["--kube-version", "1.37.0"];
+    if let Some(values) = values {
+        args.extend(["--set", values]);
+    }
+    let mut out = BTreeMap::new();
+    for doc in documents(&helm_template(helm, &args)) {
+        let pod = &doc["spec"]["template"]["spec"];
+        let Some(containers) = pod["containers"].as_array() else {
+            continue;
+        };
+        let init = pod["initContainers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let volumes: BTreeMap<&str, &Value> = pod["volumes"]
+            .as_array()
+            .map(|v| {
+                v.iter()
+                    .map(|v| (v["name"].as_str().unwrap_or(""), v))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let namespaces: BTreeSet<String> = ["hostPID", "hostNetwork", "hostIPC"]
+            .into_iter()
+            .filter(|ns| pod[*ns] == true)
+            .map(String::from)
+            .collect();
+        for container in containers.iter().chain(&init) {
+            let name = container["name"]
+                .as_str()
+                .expect("container name")
+                .to_string();
+            let context = &container["securityContext"];
+            assert_eq!(
+                context["capabilities"]["drop"],
+                json!(["ALL"]),
+                "{name} drops every capability"
+            );
+            assert_ne!(context["privileged"], true, "{name} is not privileged");
+            assert_eq!(
+                context["allowPrivilegeEscalation"], false,
+                "{name} may not escalate"
+            );
+            let mut got = Privileges {
+                capabilities: context["capabilities"]["add"]
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .map(|c| c.as_str().expect("capability").to_string())
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                namespaces: namespaces.clone(),
+                ports: container["ports"]
+                    .as_array()
+                    .map(|p| p.iter().map(|p| p["containerPort"].to_string()).collect())
+                    .unwrap_or_default(),
+                ..Privileges::default()
+            };
+            for mount in container["volumeMounts"].as_array().into_iter().flatten() {
+                let volume = volumes[mount["name"].as_str().expect("mount name")];
+                let Some(path) = volume["hostPath"]["path"].as_str() else {
+                    continue;
+                };
+                let list = if mount["readOnly"] == true {
+                    &mut got.read_only
+                } else {
+                    &mut got.writable
+                };
+                list.insert(path.to_string());
+            }
+            assert!(
+                out.insert(name.clone(), got).is_none(),
+                "two containers named {name}"
+            );
+        }
+    }
+    out
+}
+
+/// The rows of docs/security.md's "At a glance" table: (values or `None`
+/// for the defaults, container, what it has or adds).
+fn documented_privileges() -> Vec<(Option<String>, String, Privileges)> {
+    let text = std::fs::read_to_string(repo().join("docs").join("security.md"))
+        .expect("read docs/security.md");
+    let section = text
+        .split("\n### At a glance\n")
+        .nth(1)
+        .expect("docs/security.md has an \"### At a glance\" section")
+        .split("\n#")
+        .next()
+        .unwrap_or_default();
+    // The backquoted items of a cell ("none": no item).
+    let items = |cell: &str| -> BTreeSet<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(String::from)
+            .collect()
+    };
+    let mut rows = Vec::new();
+    for line in section.lines().filter(|l| l.starts_with("| ")).skip(1) {
+        let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+        assert_eq!(cells.len(), 7, "a row of seven cells: {line}");
+        let values = (cells[0] != "defaults")
+            .then(|| items(cells[0]).pop_first().expect("the values, backquoted"));
+        let container = items(cells[1])
+            .pop_first()
+            .expect("the container, backquoted");
+        let privileges = Privileges {
+            capabilities: items(cells[2]),
+            namespaces: items(cells[3]),
+            ports: items(cells[4]),
+            writable: items(cells[5]),
+            read_only: items(cells[6]),
+        };
+        rows.push((values, container, privileges));
+    }
+    assert!(rows.len() >= 3, "the table's rows were read: {rows:?}");
+    rows
+}
+
+/// docs/security.md's table of privileges per mode is what the chart
+/// renders: each row's container has (defaults) or gains (a mode's values)
+/// exactly the capabilities, host namespaces, ports and host paths the row
+/// names, and every container the chart renders, in every mode the table
+/// names, has its row.
+#[test]
+fn the_security_docs_privilege_table_is_what_the_chart_renders() {
+    let Some(helm) = helm() else { return };
+    let rows = documented_privileges();
+    let defaults = rendered_privileges(&helm, None);
+    let modes: BTreeSet<Option<String>> =
+        rows.iter().map(|(values, _, _)| values.clone()).collect();
+    for values in &modes {
+        let rendered = match values {
+            None => defaults.clone(),
+            Some(values) => rendered_privileges(&helm, Some(values)),
+        };
+        let shown = values.as_deref().unwrap_or("defaults");
+        for (container, got) in &rendered {
+            let base = if values.is_some() {
+                defaults.get(container)
+            } else {
+                None
+            };
+            let base = base.cloned().unwrap_or_default();
+            let lost = base.beyond(got);
+            assert_eq!(
+                lost,
+                Privileges::default(),
+                "{shown}: {container} loses what the defaults give it (the table lists only additions)"
+            );
+            let added = got.beyond(&base);
+            let row = rows.iter().find(|(v, c, _)| v == values && c == container);
+            match row {
+                Some((_, _, documented)) => {
+                    for ((field, doc), (_, chart)) in
+                        documented.fields().into_iter().zip(added.fields())
+                    {
+                        assert_eq!(
+                            doc, chart,
+                            "docs/security.md \"At a glance\", {shown}, {container}: {field} (left: the docs, right: the chart)"
+                        );
+                    }
+                }
+                None => assert!(
+                    values.is_some() && added == Privileges::default(),
+                    "docs/security.md \"At a glance\" has no row for {container} with {shown}; the chart gives it {added:?}"
+                ),
+            }
+        }
+        for (_, container, _) in rows.iter().filter(|(v, _, _)| v == values) {
+            assert!(
+                rendered.contains_key(container),
+                "{shown}: the docs name {container}, the chart renders no such container"
+            );
+        }
+    }
+}
