@@ -13,13 +13,17 @@ export CARGO_INCREMENTAL := 0
 endif
 # The oldest Kubernetes minor the chart admits (Chart.yaml kubeVersion, k8s-openapi's feature).
 OLDEST_K8S := 1.33
+# The oldest Kubernetes minor DRA pools need (consumable capacity: resource.k8s.io/v1
+# with shared devices), and the control-plane tests that use DRA there.
+DRA_K8S := 1.36
+DRA_TESTS := dra claim consumption own_nodes_status workload_examples
 # Every test that needs only a control plane (no node): the API, the chart on the
 # apiserver, the operator, the agent's cluster side, the dashboards on a real scrape.
 CONTROLPLANE_TESTS := -p hugepool-e2e --test api --test manifests --test prometheus \
 	-p hugepool-operator --test faults --test fleet --test kubectl_hugepool \
 	-p hugepool-agent --test cluster
 
-.PHONY: all build test test-hosted test-oldest-k8s lint fmt crds manifests controlplane images previous krew release bench bench-fragment bench-usable bench-fleet demo diagrams clean
+.PHONY: all build test test-hosted test-oldest-k8s test-dra-k8s lint fmt crds manifests controlplane images previous krew release bench bench-fragment bench-usable bench-fleet demo diagrams clean
 
 all: build
 
@@ -32,7 +36,7 @@ test: lint controlplane images previous
 	bash e2e/with-controlplane.sh $(CARGO) test --workspace --all-targets --no-fail-fast
 
 ## The control-plane tests again on the oldest Kubernetes the chart admits (v$(OLDEST_K8S), built
-## from $(CONTROLPLANE_DIR)/k8s-$(OLDEST_K8S)); .ci/run runs it after `make test` when CI's time allows.
+## from $(CONTROLPLANE_DIR)/k8s-$(OLDEST_K8S)); .ci/run runs it after `make test`.
 ## What a hosted CI runner can run before a release: lint, the unit tests, and the
 ## control-plane tests (their real-kernel parts skip there: no writable hugetlb sysctls).
 ## The real-kernel and node tests (e2e/tests/node.rs: a kubelet and containerd on a
@@ -47,6 +51,13 @@ test-oldest-k8s:
 	bash $(CONTROLPLANE_DIR)/build.sh k8s-$(OLDEST_K8S)
 	HUGEPOOL_CONTROLPLANE_BIN=$(CURDIR)/$(CONTROLPLANE_DIR)/bin-$(OLDEST_K8S) \
 	  bash e2e/with-controlplane.sh $(CARGO) test $(CONTROLPLANE_TESTS)
+
+## The control-plane tests that use DRA again on the oldest Kubernetes DRA pools need
+## (v$(DRA_K8S), built from $(CONTROLPLANE_DIR)/k8s-$(DRA_K8S)); .ci/run runs it after `make test`.
+test-dra-k8s:
+	bash $(CONTROLPLANE_DIR)/build.sh k8s-$(DRA_K8S)
+	HUGEPOOL_CONTROLPLANE_BIN=$(CURDIR)/$(CONTROLPLANE_DIR)/bin-$(DRA_K8S) \
+	  bash e2e/with-controlplane.sh $(CARGO) test $(CONTROLPLANE_TESTS) -- $(DRA_TESTS)
 
 # go vet with CGO_ENABLED=0, as build.sh builds: it reuses the build's compiled packages
 # (with cgo on it compiled all of Kubernetes again, about 10 min on a cold cache).

@@ -192,3 +192,50 @@ fn the_oldest_kubernetes_is_one_version_everywhere() {
         );
     }
 }
+
+/// DRA pools' oldest Kubernetes is one version in the tests' gate
+/// (`DRA_MINOR`), the chart's refusal, `make test-dra-k8s`'s control plane
+/// and the README.
+#[test]
+fn the_oldest_kubernetes_for_dra_is_one_version_everywhere() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let read = |path: &str| {
+        std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("read {path}: {e}"))
+    };
+    let oldest = format!("1.{}", hugepool_e2e::DRA_MINOR);
+    assert!(
+        read("charts/hugepool/templates/dra-deviceclasses.yaml")
+            .contains(&format!("semverCompare \"<{oldest}-0\"")),
+        "the chart must refuse dra.enabled below {oldest}"
+    );
+    assert!(
+        read("Makefile").contains(&format!("\nDRA_K8S := {oldest}\n")),
+        "`make test-dra-k8s` must test {oldest}"
+    );
+    let tested = required_kubernetes(
+        &root
+            .join("e2e/controlplane")
+            .join(format!("k8s-{oldest}"))
+            .join("go.mod"),
+    );
+    assert!(
+        tested.starts_with(&format!("{oldest}.")),
+        "e2e/controlplane/k8s-{oldest} builds Kubernetes {tested}"
+    );
+    let readme = read("README.md");
+    let row = |start: &str| {
+        readme
+            .lines()
+            .find(|line| line.starts_with(start))
+            .unwrap_or_else(|| panic!("the README's compatibility table has a row {start}"))
+            .to_string()
+    };
+    assert!(
+        row("| Kubernetes |").contains(&format!("v{tested}: the control-plane tests of DRA pools")),
+        "the README's Kubernetes row names v{tested} for DRA"
+    );
+    assert!(
+        row("| DRA ").contains(&format!("Kubernetes {oldest} and later")),
+        "the README's DRA row says {oldest} and later"
+    );
+}
