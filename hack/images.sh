@@ -115,6 +115,14 @@ fi
 
 say "cargo build --release --target $target"
 cd "$src_dir"
+# Run from a test (the release test runs release.sh), the environment holds the
+# test crate's CARGO_MANIFEST_DIR, CARGO_PKG_NAME and the like; ring's build
+# script reruns when they change (rerun-if-env-changed), and with it ring and
+# all that links it: 4-5 min rebuilt inside `make test`, and again by the next
+# `make images` or `make demo` outside it. They describe no crate built here.
+while IFS= read -r var; do
+  unset "$var"
+done < <(compgen -e | grep -E '^(CARGO_(PKG_|MANIFEST_|CRATE_NAME$|BIN_NAME$|PRIMARY_PACKAGE$|TARGET_TMPDIR$)|OUT_DIR$)' || true)
 # Another checkout builds no kubectl-hugepool (its packages stay the same,
 # and with them the dependencies' features).
 plugin=(--bin kubectl-hugepool)
