@@ -14,9 +14,10 @@ endif
 # The oldest Kubernetes minor the chart admits (Chart.yaml kubeVersion, k8s-openapi's feature).
 OLDEST_K8S := 1.33
 # The oldest Kubernetes minor DRA pools need (consumable capacity: resource.k8s.io/v1
-# with shared devices), and the control-plane tests that use DRA there.
+# with shared devices), and the control-plane tests that use DRA there (cargo test's
+# name filters: `_dra_`, not `dra`, which every drain test's name holds).
 DRA_K8S := 1.36
-DRA_TESTS := dra claim consumption own_nodes_status workload_examples
+DRA_TESTS := _dra_ claim consumption own_nodes_status workload_examples
 # Every test that needs only a control plane (no node): the API, the chart on the
 # apiserver, the operator, the agent's cluster side, the dashboards on a real scrape.
 CONTROLPLANE_TESTS := -p hugepool-e2e --test api --test manifests --test prometheus \
