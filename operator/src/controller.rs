@@ -315,7 +315,7 @@ pub async fn pass(ctx: &Context, worker: &mut Worker) -> Result<Pass> {
     worker.pod_watches.keep(
         &ctx.client,
         &ctx.wake,
-        &ctx.metrics.watch_errors_of("Pod"),
+        &ctx.metrics.watch_of("Pod"),
         evicting,
     );
     worker.evictions.abandon_unwanted(
@@ -778,7 +778,7 @@ pub async fn run(
             .default_backoff(),
             Arc::clone(&deliveries),
             Arc::clone(&wake),
-            metrics.watch_errors_of("ResourceClaim"),
+            metrics.watch_of("ResourceClaim"),
             move |event| ours.wakes(event),
         ));
     }
@@ -795,7 +795,7 @@ pub async fn run(
         .default_backoff(),
         Arc::clone(&deliveries),
         Arc::clone(&wake),
-        metrics.watch_errors_of("HugePagePool"),
+        metrics.watch_of("HugePagePool"),
         |event| !matches!(event, watcher::Event::Init),
     ));
     let mut node_trigger = NodeTrigger::default();
@@ -808,7 +808,7 @@ pub async fn run(
         .default_backoff(),
         Arc::clone(&deliveries),
         Arc::clone(&wake),
-        metrics.watch_errors_of("Node"),
+        metrics.watch_of("Node"),
         move |event| node_trigger.wakes(event),
     ));
     tasks.0.push(follow(
@@ -824,7 +824,7 @@ pub async fn run(
         .default_backoff(),
         Arc::clone(&deliveries),
         Arc::clone(&wake),
-        metrics.watch_errors_of("HugePageNode"),
+        metrics.watch_of("HugePageNode"),
         |event| !matches!(event, watcher::Event::Init),
     ));
 

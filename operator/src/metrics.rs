@@ -97,11 +97,22 @@ pub struct Metrics {
     pub write_conflicts: Counter,
     /// Errors of each watch (the watcher backs off and lists anew).
     pub watch_errors: Family<WatchLabels, Counter>,
+    /// Events of each watch that woke the worker for a pass.
+    pub watch_wakeups: Family<WatchLabels, Counter>,
     pub reconcile_duration: Histogram,
     pub plan_duration: Histogram,
     pub leader: Gauge,
     /// Whether this replica leads; held while pool series change.
     leading: Mutex<bool>,
+}
+
+/// What the operator counts of one watch that wakes its worker.
+#[derive(Clone, Default)]
+pub struct WatchCounters {
+    /// Its errors (`hugepool_watch_errors_total`).
+    pub errors: Counter,
+    /// Its events that woke the worker (`hugepool_watch_wakeups_total`).
+    pub wakeups: Counter,
 }
 
 impl Metrics {
@@ -110,6 +121,17 @@ impl Metrics {
         self.watch_errors
             .get_or_create(&WatchLabels { watch: kind.into() })
             .clone()
+    }
+
+    /// The errors and wakeups of the watch of `kind`.
+    pub fn watch_of(&self, kind: &str) -> WatchCounters {
+        WatchCounters {
+            errors: self.watch_errors_of(kind),
+            wakeups: self
+                .watch_wakeups
+                .get_or_create(&WatchLabels { watch: kind.into() })
+                .clone(),
+        }
     }
 }
 
@@ -125,10 +147,16 @@ impl Default for Metrics {
         let reconcile_errors = Family::<ErrorLabels, Counter>::default();
         let write_conflicts = Counter::default();
         let watch_errors = Family::<WatchLabels, Counter>::default();
+        let watch_wakeups = Family::<WatchLabels, Counter>::default();
         for watch in WATCHES {
             let _ = watch_errors.get_or_create(&WatchLabels {
                 watch: (*watch).into(),
             });
+            if *watch != "Lease" {
+                let _ = watch_wakeups.get_or_create(&WatchLabels {
+                    watch: (*watch).into(),
+                });
+            }
         }
         let reconcile_duration = Histogram::new([
             0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -192,6 +220,13 @@ impl Default for Metrics {
             watch_errors.clone(),
         );
         registry.register(
+            "hugepool_watch_wakeups",
+            "Events of the operator's watches that woke it for a pass, by kind (HugePagePool, Node, \
+             HugePageNode, Pod; ResourceClaim with DRA): with hugepool_reconciles_total, what its \
+             passes are for (the rest are its deadlines and retries)",
+            watch_wakeups.clone(),
+        );
+        registry.register(
             "hugepool_reconcile_duration_seconds",
             "Duration of one reconcile",
             reconcile_duration.clone(),
@@ -224,6 +259,7 @@ impl Default for Metrics {
             reconcile_errors,
             write_conflicts,
             watch_errors,
+            watch_wakeups,
             reconcile_duration,
             plan_duration,
             leader,

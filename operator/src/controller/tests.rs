@@ -1477,7 +1477,7 @@ async fn a_refused_pod_watch_is_counted_not_swallowed() {
     watches.keep(
         &client,
         &Arc::new(tokio::sync::Notify::new()),
-        &metrics.watch_errors_of("Pod"),
+        &metrics.watch_of("Pod"),
         std::collections::BTreeSet::from(["w-1".to_string()]),
     );
     // The operator's service account may not list pods (an RBAC slip).

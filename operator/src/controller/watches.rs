@@ -4,13 +4,13 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
+use crate::metrics::WatchCounters;
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Client, Resource, ResourceExt};
-use prometheus_client::metrics::counter::Counter;
 use tokio::sync::Notify;
 use tracing::warn;
 
@@ -195,7 +195,7 @@ pub(super) fn follow<K>(
     + 'static,
     deliveries: Arc<Deliveries>,
     wake: Arc<Notify>,
-    errors: Counter,
+    counters: WatchCounters,
     mut wakes: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
 ) -> tokio::task::JoinHandle<()>
 where
@@ -211,7 +211,7 @@ where
                 // stale, so it is said and counted.
                 Err(err) => {
                     warn!(%kind, error = %err, "watch failed; retrying with backoff");
-                    errors.inc();
+                    counters.errors.inc();
                     continue;
                 }
             };
@@ -224,6 +224,7 @@ where
                 watcher::Event::Init => {}
             }
             if wakes(&event) {
+                counters.wakeups.inc();
                 wake.notify_one();
             }
         }
@@ -252,7 +253,7 @@ impl PodWatches {
         &mut self,
         client: &Client,
         wake: &Arc<Notify>,
-        errors: &Counter,
+        counters: &WatchCounters,
         nodes: BTreeSet<String>,
     ) {
         self.0.retain(|node, watch| {
@@ -270,7 +271,7 @@ impl PodWatches {
                     node,
                     writer,
                     Arc::clone(wake),
-                    errors.clone(),
+                    counters.clone(),
                 ));
                 PodWatch { task, pods }
             });
@@ -302,7 +303,7 @@ async fn wake_on_pods(
     node: String,
     cache: reflector::store::Writer<Pod>,
     wake: Arc<Notify>,
-    errors: Counter,
+    counters: WatchCounters,
 ) {
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let mut events =
@@ -312,12 +313,13 @@ async fn wake_on_pods(
         match event {
             Ok(watcher::Event::InitDone) => listed = true,
             Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) if listed => {
+                counters.wakeups.inc();
                 wake.notify_one();
             }
             Ok(_) => {}
             Err(err) => {
                 warn!(%node, error = %err, "watching the pods of a draining node failed; retrying with backoff");
-                errors.inc();
+                counters.errors.inc();
             }
         }
     }
