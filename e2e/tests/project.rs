@@ -134,6 +134,27 @@ fn required_kubernetes(go_mod: &Path) -> String {
         .to_string()
 }
 
+/// The Kubernetes release `make TARGET` tests for `minor` (the Makefile's
+/// `VARIABLE := minor`, built from e2e/controlplane/k8s-MINOR/go.mod).
+fn tested_by_make(root: &Path, variable: &str, target: &str, minor: &str) -> String {
+    let makefile = std::fs::read_to_string(root.join("Makefile")).expect("read Makefile");
+    assert!(
+        makefile.contains(&format!("\n{variable} := {minor}\n")),
+        "`make {target}` must test {minor}"
+    );
+    let tested = required_kubernetes(
+        &root
+            .join("e2e/controlplane")
+            .join(format!("k8s-{minor}"))
+            .join("go.mod"),
+    );
+    assert!(
+        tested.starts_with(&format!("{minor}.")),
+        "e2e/controlplane/k8s-{minor} builds Kubernetes {tested}"
+    );
+    tested
+}
+
 #[test]
 fn the_oldest_kubernetes_is_one_version_everywhere() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -159,20 +180,7 @@ fn the_oldest_kubernetes_is_one_version_everywhere() {
         format!(">={oldest}.0-0"),
         "the chart must admit exactly what k8s-openapi's v1_{minor} is built for"
     );
-    assert!(
-        read("Makefile").contains(&format!("\nOLDEST_K8S := {oldest}\n")),
-        "`make test-oldest-k8s` must test {oldest}"
-    );
-    let oldest_tested = required_kubernetes(
-        &root
-            .join("e2e/controlplane")
-            .join(format!("k8s-{oldest}"))
-            .join("go.mod"),
-    );
-    assert!(
-        oldest_tested.starts_with(&format!("{oldest}.")),
-        "e2e/controlplane/k8s-{oldest} builds Kubernetes {oldest_tested}"
-    );
+    let oldest_tested = tested_by_make(&root, "OLDEST_K8S", "test-oldest-k8s", &oldest);
     let newest_tested = required_kubernetes(&root.join("e2e/controlplane/go.mod"));
 
     let readme = read("README.md");
@@ -208,20 +216,7 @@ fn the_oldest_kubernetes_for_dra_is_one_version_everywhere() {
             .contains(&format!("semverCompare \"<{oldest}-0\"")),
         "the chart must refuse dra.enabled below {oldest}"
     );
-    assert!(
-        read("Makefile").contains(&format!("\nDRA_K8S := {oldest}\n")),
-        "`make test-dra-k8s` must test {oldest}"
-    );
-    let tested = required_kubernetes(
-        &root
-            .join("e2e/controlplane")
-            .join(format!("k8s-{oldest}"))
-            .join("go.mod"),
-    );
-    assert!(
-        tested.starts_with(&format!("{oldest}.")),
-        "e2e/controlplane/k8s-{oldest} builds Kubernetes {tested}"
-    );
+    let tested = tested_by_make(&root, "DRA_K8S", "test-dra-k8s", &oldest);
     let readme = read("README.md");
     let row = |start: &str| {
         readme
