@@ -46,6 +46,10 @@
 //! such as the image's musl build). Under `cargo test` (no `--bench`) it
 //! runs 50 nodes with 200 ms agents refreshing every 2 s and fails above 3
 //! operator writes per node per change.
+//! `HUGEPOOL_FLEET_WRITE_COSTS=1` measures instead what each kind of
+//! HugePageNode write costs the apiserver (spec applies, the agents' status
+//! applies, the same status as a merge patch), N of each on a control plane
+//! of its own, and prints each phase's profile.
 //! Each row also draws its rollout (nodes changing and converged every
 //! 100 ms against maxUnavailable) as target/bench-fleet/rollout-N-P.svg.
 
@@ -1371,6 +1375,12 @@ fn main() -> ExitCode {
         } else {
             Duration::from_secs(300)
         });
+    if std::env::var("HUGEPOOL_FLEET_WRITE_COSTS").is_ok() {
+        for nodes in sizes {
+            runtime.block_on(write_costs(nodes, &root));
+        }
+        return ExitCode::SUCCESS;
+    }
     let mut rows = Vec::new();
     for nodes in sizes {
         for &pools in &pool_counts {
@@ -1468,4 +1478,102 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
+}
+
+/// `HUGEPOOL_FLEET_WRITE_COSTS=1`: what each kind of HugePageNode write
+/// costs the apiserver, side by side on one control plane, N of each at 32
+/// in flight with no watch open: the spec applied (created, then changed),
+/// the status applied as the agent does (server-side apply, forced), the
+/// same status change as a JSON merge patch, and as an apply without force;
+/// then the spec changed once more, on objects that now carry a status.
+async fn write_costs(nodes: usize, root: &Path) {
+    let dir = root.join(format!("costs-{nodes}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("bench dir");
+    let control_plane = OwnedControlPlane::start(&dir).expect("control plane");
+    let client = control_plane.control_plane.client().await.expect("client");
+    install_crds(client.clone()).await.expect("CRDs");
+    let up = control_plane.pid().expect("the control plane runs");
+    let api: Api<HugePageNode> = Api::all(client.clone());
+    let names: Vec<String> = (0..nodes).map(|i| format!("floor-{i:05}")).collect();
+    let time = |what: &'static str, reading: Reading, started: Instant| {
+        let client = client.clone();
+        async move {
+            let profile = reading.finish(&client, started.elapsed()).await;
+            println!("{what}: {profile}");
+        }
+    };
+    for (what, pages) in [("spec apply, create", 64), ("spec apply, change", 128)] {
+        let reading = Reading::take(&client, up, None).await;
+        let started = Instant::now();
+        apply_specs(&api, &names, pages, 32).await;
+        time(what, reading, started).await;
+    }
+    let states: Vec<HugePageNode> = futures::stream::iter(&names)
+        .map(|name| {
+            let api = api.clone();
+            async move { api.get(name).await }
+        })
+        .buffer_unordered(32)
+        .try_collect()
+        .await
+        .expect("read back");
+    for (what, kind, pages) in [
+        ("status apply (force), first", 0, 128),
+        ("status apply (force), change", 0, 100),
+        ("status apply (no force), change", 2, 90),
+        ("status merge patch, change", 1, 80),
+        ("status apply (force), change again", 0, 70),
+        ("status merge patch, change again", 1, 60),
+    ] {
+        let reading = Reading::take(&client, up, None).await;
+        let started = Instant::now();
+        futures::stream::iter(&states)
+            .map(|state| {
+                let api = api.clone();
+                let name = state.name_any();
+                let body = converged_status(state, pages);
+                async move {
+                    let patch = match kind {
+                        0 => {
+                            api.patch_status(
+                                &name,
+                                &PatchParams::apply(AGENT_MANAGER).force(),
+                                &Patch::Apply(&body),
+                            )
+                            .await
+                        }
+                        1 => {
+                            api.patch_status(
+                                &name,
+                                &PatchParams {
+                                    field_manager: Some(AGENT_MANAGER.into()),
+                                    ..PatchParams::default()
+                                },
+                                &Patch::Merge(&body),
+                            )
+                            .await
+                        }
+                        _ => {
+                            api.patch_status(
+                                &name,
+                                &PatchParams::apply(AGENT_MANAGER),
+                                &Patch::Apply(&body),
+                            )
+                            .await
+                        }
+                    };
+                    patch.map(|_| ())
+                }
+            })
+            .buffer_unordered(32)
+            .try_collect::<Vec<()>>()
+            .await
+            .expect("status writes");
+        time(what, reading, started).await;
+    }
+    let reading = Reading::take(&client, up, None).await;
+    let started = Instant::now();
+    apply_specs(&api, &names, 256, 32).await;
+    time("spec apply, change (with the status)", reading, started).await;
 }
