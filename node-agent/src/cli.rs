@@ -520,9 +520,9 @@ pub fn describe(event: &Event) -> String {
             },
             if step.stalled { ", stalled" } else { "" },
             if step.guard_limited {
-                ", limited by min-mem-available"
+                ", limited by min-mem-available".to_string()
             } else {
-                ""
+                format!("; size: {}", step.why.describe())
             },
         ),
         Event::Stall {

@@ -126,6 +126,15 @@ fn resize_of_a_fake_tree_exits_0_and_prints_one_json_object() {
         report["steps"].as_u64().unwrap() >= 2,
         "a 256-page probe first"
     );
+    // Each write says what sized it: the probe first, the rest last.
+    let reasons = report["writeReasons"].as_array().expect("writeReasons");
+    assert_eq!(reasons.len() as u64, report["steps"].as_u64().unwrap());
+    assert_eq!(reasons[0]["limit"], "probe", "{reasons:?}");
+    assert_eq!(reasons[reasons.len() - 1]["limit"], "rest", "{reasons:?}");
+    assert!(
+        reasons.iter().all(|r| r["aim"].as_f64().unwrap() > 0.0),
+        "{reasons:?}"
+    );
     assert!(report["peakRssBytes"].as_u64().unwrap() > 0);
     assert_eq!(fake.read(GLOBAL_2MI), "600\n");
 }
@@ -139,6 +148,10 @@ fn text_output_has_a_line_per_step_and_a_summary() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     let lines: Vec<&str> = stdout.lines().collect();
     assert!(lines[0].starts_with("step   1 grow"), "{stdout}");
+    assert!(
+        lines[0].ends_with("; size: the rest of the change, cold"),
+        "{stdout}"
+    );
     assert!(
         lines
             .last()

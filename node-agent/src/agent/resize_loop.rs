@@ -723,6 +723,11 @@ mod tests {
             stalled: true,
             guard_limited: false,
             mem_available: 0,
+            why: crate::resize::planner::StepReason {
+                limit: crate::resize::planner::StepLimit::Probe,
+                aim: Duration::from_millis(30),
+                cold: true,
+            },
         };
         assert_eq!(
             ended_after(&step),

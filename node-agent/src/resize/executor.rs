@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use crate::kernel::{Kernel, PoolScope};
 use crate::resize::model::{CostModels, Direction};
 use crate::resize::planner::{
-    Decision, Observation, Outcome, PlannedWrite, Planner, Settings, Target,
+    Decision, Observation, Outcome, PlannedWrite, Planner, Settings, StepReason, Target,
 };
 use crate::{Error, Result};
 
@@ -58,6 +58,8 @@ pub struct StepEvent {
     pub stalled: bool,
     pub guard_limited: bool,
     pub mem_available: u64,
+    /// What decided the write's size.
+    pub why: StepReason,
 }
 
 /// Where a resize goes and how: re-read at every step boundary, so a new
@@ -128,6 +130,8 @@ pub struct Summary {
     pub write_cpu_wait_seconds: Vec<Option<f64>>,
     /// Pages every write moved (as read back after it), in order.
     pub write_pages: Vec<u64>,
+    /// Why each write had its size, in order.
+    pub write_reasons: Vec<StepReason>,
 }
 
 impl Summary {
@@ -304,6 +308,7 @@ pub async fn run(
                             pages: write.from.abs_diff(after.persistent()),
                             latency,
                             cpu_wait,
+                            why: write.why,
                         });
                         on_event(&Event::Step(StepEvent {
                             step,
@@ -320,6 +325,7 @@ pub async fn run(
                             stalled,
                             guard_limited: write.guard_limited,
                             mem_available: after.mem_available,
+                            why: write.why,
                         }));
                         observed = after;
                     }
@@ -457,6 +463,7 @@ struct Written {
     pages: u64,
     latency: Duration,
     cpu_wait: Option<Duration>,
+    why: StepReason,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -507,6 +514,7 @@ fn summarize(
             .map(|w| w.cpu_wait.map(|wait| wait.as_secs_f64()))
             .collect(),
         write_pages: writes.iter().map(|w| w.pages).collect(),
+        write_reasons: writes.iter().map(|w| w.why).collect(),
     }
 }
 

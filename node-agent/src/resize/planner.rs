@@ -247,6 +247,8 @@ pub struct PlannedWrite {
     pub guard_limited: bool,
     /// HVO was on when the write was planned.
     pub hvo: bool,
+    /// What decided the write's size.
+    pub why: StepReason,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -265,6 +267,8 @@ struct DirectionState {
     /// A write of this resize has run within its fit (or there was no fit):
     /// until one has, each write keeps the recent first-write excess free.
     warmed: bool,
+    /// The write time the last write was sized for.
+    last_aim: Option<Duration>,
 }
 
 /// What the free lists said of a grow before its first write.
@@ -439,29 +443,52 @@ impl Planner {
             }
         });
         let mut fit = None;
-        let mut step = match (model, anchor) {
+        let (mut step, mut limit) = match (model, anchor) {
             (Some(model), Some(anchor)) => {
                 fit = model.fit();
-                scale_to(anchor.pages, anchor.latency, aim)
+                let limit = if cold {
+                    StepLimit::Cheapest
+                } else {
+                    StepLimit::Largest
+                };
+                (scale_to(anchor.pages, anchor.latency, aim), limit)
             }
             // Nothing measured, or every write so far went over the budget.
             _ => match state.last_step {
-                Some(previous) => previous / 2,
-                None if direction == Direction::Grow && self.covered => {
-                    covered_probe_pages(self.target.size, budget)
-                }
-                None => probe_pages(self.target.size, budget),
+                Some(previous) => (previous / 2, StepLimit::NoneWithinBudget),
+                None if direction == Direction::Grow && self.covered => (
+                    covered_probe_pages(self.target.size, budget),
+                    StepLimit::CoveredProbe,
+                ),
+                None => (probe_pages(self.target.size, budget), StepLimit::Probe),
             },
         };
+        // Cold, a write that kept within half the room its aim left for
+        // noise does not limit the next (a long grace period would shrink
+        // it for nothing); one that ate more does, at once: its pages cost
+        // more than the cheapest write said, and the next write would have
+        // no room left for the noise.
+        let long = |latency: Duration| {
+            let aimed = state.last_aim.unwrap_or(budget).min(budget);
+            latency > aimed + budget.saturating_sub(aimed) / 2
+        };
         if let (Some(previous), Some(latency)) = (state.last_step, state.last_latency)
-            && !(cold && latency <= budget)
+            && (!cold || long(latency))
         {
-            step = step.min(scale_to(previous, latency, aim));
+            let scaled = scale_to(previous, latency, aim);
+            if scaled < step {
+                (step, limit) = (scaled, StepLimit::Last);
+            }
         }
         // Cold, a fit of a few writes whose grace periods differ by 20 ms
         // is noise; the bound above is safe without it.
         let fitted = fit.filter(|_| !cold).map(|fit| fit.pages_within(aim));
-        let mut pages = fitted.map_or(step, |fitted| step.min(fitted));
+        let mut pages = step;
+        if let Some(fitted) = fitted
+            && fitted < pages
+        {
+            (pages, limit) = (fitted, StepLimit::Fit);
+        }
         if !state.warmed && anchor.is_some() {
             // A write that keeps the excess free never drops below the probe
             // the model says fits the full aim: a tiny write costs a whole
@@ -469,18 +496,21 @@ impl Planner {
             // 136 ... when a long first write's excess ate the aim).
             let probe = probe_pages(self.target.size, budget);
             let fits = fit.map_or(0, |fit| fit.pages_within(full_aim));
-            pages = pages.max(probe.min(fits));
+            if probe.min(fits) > pages {
+                (pages, limit) = (probe.min(fits), StepLimit::FitProbe);
+            }
         }
         if let Some(previous) = state.last_step {
-            if state.over_budget {
-                pages = pages.min(previous / 2);
+            if state.over_budget && previous / 2 < pages {
+                (pages, limit) = (previous / 2, StepLimit::AfterOverBudget);
             }
-            if state.stalled {
-                pages = pages.min(previous / 4);
+            if state.stalled && previous / 4 < pages {
+                (pages, limit) = (previous / 4, StepLimit::AfterStall);
             }
         }
         Step {
             pages: pages.max(1),
+            why: StepReason { limit, aim, cold },
             // A fit that tells the fixed cost from the per-page cost decides,
             // or the linear limits are within a tenth of it: later steps
             // will not be much larger. (A fit that charges everything per
@@ -530,7 +560,7 @@ impl Planner {
                 current,
                 value,
                 Direction::Shrink,
-                false,
+                step.why.finishing(current - stop <= step.pages),
                 observed.hvo,
                 models,
             ));
@@ -568,11 +598,19 @@ impl Planner {
         let reachable = (target - current).min(guard_cap);
         let pages = next_step(reachable, step);
         let guard_limited = guard_cap < (target - current).min(step.pages);
+        let why = if guard_limited {
+            StepReason {
+                limit: StepLimit::Guard,
+                ..step.why
+            }
+        } else {
+            step.why.finishing(reachable <= step.pages)
+        };
         Decision::Write(self.planned(
             current,
             current + pages,
             Direction::Grow,
-            guard_limited,
+            why,
             observed.hvo,
             models,
         ))
@@ -626,7 +664,7 @@ impl Planner {
         from: u64,
         value: u64,
         direction: Direction,
-        guard_limited: bool,
+        why: StepReason,
         hvo: bool,
         models: &CostModels,
     ) -> PlannedWrite {
@@ -639,8 +677,9 @@ impl Planner {
             estimate: models
                 .fit(self.model_key(direction, hvo))
                 .map(|fit| fit.estimate(pages)),
-            guard_limited,
+            guard_limited: why.limit == StepLimit::Guard,
             hvo,
+            why,
         }
     }
 
@@ -695,6 +734,7 @@ impl Planner {
         let stall = self.settings.stall_threshold;
         let state = self.direction_state(write.direction);
         state.last_step = Some(write.pages);
+        state.last_aim = Some(write.why.aim);
         // A resize's first writes run long for reasons other than their
         // size (see `record_first`): a write sized before one ran within its
         // fit does not limit the next by scaling.
@@ -756,6 +796,113 @@ impl Planner {
 pub struct Step {
     pub pages: u64,
     pub settled: bool,
+    pub why: StepReason,
+}
+
+/// Why a write has its size: the limit that decided it, and the aim it was
+/// scaled to (`resize`'s step lines, `writeReasons` in `--output json`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StepReason {
+    pub limit: StepLimit,
+    /// The write time the step was sized for.
+    #[serde(serialize_with = "seconds")]
+    pub aim: Duration,
+    /// The model had not measured its noise yet: the aim keeps
+    /// `COLD_TAIL_SHARE` of the budget free.
+    pub cold: bool,
+}
+
+impl StepReason {
+    /// One phrase: the limit, the aim where the limit scales to it, and
+    /// whether the model was cold.
+    pub fn describe(&self) -> String {
+        let scaled = matches!(
+            self.limit,
+            StepLimit::Cheapest
+                | StepLimit::Largest
+                | StepLimit::Last
+                | StepLimit::Fit
+                | StepLimit::FitProbe
+        );
+        format!(
+            "{}{}{}",
+            self.limit.describe(),
+            if scaled {
+                format!(" of {:.1} ms", self.aim.as_secs_f64() * 1000.0)
+            } else {
+                String::new()
+            },
+            if self.cold { ", cold" } else { "" }
+        )
+    }
+
+    /// The same reason, or `Rest` when the write finishes the change.
+    fn finishing(self, last: bool) -> Self {
+        if last {
+            Self {
+                limit: StepLimit::Rest,
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+}
+
+fn seconds<S: serde::Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_f64(duration.as_secs_f64())
+}
+
+/// The limit that decided a write's size (docs/design.md, "Node agent
+/// decisions").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum StepLimit {
+    /// The first write of a direction, nothing measured.
+    Probe,
+    /// The first write of a grow the free blocks cover.
+    CoveredProbe,
+    /// Every write so far went over the budget: half the last.
+    NoneWithinBudget,
+    /// Cold: the write cheapest a page, scaled linearly to the aim.
+    Cheapest,
+    /// The largest write measured within the budget, scaled to the aim.
+    Largest,
+    /// The last write, scaled linearly to the aim.
+    Last,
+    /// Where the fitted cost puts the aim.
+    Fit,
+    /// While a resize's first writes run past their fit: the probe the fit
+    /// puts within the full aim, at least.
+    FitProbe,
+    /// Half the last write, which went over the budget.
+    AfterOverBudget,
+    /// A quarter of the last write, which stalled.
+    AfterStall,
+    /// What was left of the change, within the step.
+    Rest,
+    /// The memory guard left no room for more.
+    Guard,
+}
+
+impl StepLimit {
+    pub fn describe(self) -> &'static str {
+        match self {
+            StepLimit::Probe => "the probe",
+            StepLimit::CoveredProbe => "the probe of a grow the free blocks cover",
+            StepLimit::NoneWithinBudget => "half the last (no write within the budget yet)",
+            StepLimit::Cheapest => "the write cheapest a page, scaled to the aim",
+            StepLimit::Largest => "the largest write within the budget, scaled to the aim",
+            StepLimit::Last => "the last write, scaled to the aim",
+            StepLimit::Fit => "the fitted cost at the aim",
+            StepLimit::FitProbe => "the probe the fit puts within the aim",
+            StepLimit::AfterOverBudget => "half the last write, which went over the budget",
+            StepLimit::AfterStall => "a quarter of the last write, which stalled",
+            StepLimit::Rest => "the rest of the change",
+            StepLimit::Guard => "the memory guard",
+        }
+    }
 }
 
 /// The next write towards `remaining` pages. A settled step cuts what is
@@ -935,6 +1082,26 @@ mod tests {
             "{writes:?}"
         );
         assert_eq!(writes.iter().map(|w| w.pages).sum::<u64>(), 8192);
+        // Each write says what sized it: the probe, then the cheapest write
+        // scaled to the cold aim (30 ms), the last one the rest.
+        let limits: Vec<StepLimit> = writes.iter().map(|w| w.why.limit).collect();
+        assert_eq!(limits[0], StepLimit::Probe);
+        assert_eq!(limits.last(), Some(&StepLimit::Rest), "{limits:?}");
+        for write in &writes[1..writes.len() - 1] {
+            assert_eq!(
+                write.why,
+                StepReason {
+                    limit: StepLimit::Cheapest,
+                    aim: Duration::from_millis(30),
+                    cold: true,
+                },
+                "{writes:?}"
+            );
+        }
+        assert_eq!(
+            writes[1].why.describe(),
+            "the write cheapest a page, scaled to the aim of 30.0 ms, cold"
+        );
     }
 
     /// Cold shrinks of 8192 pages at `hvo_free_cost` until the model holds
@@ -1022,6 +1189,11 @@ mod tests {
         Step {
             pages,
             settled: true,
+            why: StepReason {
+                limit: StepLimit::Fit,
+                aim: Duration::from_millis(42),
+                cold: false,
+            },
         }
     }
 
@@ -1201,8 +1373,8 @@ mod tests {
         assert_eq!(next_step(0, settled(10)), 0);
         // While learning, a write takes the whole step unless two finish.
         let learning = Step {
-            pages: 2900,
             settled: false,
+            ..settled(2900)
         };
         assert_eq!(next_step(8192, learning), 2900);
         assert_eq!(next_step(5800, learning), 2900);
@@ -1252,6 +1424,44 @@ mod tests {
         };
         // Halved, or less where the model (80 ms for 16 pages) says so.
         assert!(second.pages <= first.pages / 2, "{second:?}");
+    }
+
+    #[test]
+    fn a_cold_write_that_eats_its_noise_room_makes_the_next_shorter_at_once() {
+        let mut planner = Planner::new(target(0), Settings::default());
+        let mut models = CostModels::default();
+        let mut now = observed(8192, 8192, 0, 0);
+        let mut write_with = |latency: Duration, now: &mut Observation| {
+            let Decision::Write(write) = planner.next(now, &models) else {
+                panic!("expected a write");
+            };
+            let left = now.persistent() - write.pages;
+            *now = observed(left, left, 0, 0);
+            planner.record_write(&write, latency, now, &mut models);
+            write
+        };
+        // The probe (256 pages) in 10 ms: the cheapest write scales to the
+        // cold aim of 30 ms, 768 pages.
+        let probe = write_with(Duration::from_millis(10), &mut now);
+        assert_eq!(probe.why.limit, StepLimit::Probe);
+        let second = write_with(Duration::from_millis(45), &mut now);
+        assert_eq!(second.pages, 768);
+        assert_eq!(second.why.limit, StepLimit::Cheapest);
+        // It ran 45 ms, within the budget but past its 30 ms aim by more
+        // than half the 20 ms it left for noise: the next is scaled from it
+        // (768 * 30 / 45 = 512), not from the probe.
+        let third = write_with(Duration::from_millis(20), &mut now);
+        assert_eq!(third.why.limit, StepLimit::Last, "{third:?}");
+        assert_eq!(third.pages, 512);
+        // Back within its aim, the cheapest write sizes the next again.
+        let fourth = write_with(Duration::from_millis(20), &mut now);
+        assert_eq!(fourth.why.limit, StepLimit::Cheapest, "{fourth:?}");
+        assert!(fourth.pages > third.pages, "{fourth:?}");
+        // Over the budget: half the last write, said so.
+        let fifth = write_with(Duration::from_millis(55), &mut now);
+        let sixth = write_with(Duration::from_millis(20), &mut now);
+        assert_eq!(sixth.why.limit, StepLimit::AfterOverBudget, "{sixth:?}");
+        assert_eq!(sixth.pages, fifth.pages / 2);
     }
 
     #[test]
@@ -1621,7 +1831,7 @@ mod tests {
     proptest! {
         #[test]
         fn next_step_never_exceeds_the_step_nor_adds_writes(remaining in 0u64..1_000_000, step in 1u64..100_000, is_settled: bool) {
-            let first = next_step(remaining, Step { pages: step, settled: is_settled });
+            let first = next_step(remaining, Step { settled: is_settled, ..settled(step) });
             prop_assert!(first <= step && first <= remaining);
             prop_assert!(remaining == 0 || first > 0);
             let writes = remaining.div_ceil(step);
