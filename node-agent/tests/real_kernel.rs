@@ -815,3 +815,119 @@ fn read_pod_cgroups_on_cgroup2() -> Result<std::collections::BTreeMap<PageSize, 
     umount(&unified);
     result
 }
+
+/// A node's first resize as an operator's first pool runs it (issue 49): the
+/// CLI in a fresh process with no model file, HVO on, 4096 x 2Mi freed and
+/// grown again with the page cache dropped before each (the free memory a
+/// new node has). No write may run past the 50 ms budget for anything but
+/// what the engine cannot foresee: the time its writer waited for a CPU,
+/// and a cost a page that jumped past twice the median of the resize's
+/// other writes (seen on this VM in 1 run of 8: 1316 pages in 77 ms of
+/// kernel time after writes at 14 us a page; docs/design.md, "A node's
+/// first resize"), which the test names instead. A failure lists every
+/// write with its CPU wait and what sized it.
+#[test]
+fn a_nodes_first_resize_keeps_every_write_within_the_budget() {
+    const PAGES: u64 = 4096;
+    const RUNS: usize = 3;
+    let budget = Duration::from_millis(50);
+    let Some(real) = RealKernel::acquire(PAGES * 2 * (1 << 20)) else {
+        return;
+    };
+    real.set_pool(MI2, 0);
+    real.set_hvo(true);
+    let mut over = Vec::new();
+    let (mut writes, mut jumps) = (0, 0);
+    for run in 0..RUNS {
+        for (from, to) in [(PAGES, 0), (0, PAGES)] {
+            real.set_pool(MI2, from);
+            let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+            let output = Command::new(env!("CARGO_BIN_EXE_hugepool-agent"))
+                .args(["resize", "--page-size", "2Mi", "--pages"])
+                .arg(to.to_string())
+                .args(["--output", "json"])
+                .output()
+                .expect("run hugepool-agent resize");
+            let report: serde_json::Value =
+                serde_json::from_slice(&output.stdout).unwrap_or_else(|err| {
+                    panic!(
+                        "{err}: {}{}",
+                        String::from_utf8_lossy(&output.stdout),
+                        String::from_utf8_lossy(&output.stderr)
+                    )
+                });
+            assert_eq!(report["outcome"]["kind"], "reached", "{report}");
+            assert_eq!(real.pool().persistent(), to);
+            let list = |key: &str| report[key].as_array().cloned().unwrap_or_default();
+            let (seconds, waits, pages, reasons) = (
+                list("writeSeconds"),
+                list("writeCpuWaitSeconds"),
+                list("writePages"),
+                list("writeReasons"),
+            );
+            assert!(
+                seconds.len() > 1,
+                "one write is what the engine avoids: {report}"
+            );
+            assert_eq!(reasons.len(), seconds.len(), "{report}");
+            writes += seconds.len();
+            let described: Vec<String> = (0..seconds.len())
+                .map(|i| {
+                    format!(
+                        "{} pages in {:.1} ms ({:.1} ms waiting for a CPU; sized by {} at {:.1} ms)",
+                        pages[i],
+                        seconds[i].as_f64().unwrap_or(0.0) * 1000.0,
+                        waits[i].as_f64().unwrap_or(0.0) * 1000.0,
+                        reasons[i]["limit"],
+                        reasons[i]["aim"].as_f64().unwrap_or(0.0) * 1000.0,
+                    )
+                })
+                .collect();
+            // Each write's kernel time (less its CPU wait) a page.
+            let kernel_time: Vec<f64> = (0..seconds.len())
+                .map(|i| seconds[i].as_f64().expect("a latency") - waits[i].as_f64().unwrap_or(0.0))
+                .collect();
+            let per_page: Vec<f64> = (0..seconds.len())
+                .map(|i| kernel_time[i] / pages[i].as_f64().unwrap_or(1.0).max(1.0))
+                .collect();
+            for i in 0..seconds.len() {
+                if kernel_time[i] <= budget.as_secs_f64() {
+                    continue;
+                }
+                let mut others: Vec<f64> = (0..per_page.len())
+                    .filter(|j| *j != i)
+                    .map(|j| per_page[j])
+                    .collect();
+                others.sort_by(f64::total_cmp);
+                let median = others.get(others.len() / 2).copied().unwrap_or(0.0);
+                let what = format!(
+                    "run {} {from} -> {to}, write {} of {described:?}",
+                    run + 1,
+                    i + 1
+                );
+                if median > 0.0 && per_page[i] > 2.0 * median {
+                    eprintln!(
+                        "not the engine's: {:.1} us a page against a median of {:.1}: {what}",
+                        per_page[i] * 1e6,
+                        median * 1e6
+                    );
+                    jumps += 1;
+                } else {
+                    over.push(what);
+                }
+            }
+            eprintln!("run {} {from} -> {to}: {described:?}", run + 1);
+        }
+    }
+    assert!(
+        over.is_empty(),
+        "{} of {writes} cold writes ran past the budget less their CPU wait: {over:#?}",
+        over.len()
+    );
+    // The exemption is for the odd write: a cost that jumps in most runs
+    // is the engine's to foresee.
+    assert!(
+        jumps * 10 <= writes,
+        "{jumps} of {writes} cold writes ran past the budget at more than twice their resize's cost a page"
+    );
+}
