@@ -6,7 +6,10 @@
 #           by hack/images.sh arm64), each platform's manifest also tagged
 #           X-ARCH; the index signed with cosign (recursively: each platform
 #           too), each platform's CycloneDX SBOM attached as a signed
-#           attestation (cosign attest --type cyclonedx)
+#           attestation (cosign attest --type cyclonedx), and its build
+#           provenance (SLSA v1: the source commit, the workflow run or
+#           machine that built it, the inputs) as another (--type
+#           slsaprovenance1)
 #   chart   oci://REGISTRY/charts/hugepool:X, its values naming these images
 #           by digest; signed like the images
 #   files   target/release/X/: the chart's .tgz, the SBOMs, kubectl-hugepool
@@ -131,6 +134,64 @@ PY
 done
 say "SBOMs: $out/sbom"
 
+# The SLSA v1 provenance predicate of IMAGE for ARCH: the commit it was
+# built from, and who built it: the GitHub Actions run (its workflow file at
+# its ref) or, run by hand, this machine. A tree with uncommitted changes is
+# said so (gitTreeDirty): its commit is not all that went in.
+commit="$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
+dirty=false
+[[ -z "$(git -C "$root" status --porcelain 2>/dev/null)" ]] || dirty=true
+started_on="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+provenance() {
+  python3 - "$1" "$2" <<'PY'
+import json, os, re, sys, socket, datetime
+image, arch = sys.argv[1:3]
+env = os.environ.get
+server, repository = env("GITHUB_SERVER_URL", "https://github.com"), env("GITHUB_REPOSITORY")
+source = f"{server}/{repository}" if repository else "https://github.com/hugepool-dev/hugepool"
+if env("GITHUB_ACTIONS") == "true":
+    workflow = env("GITHUB_WORKFLOW_REF", "")
+    builder = f"{server}/{workflow}" if workflow else f"{source}/.github/workflows/release.yml@{env('GITHUB_REF', '')}"
+    invocation = f"{source}/actions/runs/{env('GITHUB_RUN_ID', '')}/attempts/{env('GITHUB_RUN_ATTEMPT', '1')}"
+else:
+    builder = f"local://{socket.gethostname()}/hack/release.sh"
+    invocation = ""
+toolchain = re.search(r'(?m)^channel = "([^"]+)"', open("rust-toolchain.toml").read())
+predicate = {
+    "buildDefinition": {
+        "buildType": "https://github.com/hugepool-dev/hugepool/blob/main/docs/development.md#releases",
+        "externalParameters": {
+            "source": source,
+            "ref": env("GITHUB_REF", ""),
+            "version": env("RELEASE_VERSION"),
+            "registry": env("RELEASE_REGISTRY"),
+            "image": image,
+            "platform": f"linux/{arch}",
+        },
+        "internalParameters": {
+            "rustToolchain": toolchain.group(1) if toolchain else "",
+            "gitTreeDirty": env("RELEASE_DIRTY") == "true",
+        },
+        "resolvedDependencies": [{
+            "uri": f"git+{source}@{env('GITHUB_REF', '') or env('RELEASE_COMMIT')}",
+            "digest": {"gitCommit": env("RELEASE_COMMIT")},
+        }],
+    },
+    "runDetails": {
+        "builder": {"id": builder},
+        "metadata": {
+            "invocationId": invocation,
+            "startedOn": env("RELEASE_STARTED"),
+            "finishedOn": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        },
+    },
+}
+json.dump(predicate, sys.stdout, indent=2)
+PY
+}
+export RELEASE_VERSION="$version" RELEASE_REGISTRY="$registry" RELEASE_COMMIT="$commit" \
+  RELEASE_DIRTY="$dirty" RELEASE_STARTED="$started_on"
+
 : > "$out/images.txt"
 declare -A index_digest
 for image in hugepool-operator hugepool-agent; do
@@ -156,8 +217,12 @@ for image in hugepool-operator hugepool-agent; do
     "$cosign" attest "${cosign_flags[@]}" --yes --key "$key" --type cyclonedx \
       --predicate "$out/sbom/$image-$arch.cdx.json" "$registry/$image@$platform_digest" 2>"$work/cosign.log" ||
       { cat "$work/cosign.log" >&2; die "cosign attest $image $arch failed"; }
+    provenance "$image" "$arch" > "$work/provenance-$image-$arch.json"
+    "$cosign" attest "${cosign_flags[@]}" --yes --key "$key" --type slsaprovenance1 \
+      --predicate "$work/provenance-$image-$arch.json" "$registry/$image@$platform_digest" 2>"$work/cosign.log" ||
+      { cat "$work/cosign.log" >&2; die "cosign attest the provenance of $image $arch failed"; }
   done
-  say "$ref ($digest): pushed, signed, SBOMs attested"
+  say "$ref ($digest): pushed, signed, SBOMs and provenance attested"
 done
 
 # The chart, naming the images just pushed by digest.

@@ -3530,6 +3530,57 @@ fn run_ok(program: &Path, args: &[&str], envs: &[(&str, &str)]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The commands docs/operations.md gives to check a release before
+/// installing it: the `sh` block after "Check them before you install:".
+fn docs_verify_commands() -> String {
+    let docs = std::fs::read_to_string(repo().join("docs/operations.md")).expect("operations.md");
+    let after = docs
+        .split_once("Check them before you install:")
+        .expect("docs/operations.md: \"Check them before you install:\"")
+        .1;
+    let block = after
+        .split_once("```sh\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .expect("an sh block after it")
+        .0;
+    let commands: String = block
+        .lines()
+        .map(|line| format!("{}\n", line.trim_start()))
+        .collect();
+    assert!(
+        commands.contains("cosign verify ") && commands.contains("--type slsaprovenance1"),
+        "the docs check signatures and provenance: {commands}"
+    );
+    commands
+}
+
+/// The in-toto statement of `predicate_type` among the DSSE envelopes
+/// `cosign verify-attestation` printed (one a line).
+fn in_toto_statement(verified: &str, predicate_type: &str) -> serde_json::Value {
+    let statements: Vec<serde_json::Value> = verified.lines().map(statement_of).collect();
+    statements
+        .iter()
+        .find(|s| s["predicateType"] == predicate_type)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {predicate_type} attestation among {statements:?}"))
+}
+
+fn statement_of(envelope: &str) -> serde_json::Value {
+    let envelope: serde_json::Value = serde_json::from_str(envelope).expect("a DSSE envelope");
+    let payload = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        payload.path(),
+        envelope["payload"].as_str().expect("a payload"),
+    )
+    .unwrap();
+    let decoded = Command::new("base64")
+        .arg("-d")
+        .arg(payload.path())
+        .output()
+        .expect("base64");
+    serde_json::from_slice(&decoded.stdout).expect("an in-toto statement")
+}
+
 /// `cosign COMMAND --key PUBLIC REFERENCE` against the test's plain-HTTP
 /// registry, with no transparency log (the release writes none); what it
 /// printed, or a panic.
@@ -3585,6 +3636,13 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
     let key = keys.path().join("release/cosign.key");
     let public = keys.path().join("release/cosign.pub");
     let other = keys.path().join("other/cosign.pub");
+    let head = run_ok(
+        Path::new("git"),
+        &["-C", repo().to_str().unwrap(), "rev-parse", "HEAD"],
+        &[],
+    )
+    .trim()
+    .to_string();
 
     run_ok(
         Path::new("bash"),
@@ -3685,18 +3743,7 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
                 &public,
                 &subject,
             );
-            let envelope: serde_json::Value =
-                serde_json::from_str(verified.lines().next().expect("an attestation"))
-                    .expect("a DSSE envelope");
-            let payload = tempfile::NamedTempFile::new().unwrap();
-            std::fs::write(payload.path(), envelope["payload"].as_str().unwrap()).unwrap();
-            let decoded = Command::new("base64")
-                .arg("-d")
-                .arg(payload.path())
-                .output()
-                .expect("base64");
-            let statement: serde_json::Value =
-                serde_json::from_slice(&decoded.stdout).expect("an in-toto statement");
+            let statement = in_toto_statement(&verified, "https://cyclonedx.org/bom");
             assert_eq!(
                 statement["subject"][0]["digest"]["sha256"].as_str(),
                 platform_digest.strip_prefix("sha256:"),
@@ -3745,6 +3792,43 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
                     "{subject}: built for its platform: {hooks}"
                 );
             }
+
+            // Its build provenance: attested with the release key, naming
+            // the commit this repository is at and who built it.
+            let verified = cosign_verify(
+                &cosign,
+                &["verify-attestation", "--type", "slsaprovenance1"],
+                &public,
+                &subject,
+            );
+            let statement = in_toto_statement(&verified, "https://slsa.dev/provenance/v1");
+            assert_eq!(
+                statement["subject"][0]["digest"]["sha256"].as_str(),
+                platform_digest.strip_prefix("sha256:"),
+                "{statement}"
+            );
+            let build = &statement["predicate"]["buildDefinition"];
+            assert_eq!(
+                build["resolvedDependencies"][0]["digest"]["gitCommit"].as_str(),
+                Some(head.as_str()),
+                "{subject}: built from this commit: {statement}"
+            );
+            assert_eq!(
+                build["externalParameters"]["version"], version,
+                "{statement}"
+            );
+            assert_eq!(build["externalParameters"]["image"], image, "{statement}");
+            assert_eq!(
+                build["externalParameters"]["platform"],
+                platform.as_str(),
+                "{statement}"
+            );
+            assert!(
+                statement["predicate"]["runDetails"]["builder"]["id"]
+                    .as_str()
+                    .is_some_and(|id| id.ends_with("/hack/release.sh")),
+                "{subject}: run by hand, the builder is this machine's release.sh: {statement}"
+            );
         }
 
         // The index is signed by the release key (each platform too), and
@@ -3775,6 +3859,32 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
         );
         digests.insert(image, digest);
     }
+
+    // The checks docs/operations.md gives, run as written against this
+    // release: only its registry and version put in for the docs'
+    // placeholders, in the release's directory (its cosign.pub), with the
+    // test registry's plain HTTP and no transparency log said to the tools.
+    let checks = docs_verify_commands();
+    let script = format!(
+        "set -euo pipefail\n\
+         cosign() {{ command {cosign} \"$@\" --allow-http-registry --insecure-ignore-tlog; }}\n\
+         crane() {{ command {crane} \"$@\" --insecure; }}\n{}",
+        checks
+            .replace("ghcr.io/hugepool-dev", &reg)
+            .replace("X.Y.Z", version),
+        cosign = cosign.display(),
+        crane = crane.display(),
+    );
+    let ran = Command::new("bash")
+        .current_dir(&out)
+        .args(["-c", &script])
+        .output()
+        .expect("bash");
+    assert!(
+        ran.status.success(),
+        "docs/operations.md's checks failed against the release:\n{script}\n{}",
+        hugepool_e2e::output_text(&ran)
+    );
 
     // kubectl-hugepool: both archives, the krew manifest naming their
     // sha256, each archive's binary of its machine.
