@@ -821,11 +821,11 @@ fn read_pod_cgroups_on_cgroup2() -> Result<std::collections::BTreeMap<PageSize, 
 /// grown again with the page cache dropped before each (the free memory a
 /// new node has). No write may run past the 50 ms budget for anything but
 /// what the engine cannot foresee: the time its writer waited for a CPU,
-/// and a cost a page that jumped past twice the median of the resize's
-/// other writes (seen on this VM in 1 run of 8: 1316 pages in 77 ms of
-/// kernel time after writes at 14 us a page; docs/design.md, "A node's
-/// first resize"), which the test names instead. A failure lists every
-/// write with its CPU wait and what sized it.
+/// and, after the first write, a cost a page that jumped past twice the
+/// median of the resize's other writes (seen on this VM in 1 run of 8:
+/// 1316 pages in 77 ms of kernel time after writes at 14 us a page;
+/// docs/design.md, "A node's first resize"), which the test names instead.
+/// A failure lists every write with its CPU wait and what sized it.
 #[test]
 fn a_nodes_first_resize_keeps_every_write_within_the_budget() {
     const PAGES: u64 = 4096;
@@ -905,7 +905,9 @@ fn a_nodes_first_resize_keeps_every_write_within_the_budget() {
                     run + 1,
                     i + 1
                 );
-                if median > 0.0 && per_page[i] > 2.0 * median {
+                // The first write's size is the engine's alone (nothing
+                // measured yet): no exemption for it.
+                if i > 0 && median > 0.0 && per_page[i] > 2.0 * median {
                     eprintln!(
                         "not the engine's: {:.1} us a page against a median of {:.1}: {what}",
                         per_page[i] * 1e6,
