@@ -53,6 +53,8 @@ pub struct StepEvent {
     /// (other work on the node's CPUs; [`crate::kernel::cpu_wait`]).
     pub cpu_wait: Option<Duration>,
     pub estimate: Option<Duration>,
+    /// The write's cost to the kernel (its latency less its CPU wait) went
+    /// past the budget.
     pub over_budget: bool,
     /// The write outlived the stall threshold (a `Stall` event came first).
     pub stalled: bool,
@@ -303,7 +305,12 @@ pub async fn run(
                 match result {
                     Ok(()) => {
                         let after = observe(&kernel, planner.target()).await?;
-                        planner.record_write(&write, latency, &after, models);
+                        planner.record_write(
+                            &write,
+                            kernel_time(latency, cpu_wait),
+                            &after,
+                            models,
+                        );
                         writes.push(Written {
                             pages: write.from.abs_diff(after.persistent()),
                             latency,
@@ -321,7 +328,8 @@ pub async fn run(
                             latency,
                             cpu_wait,
                             estimate: write.estimate,
-                            over_budget: latency > planner.settings().max_step_duration,
+                            over_budget: kernel_time(latency, cpu_wait)
+                                > planner.settings().max_step_duration,
                             stalled,
                             guard_limited: write.guard_limited,
                             mem_available: after.mem_available,
@@ -458,6 +466,17 @@ async fn write_with_watchdog(
     Ok((result, started.elapsed(), cpu_wait, stalled))
 }
 
+/// What a write cost the kernel: its latency less the time its writer
+/// waited for a CPU (the whole latency where the kernel does not say). The
+/// cost model and the step sizes learn this, not the latency: the wait is
+/// other work on the node's CPUs, which runs meanwhile (the write holds up
+/// nobody while it waits), which no step size changes, and which, learnt
+/// as cost, made a busy node's first resize take more and smaller writes
+/// (docs/design.md, "A node's first resize").
+pub fn kernel_time(latency: Duration, cpu_wait: Option<Duration>) -> Duration {
+    latency.saturating_sub(cpu_wait.unwrap_or_default())
+}
+
 /// One write done: pages moved (read back), latency, CPU wait within it.
 struct Written {
     pages: u64,
@@ -521,6 +540,14 @@ fn summarize(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_writes_cost_is_its_latency_less_its_cpu_wait() {
+        let ms = Duration::from_millis;
+        assert_eq!(kernel_time(ms(45), Some(ms(15))), ms(30));
+        assert_eq!(kernel_time(ms(45), None), ms(45));
+        assert_eq!(kernel_time(ms(5), Some(ms(7))), Duration::ZERO);
+    }
     use crate::kernel::{SimConfig, SimulatedKernel};
     use crate::resize::planner::ShortfallReason;
     use hugepool_crds::PageSize;
