@@ -402,7 +402,7 @@ async fn agent_grows_then_shrinks_the_real_pool_and_reports_it() {
         (0, 768, 768, "Reached")
     );
     // A grow of 1.5 GiB the free blocks cover may be one write (the
-    // covered grow's probe is 5 GiB); the shrink below is several.
+    // covered grow's probe is 3 GiB); the shrink below is several.
     assert!(last.max_step_seconds > 0.0 && last.max_step_seconds <= last.duration_seconds);
     assert_eq!(
         status.kernel.as_ref().unwrap().release,
