@@ -138,9 +138,13 @@ say "SBOMs: $out/sbom"
 # built from, and who built it: the GitHub Actions run (its workflow file at
 # its ref) or, run by hand, this machine. A tree with uncommitted changes is
 # said so (gitTreeDirty): its commit is not all that went in.
-commit="$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
-dirty=false
-[[ -z "$(git -C "$root" status --porcelain 2>/dev/null)" ]] || dirty=true
+if commit="$(git -C "$root" rev-parse HEAD 2>/dev/null)"; then
+  dirty=false
+  [[ -z "$(git -C "$root" status --porcelain)" ]] || dirty=true
+else
+  # A source archive: no commit to name, and nothing says the tree is one.
+  commit=unknown dirty=true
+fi
 started_on="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 provenance() {
   python3 - "$1" "$2" <<'PY'
