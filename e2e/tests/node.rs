@@ -3554,6 +3554,32 @@ fn docs_verify_commands() -> String {
     commands
 }
 
+/// The in-toto statement of `subject`'s attestation of cosign type `kind`
+/// (`predicate_type`), verified with the key `public`; its subject is the
+/// image `subject` names by digest.
+fn attestation(
+    cosign: &Path,
+    public: &Path,
+    subject: &str,
+    kind: &str,
+    predicate_type: &str,
+) -> serde_json::Value {
+    let verified = cosign_verify(
+        cosign,
+        &["verify-attestation", "--type", kind],
+        public,
+        subject,
+    );
+    let statement = in_toto_statement(&verified, predicate_type);
+    let digest = subject.rsplit_once("@sha256:").map(|(_, digest)| digest);
+    assert_eq!(
+        statement["subject"][0]["digest"]["sha256"].as_str(),
+        digest,
+        "{statement}"
+    );
+    statement
+}
+
 /// The in-toto statement of `predicate_type` among the DSSE envelopes
 /// `cosign verify-attestation` printed (one a line).
 fn in_toto_statement(verified: &str, predicate_type: &str) -> serde_json::Value {
@@ -3737,17 +3763,12 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
             .trim()
             .to_string();
             let subject = format!("{reg}/{image}@{platform_digest}");
-            let verified = cosign_verify(
+            let statement = attestation(
                 &cosign,
-                &["verify-attestation", "--type", "cyclonedx"],
                 &public,
                 &subject,
-            );
-            let statement = in_toto_statement(&verified, "https://cyclonedx.org/bom");
-            assert_eq!(
-                statement["subject"][0]["digest"]["sha256"].as_str(),
-                platform_digest.strip_prefix("sha256:"),
-                "{statement}"
+                "cyclonedx",
+                "https://cyclonedx.org/bom",
             );
             let bom = &statement["predicate"];
             assert_eq!(bom["bomFormat"], "CycloneDX", "{subject}");
@@ -3795,17 +3816,12 @@ async fn a_release_pushed_to_a_registry_verifies_and_installs_from_it_on_the_nod
 
             // Its build provenance: attested with the release key, naming
             // the commit this repository is at and who built it.
-            let verified = cosign_verify(
+            let statement = attestation(
                 &cosign,
-                &["verify-attestation", "--type", "slsaprovenance1"],
                 &public,
                 &subject,
-            );
-            let statement = in_toto_statement(&verified, "https://slsa.dev/provenance/v1");
-            assert_eq!(
-                statement["subject"][0]["digest"]["sha256"].as_str(),
-                platform_digest.strip_prefix("sha256:"),
-                "{statement}"
+                "slsaprovenance1",
+                "https://slsa.dev/provenance/v1",
             );
             let build = &statement["predicate"]["buildDefinition"];
             assert_eq!(

@@ -1085,6 +1085,16 @@ async fn floors_with_agents(
     phases
 }
 
+/// A control plane of its own in `dir` (emptied first), with the CRDs.
+async fn fresh_control_plane(dir: &Path) -> (OwnedControlPlane, Client) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).expect("bench dir");
+    let control_plane = OwnedControlPlane::start(dir).expect("control plane");
+    let client = control_plane.control_plane.client().await.expect("client");
+    install_crds(client.clone()).await.expect("CRDs");
+    (control_plane, client)
+}
+
 async fn measure(
     nodes: usize,
     pool_count: usize,
@@ -1093,11 +1103,7 @@ async fn measure(
     root: &Path,
 ) -> Row {
     let dir = root.join(format!("{nodes}-{pool_count}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("bench dir");
-    let control_plane = OwnedControlPlane::start(&dir).expect("control plane");
-    let client = control_plane.control_plane.client().await.expect("client");
-    install_crds(client.clone()).await.expect("CRDs");
+    let (control_plane, client) = fresh_control_plane(&dir).await;
     let started = Instant::now();
     create_nodes(&client, nodes, pool_count).await;
     eprintln!("{nodes} Nodes created in {:.1?}", started.elapsed());
@@ -1487,12 +1493,7 @@ fn main() -> ExitCode {
 /// same status change as a JSON merge patch, and as an apply without force;
 /// then the spec changed once more, on objects that now carry a status.
 async fn write_costs(nodes: usize, root: &Path) {
-    let dir = root.join(format!("costs-{nodes}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("bench dir");
-    let control_plane = OwnedControlPlane::start(&dir).expect("control plane");
-    let client = control_plane.control_plane.client().await.expect("client");
-    install_crds(client.clone()).await.expect("CRDs");
+    let (control_plane, client) = fresh_control_plane(&root.join(format!("costs-{nodes}"))).await;
     let up = control_plane.pid().expect("the control plane runs");
     let api: Api<HugePageNode> = Api::all(client.clone());
     let names: Vec<String> = (0..nodes).map(|i| format!("floor-{i:05}")).collect();
